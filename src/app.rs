@@ -1,0 +1,643 @@
+//! The imperative shell: parse, validate, choose implementations once, run, report, exit.
+
+use std::fs;
+use std::io::Read;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::anyhow;
+use clap::Parser;
+use serde_json::{Value, json};
+
+use crate::cli::{Cli, Command, ForgejoArgs, OutputFormat, RunArgs, StatusArgs, SweepArgs};
+use crate::cycle::{self, Clock, CycleConfig, End, Sleep, World};
+use crate::dry::{DryClock, DryForgejo, DryLauncher, DryTofu, Fixture, FixtureForgejo, Plan};
+use crate::forgejo::{Forgejo, HttpForgejo, Scope, validate_url};
+use crate::launch::CommandLauncher;
+use crate::model::label_names;
+use crate::planner::Policy;
+use crate::report::Report;
+use crate::secret::Secret;
+use crate::signals::StopFlag;
+use crate::state::{FileStore, MemoryStore, read_state_file, write_atomic};
+use crate::sweep;
+use crate::time::Timestamp;
+use crate::tofu::CliTofu;
+
+pub const EXIT_OK: u8 = 0;
+pub const EXIT_FAILED: u8 = 1;
+pub const EXIT_USAGE: u8 = 2;
+pub const EXIT_LOCKED: u8 = 75;
+pub const LAST_RUN_FILE: &str = "last-run.json";
+pub const LOCK_FILE: &str = "cycle.lock";
+
+/// A reason to stop before doing anything, with its exit status.
+struct Fatal(u8, String);
+
+fn usage(msg: impl Into<String>) -> Fatal {
+    Fatal(EXIT_USAGE, msg.into())
+}
+
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let (verbose, dry_run) = match &cli.command {
+        Command::Run(a) => (a.common.verbose, a.common.dry_run),
+        Command::Sweep(a) => (a.common.verbose, a.common.dry_run),
+        Command::Status(a) => (a.verbose, false),
+    };
+    init_logging(verbose, dry_run);
+    let result = match cli.command {
+        Command::Run(a) => cmd_run(a),
+        Command::Sweep(a) => cmd_sweep(a),
+        Command::Status(a) => cmd_status(a),
+    };
+    match result {
+        Ok(code) => ExitCode::from(code),
+        Err(Fatal(code, msg)) => {
+            eprintln!("error: {msg}");
+            ExitCode::from(code)
+        }
+    }
+}
+
+/// Info by default; debug with `-v`; warnings only for dry-runs, whose product is the plan on
+/// stdout (their "deleted" would be a lie).
+fn init_logging(verbose: bool, dry_run: bool) {
+    let mut b = env_logger::Builder::new();
+    b.filter_level(log::LevelFilter::Warn);
+    let ours = match (verbose, dry_run) {
+        (true, _) => log::LevelFilter::Debug,
+        (false, true) => log::LevelFilter::Warn,
+        (false, false) => log::LevelFilter::Info,
+    };
+    b.filter_module("ci_ephemeral_provisioner", ours);
+    if let Ok(spec) = std::env::var("RUST_LOG") {
+        b.parse_filters(&spec);
+    }
+    // The HTTP stack never logs below info, whatever RUST_LOG says: its debug output is where
+    // request and response details would appear.
+    for module in ["ureq", "ureq_proto", "rustls"] {
+        b.filter_module(module, log::LevelFilter::Info);
+    }
+    b.target(env_logger::Target::Stderr);
+    let _ = b.try_init();
+}
+
+fn state_dir(arg: &Option<PathBuf>) -> PathBuf {
+    if let Some(d) = arg {
+        return d.clone();
+    }
+    if let Some(d) = std::env::var_os("STATE_DIRECTORY") {
+        // systemd may pass several directories separated by ':'; the first is ours.
+        if let Some(first) = d.to_string_lossy().split(':').next()
+            && !first.is_empty()
+        {
+            return PathBuf::from(first);
+        }
+    }
+    PathBuf::from("/var/lib/ci-ephemeral-provisioner")
+}
+
+fn read_token(arg: &Option<PathBuf>) -> Result<Secret, Fatal> {
+    let path = match arg {
+        Some(p) => p.clone(),
+        None => match std::env::var_os("CREDENTIALS_DIRECTORY") {
+            Some(d) => Path::new(&d).join("forgejo-token"),
+            None => {
+                return Err(usage(
+                    "no Forgejo token: pass --token-file PATH (or run under systemd with LoadCredential=forgejo-token:…)",
+                ));
+            }
+        },
+    };
+    let meta = fs::metadata(&path)
+        .map_err(|e| usage(format!("cannot read token file {}: {e}", path.display())))?;
+    let mode = meta.permissions().mode();
+    if mode & 0o077 != 0 {
+        return Err(usage(format!(
+            "token file {} is readable by group or others (mode {:04o}); run `chmod 600 {}`",
+            path.display(),
+            mode & 0o7777,
+            path.display()
+        )));
+    }
+    let mut text = String::new();
+    fs::File::open(&path)
+        .and_then(|f| f.take(64 * 1024).read_to_string(&mut text))
+        .map_err(|e| usage(format!("cannot read token file {}: {e}", path.display())))?;
+    let token = text.trim();
+    if token.is_empty() {
+        return Err(usage(format!("token file {} is empty", path.display())));
+    }
+    if token.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        return Err(usage(format!(
+            "token file {} must hold only the token (one line, no spaces)",
+            path.display()
+        )));
+    }
+    Ok(Secret::new(token.to_string()))
+}
+
+fn check_prefix(prefix: &str) -> Result<(), Fatal> {
+    if prefix.is_empty() {
+        return Err(usage(
+            "--runner-prefix must not be empty: it is the only mark of the registrations this tool may delete",
+        ));
+    }
+    Ok(())
+}
+
+fn forgejo_target(common: &ForgejoArgs) -> Result<(String, Scope), Fatal> {
+    let url = common.forgejo_url.as_deref().ok_or_else(|| {
+        usage("--forgejo-url is required (or CI_EPHEMERAL_PROVISIONER_FORGEJO_URL)")
+    })?;
+    let url = validate_url(url).map_err(|e| usage(format!("--forgejo-url: {e}")))?;
+    let scope = Scope::parse(&common.scope).map_err(|e| usage(format!("--scope: {e}")))?;
+    Ok((url, scope))
+}
+
+/// Holds `cycle.lock` for as long as it lives.
+struct Lock {
+    _file: fs::File,
+}
+
+fn take_lock(dir: &Path) -> Result<Lock, Fatal> {
+    fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .map_err(|e| {
+            Fatal(
+                EXIT_FAILED,
+                format!("cannot create state directory {}: {e}", dir.display()),
+            )
+        })?;
+    let path = dir.join(LOCK_FILE);
+    let file = fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .mode(0o600)
+        .open(&path)
+        .map_err(|e| {
+            Fatal(
+                EXIT_FAILED,
+                format!("cannot open lock file {}: {e}", path.display()),
+            )
+        })?;
+    match file.try_lock() {
+        Ok(()) => Ok(Lock { _file: file }),
+        Err(fs::TryLockError::WouldBlock) => Err(Fatal(
+            EXIT_LOCKED,
+            format!("another run holds {}; nothing was done", path.display()),
+        )),
+        Err(fs::TryLockError::Error(e)) => Err(Fatal(
+            EXIT_FAILED,
+            format!("cannot lock {}: {e}", path.display()),
+        )),
+    }
+}
+
+struct RealClock {
+    stop: StopFlag,
+}
+
+impl Clock for RealClock {
+    fn now(&self) -> Timestamp {
+        Timestamp::now()
+    }
+
+    fn sleep(&mut self, d: Duration) -> Sleep {
+        let end = std::time::Instant::now() + d;
+        loop {
+            if self.stop.is_raised() {
+                return Sleep::Interrupted;
+            }
+            let left = end.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return Sleep::Slept;
+            }
+            std::thread::sleep(left.min(Duration::from_millis(100)));
+        }
+    }
+
+    fn new_cycle_id(&mut self, now: Timestamp) -> String {
+        let mut buf = [0u8; 2];
+        let random = fs::File::open("/dev/urandom")
+            .and_then(|mut f| f.read_exact(&mut buf))
+            .map(|()| u16::from_be_bytes(buf))
+            .unwrap_or_else(|_| (std::process::id() as u16) ^ (now.0 as u16));
+        format!("{}-{random:04x}", now.compact())
+    }
+}
+
+fn policy(a: &RunArgs, labels: &str) -> Policy {
+    Policy {
+        runner_prefix: a.common.runner_prefix.clone(),
+        label_names: label_names(labels),
+        max_jobs_per_vm: a.max_jobs_per_vm,
+        idle_timeout: a.idle_timeout,
+        registration_grace: a.registration_grace,
+        max_cycle_duration: a.max_cycle_duration,
+        hard_deadline: a.hard_deadline,
+    }
+}
+
+fn cmd_run(a: RunArgs) -> Result<u8, Fatal> {
+    check_prefix(&a.common.runner_prefix)?;
+    let labels = a.labels.clone().unwrap_or_default();
+    if label_names(&labels).is_empty() {
+        return Err(usage(
+            "--labels is required: the runner labels this pool serves, e.g. --labels debian:host",
+        ));
+    }
+    if a.max_jobs_per_vm == 0 {
+        return Err(usage("--max-jobs-per-vm must be at least 1"));
+    }
+    if a.poll_interval.is_zero() {
+        return Err(usage("--poll-interval must be longer than 0"));
+    }
+    let policy = policy(&a, &labels);
+
+    if a.common.dry_run {
+        return dry_run(&a, policy, labels);
+    }
+
+    let (url, scope) = forgejo_target(&a.common)?;
+    let token = read_token(&a.common.token_file)?;
+    let dir = state_dir(&a.common.state_dir);
+    let _lock = take_lock(&dir)?;
+    let stop = StopFlag::install().map_err(|e| Fatal(EXIT_FAILED, format!("{e:#}")))?;
+
+    let mut forgejo = HttpForgejo::new(
+        &url,
+        scope,
+        &token,
+        &policy.label_names,
+        a.common.http_timeout,
+    );
+    drop(token);
+    let mut tofu = CliTofu {
+        bin: a.tofu_bin.clone(),
+        dir: a.tofu_dir.clone(),
+        stop: stop.clone(),
+    };
+    let mut launcher = CommandLauncher {
+        command: a.launch_command.clone(),
+        timeout: a.launch_timeout,
+        stop: stop.clone(),
+    };
+    let mut store = FileStore::new(&dir);
+    let mut clock = RealClock { stop };
+    let cfg = CycleConfig {
+        policy,
+        poll_interval: a.poll_interval,
+        labels,
+        forgejo_url: url,
+        sweep_max_deletions: a.common.sweep_max_deletions,
+    };
+    let mut report = Report::new("run", false, Timestamp::now());
+    let mut world = World {
+        forgejo: &mut forgejo,
+        tofu: &mut tofu,
+        launcher: &mut launcher,
+        store: &mut store,
+        clock: &mut clock,
+    };
+    let end = cycle::run(&mut world, &cfg, &mut report);
+    finish(report, end, Some(&dir), a.common.output)
+}
+
+/// Sets the exit status, keeps the report as last-run.json, prints it.
+fn finish(
+    mut report: Report,
+    end: End,
+    dir: Option<&Path>,
+    output: OutputFormat,
+) -> Result<u8, Fatal> {
+    if let End::Config(msg) = end {
+        return Err(usage(msg));
+    }
+    report.finished_at = Some(Timestamp::now());
+    report.exit_code = if report.failures.is_empty() { 0 } else { 1 };
+    if report.exit_code != 0 && (report.outcome.is_empty() || report.outcome == "cycle_finished") {
+        report.outcome = format!(
+            "{}_with_errors",
+            if report.outcome.is_empty() {
+                "run"
+            } else {
+                &report.outcome
+            }
+        );
+    }
+    if let Some(dir) = dir {
+        let path = dir.join(LAST_RUN_FILE);
+        let written = serde_json::to_vec_pretty(&report)
+            .map_err(|e| anyhow!("cannot encode the report: {e}"))
+            .and_then(|mut b| {
+                b.push(b'\n');
+                write_atomic(&path, &b)
+            });
+        if let Err(e) = written {
+            report.fail(format!("cannot write {}: {e:#}", path.display()));
+            report.exit_code = 1;
+        }
+    }
+    match output {
+        OutputFormat::Json => println!(
+            "{}",
+            serde_json::to_string_pretty(&report)
+                .unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"))
+        ),
+        OutputFormat::Text => println!("{}", report.text()),
+    }
+    Ok(report.exit_code as u8)
+}
+
+fn dry_run(a: &RunArgs, policy: Policy, labels: String) -> Result<u8, Fatal> {
+    let plan: Plan = Plan::default();
+    let mut tofu = DryTofu { plan: plan.clone() };
+    let mut launcher = DryLauncher { plan: plan.clone() };
+    let (inner, cycle, now, url): (Box<dyn Forgejo>, _, _, String) = match &a.common.fixture {
+        Some(path) => {
+            let fx = Fixture::load(path).map_err(|e| Fatal(EXIT_FAILED, format!("{e:#}")))?;
+            let inner = FixtureForgejo {
+                runners: fx.runners,
+                jobs: fx.jobs,
+                label_names: policy.label_names.clone(),
+            };
+            (
+                Box::new(inner),
+                fx.cycle,
+                fx.now.unwrap_or_else(Timestamp::now),
+                "https://forgejo.invalid".into(),
+            )
+        }
+        None => {
+            let (url, scope) = forgejo_target(&a.common)?;
+            let token = read_token(&a.common.token_file)?;
+            let dir = state_dir(&a.common.state_dir);
+            let cycle = read_state_file(&dir.join(crate::state::STATE_FILE))
+                .map_err(|e| Fatal(EXIT_FAILED, format!("{e:#}")))?;
+            let inner = HttpForgejo::new(
+                &url,
+                scope,
+                &token,
+                &policy.label_names,
+                a.common.http_timeout,
+            );
+            (Box::new(inner), cycle, Timestamp::now(), url)
+        }
+    };
+    let mut forgejo = DryForgejo::new(BoxedForgejo(inner), plan.clone());
+    let mut store = MemoryStore { state: cycle };
+    let mut clock = DryClock { now };
+    let cfg = CycleConfig {
+        policy,
+        poll_interval: a.poll_interval,
+        labels,
+        forgejo_url: url,
+        sweep_max_deletions: a.common.sweep_max_deletions,
+    };
+    let mut report = Report::new("run", true, now);
+    let mut world = World {
+        forgejo: &mut forgejo,
+        tofu: &mut tofu,
+        launcher: &mut launcher,
+        store: &mut store,
+        clock: &mut clock,
+    };
+    let end = cycle::run(&mut world, &cfg, &mut report);
+    if let End::Config(msg) = end {
+        return Err(usage(msg));
+    }
+    let actions: Vec<Value> = plan.borrow().clone();
+    print_plan(&actions, &report, a.common.output);
+    Ok(if report.failures.is_empty() {
+        EXIT_OK
+    } else {
+        EXIT_FAILED
+    })
+}
+
+fn print_plan(actions: &[Value], report: &Report, output: OutputFormat) {
+    match output {
+        OutputFormat::Json => {
+            let doc = json!({
+                "actions": actions,
+                "cycle_id": report.cycle_id,
+                "outcome": report.outcome,
+                "failures": report.failures,
+            });
+            println!("{}", serde_json::to_string_pretty(&doc).unwrap_or_default());
+        }
+        OutputFormat::Text => {
+            if actions.is_empty() {
+                println!("plan: nothing to do ({})", report.outcome);
+            } else {
+                println!("plan ({} action(s)):", actions.len());
+                for a in actions {
+                    let mut line = a["action"].as_str().unwrap_or("?").to_string();
+                    if let Some(obj) = a.as_object() {
+                        for (k, v) in obj.iter().filter(|(k, _)| *k != "action") {
+                            line.push_str(&format!(
+                                " {k}={}",
+                                v.as_str()
+                                    .map(str::to_string)
+                                    .unwrap_or_else(|| v.to_string())
+                            ));
+                        }
+                    }
+                    println!("  {line}");
+                }
+                println!("then: {}", report.outcome);
+            }
+            for f in &report.failures {
+                println!("error: {f}");
+            }
+        }
+    }
+}
+
+/// Lets a boxed implementation sit inside the generic dry-run overlay.
+struct BoxedForgejo(Box<dyn Forgejo>);
+
+impl Forgejo for BoxedForgejo {
+    fn list_jobs(&mut self) -> Result<Vec<crate::model::Job>, crate::forgejo::ApiError> {
+        self.0.list_jobs()
+    }
+    fn get_runner(
+        &mut self,
+        id: i64,
+    ) -> Result<Option<crate::model::Runner>, crate::forgejo::ApiError> {
+        self.0.get_runner(id)
+    }
+    fn delete_runner(
+        &mut self,
+        id: i64,
+        reason: &str,
+    ) -> Result<crate::forgejo::Deleted, crate::forgejo::ApiError> {
+        self.0.delete_runner(id, reason)
+    }
+    fn register_runner(
+        &mut self,
+        name: &str,
+    ) -> Result<crate::forgejo::NewRunner, crate::forgejo::ApiError> {
+        self.0.register_runner(name)
+    }
+    fn list_runners_page(
+        &mut self,
+        page: u32,
+        limit: u32,
+    ) -> Result<crate::forgejo::RunnerPage, crate::forgejo::ApiError> {
+        self.0.list_runners_page(page, limit)
+    }
+}
+
+fn cmd_sweep(a: SweepArgs) -> Result<u8, Fatal> {
+    let c = &a.common;
+    check_prefix(&c.runner_prefix)?;
+    if c.dry_run {
+        let plan: Plan = Plan::default();
+        let inner: Box<dyn Forgejo> = match &c.fixture {
+            Some(path) => {
+                let fx = Fixture::load(path).map_err(|e| Fatal(EXIT_FAILED, format!("{e:#}")))?;
+                if fx.cycle.is_some() {
+                    return Err(Fatal(EXIT_FAILED, "the fixture has a cycle in progress: a sweep is refused while a VM may exist".into()));
+                }
+                Box::new(FixtureForgejo {
+                    runners: fx.runners,
+                    jobs: fx.jobs,
+                    label_names: vec![],
+                })
+            }
+            None => {
+                let (url, scope) = forgejo_target(c)?;
+                let token = read_token(&c.token_file)?;
+                refuse_if_cycle(&state_dir(&c.state_dir))?;
+                Box::new(HttpForgejo::new(&url, scope, &token, &[], c.http_timeout))
+            }
+        };
+        let mut f = DryForgejo::new(BoxedForgejo(inner), plan.clone());
+        let mut report = Report::new("sweep", true, Timestamp::now());
+        let sw = sweep::sweep(&mut f, &c.runner_prefix, c.sweep_max_deletions);
+        for failure in sweep::sweep_failures(&sw) {
+            report.fail(failure);
+        }
+        report.outcome = "would_sweep".into();
+        report.sweep = Some(sw);
+        let actions: Vec<Value> = plan.borrow().clone();
+        print_plan(&actions, &report, c.output);
+        return Ok(if report.failures.is_empty() {
+            EXIT_OK
+        } else {
+            EXIT_FAILED
+        });
+    }
+    let (url, scope) = forgejo_target(c)?;
+    let token = read_token(&c.token_file)?;
+    let dir = state_dir(&c.state_dir);
+    let _lock = take_lock(&dir)?;
+    refuse_if_cycle(&dir)?;
+    let mut forgejo = HttpForgejo::new(&url, scope, &token, &[], c.http_timeout);
+    drop(token);
+    let mut report = Report::new("sweep", false, Timestamp::now());
+    let sw = sweep::sweep(&mut forgejo, &c.runner_prefix, c.sweep_max_deletions);
+    for failure in sweep::sweep_failures(&sw) {
+        report.fail(failure);
+    }
+    report.outcome = "swept".into();
+    report.sweep = Some(sw);
+    finish(report, End::Done, Some(&dir), c.output)
+}
+
+fn refuse_if_cycle(dir: &Path) -> Result<(), Fatal> {
+    let path = dir.join(crate::state::STATE_FILE);
+    match read_state_file(&path) {
+        Ok(None) => Ok(()),
+        Ok(Some(s)) => Err(Fatal(
+            EXIT_FAILED,
+            format!(
+                "cycle {} is in progress ({}): a VM may still exist, so the sweep is refused; `run` sweeps after its destroy",
+                s.cycle_id,
+                path.display()
+            ),
+        )),
+        Err(e) => Err(Fatal(EXIT_FAILED, format!("{e:#}; the sweep is refused"))),
+    }
+}
+
+fn cmd_status(a: StatusArgs) -> Result<u8, Fatal> {
+    let dir = state_dir(&a.state_dir);
+    let cycle_path = dir.join(crate::state::STATE_FILE);
+    let (cycle, cycle_error) = match read_state_file(&cycle_path) {
+        Ok(c) => (c, None),
+        Err(e) => (None, Some(format!("{e:#}"))),
+    };
+    let last_path = dir.join(LAST_RUN_FILE);
+    let last_run: Option<Value> = fs::read_to_string(&last_path)
+        .ok()
+        .and_then(|t| serde_json::from_str(&t).ok());
+    let now = Timestamp::now();
+    match a.output {
+        OutputFormat::Json => {
+            let doc = json!({
+                "state_dir": dir.display().to_string(),
+                "cycle_id": cycle.as_ref().map(|c| c.cycle_id.clone()),
+                "cycle": cycle,
+                "cycle_error": cycle_error,
+                "last_run": last_run,
+            });
+            println!("{}", serde_json::to_string_pretty(&doc).unwrap_or_default());
+        }
+        OutputFormat::Text => {
+            println!("state directory: {}", dir.display());
+            match (&cycle, &cycle_error) {
+                (_, Some(e)) => println!("cycle: UNREADABLE: {e}"),
+                (None, None) => println!("cycle: none (at rest: no VM, no registration)"),
+                (Some(c), None) => {
+                    println!(
+                        "cycle: {} phase {:?}, started {} ({} ago), {} job(s) started",
+                        c.cycle_id,
+                        c.phase,
+                        c.started_at,
+                        crate::time::format_duration(Duration::from_secs(
+                            now.since(c.started_at).as_secs()
+                        )),
+                        c.jobs_started
+                    );
+                    for r in &c.registrations {
+                        println!(
+                            "  registration {} id {} job {} launch {:?}",
+                            r.name,
+                            r.id.map(|i| i.to_string())
+                                .unwrap_or_else(|| "unknown (POST unanswered)".into()),
+                            r.job_id,
+                            r.launch
+                        );
+                    }
+                    if let Some(reason) = &c.teardown_reason {
+                        println!("  teardown: {reason}");
+                    }
+                    if let Some(e) = &c.last_error {
+                        println!("  last error: {e}");
+                    }
+                }
+            }
+            match &last_run {
+                None => println!("last run: none recorded"),
+                Some(r) => println!(
+                    "last run: {} {} at {}: {} (exit {})",
+                    r["command"].as_str().unwrap_or("?"),
+                    r["cycle_id"].as_str().unwrap_or("(no cycle)"),
+                    r["finished_at"].as_str().unwrap_or("?"),
+                    r["outcome"].as_str().unwrap_or("?"),
+                    r["exit_code"]
+                ),
+            }
+        }
+    }
+    Ok(EXIT_OK)
+}

@@ -1,0 +1,221 @@
+//! The command line. Every flag also reads `CI_EPHEMERAL_PROVISIONER_<FLAG>`; the command line wins.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+use crate::time::parse_duration;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "ci-ephemeral-provisioner",
+    version,
+    about = "Runs VM-isolated, ephemeral Forgejo Actions runners: one provisioner cycle per start.",
+    long_about = "Runs VM-isolated, ephemeral Forgejo Actions runners: one provisioner cycle per start.\n\n\
+A systemd timer starts `run`. With no cycle in progress and no waiting job it asks Forgejo once and \
+exits 0. Otherwise it creates a VM with OpenTofu, registers one ephemeral runner per waiting job and \
+starts it on the VM through the launch command, deletes registrations that never consumed themselves, \
+runs `tofu destroy` at the end and, only after that destroy succeeded, sweeps the offline \
+registrations whose name starts with the runner prefix. At rest there is no VM, no registration and \
+no cycle.json.\n\n\
+Every flag can also be set through CI_EPHEMERAL_PROVISIONER_<FLAG> (upper case, - as _), e.g. \
+CI_EPHEMERAL_PROVISIONER_FORGEJO_URL. A flag on the command line wins.\n\n\
+Exit status: 0 success or nothing to do; 1 a step of this run failed; 2 usage or configuration error; \
+75 another run holds the lock.",
+    after_help = "Try `ci-ephemeral-provisioner run --dry-run --fixture fixtures/fresh-cycle.json --labels debian:host`."
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run one provisioner cycle (the timer's job).
+    Run(RunArgs),
+    /// Delete offline registrations with the runner prefix; refused while a cycle is in progress.
+    Sweep(SweepArgs),
+    /// Show the cycle in progress and the last run's outcome. Read-only: takes no lock.
+    Status(StatusArgs),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum OutputFormat {
+    Text,
+    Json,
+}
+
+#[derive(Debug, Args)]
+pub struct ForgejoArgs {
+    /// Base URL of Forgejo (≥ 15), e.g. https://forgejo.example.org. Plain http only to loopback.
+    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_FORGEJO_URL", value_name = "URL")]
+    pub forgejo_url: Option<String>,
+
+    /// File holding the Forgejo API token (mode 0600 or stricter) [default:
+    /// $CREDENTIALS_DIRECTORY/forgejo-token when that variable is set].
+    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_TOKEN_FILE", value_name = "PATH")]
+    pub token_file: Option<PathBuf>,
+
+    /// Where runners are registered: admin, user, org/NAME or repo/OWNER/NAME.
+    #[arg(
+        long,
+        env = "CI_EPHEMERAL_PROVISIONER_SCOPE",
+        default_value = "admin",
+        value_name = "SCOPE"
+    )]
+    pub scope: String,
+
+    /// Timeout of each Forgejo request, from connecting to the end of the body.
+    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_HTTP_TIMEOUT", default_value = "30s", value_parser = parse_duration, value_name = "DURATION")]
+    pub http_timeout: Duration,
+
+    /// Name prefix of our registrations (`<prefix><cycle id>-<n>`). Only registrations with this
+    /// prefix are ever deleted. Must not be empty.
+    #[arg(
+        long,
+        env = "CI_EPHEMERAL_PROVISIONER_RUNNER_PREFIX",
+        default_value = "ephemeral-",
+        value_name = "PREFIX"
+    )]
+    pub runner_prefix: String,
+
+    /// Directory of cycle.json, cycle.lock and last-run.json [default: $STATE_DIRECTORY, else
+    /// /var/lib/ci-ephemeral-provisioner].
+    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_STATE_DIR", value_name = "DIR")]
+    pub state_dir: Option<PathBuf>,
+
+    /// At most this many registrations deleted by one sweep (the rest is reported and left for the next).
+    #[arg(
+        long,
+        env = "CI_EPHEMERAL_PROVISIONER_SWEEP_MAX_DELETIONS",
+        default_value_t = 50,
+        value_name = "N"
+    )]
+    pub sweep_max_deletions: usize,
+
+    /// Never POST, DELETE, run tofu, lock or write: only GET requests; print the plan and exit 0.
+    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_DRY_RUN")]
+    pub dry_run: bool,
+
+    /// With --dry-run: take the world from this JSON file instead of Forgejo (no network, no token,
+    /// no state dir). Format: {"cycle": <cycle.json or null>, "runners": [...], "jobs": [...] or
+    /// null, "now": "<RFC 3339>"}.
+    #[arg(
+        long,
+        env = "CI_EPHEMERAL_PROVISIONER_FIXTURE",
+        value_name = "FILE",
+        requires = "dry_run"
+    )]
+    pub fixture: Option<PathBuf>,
+
+    /// text (a short summary) or json (one JSON document on stdout).
+    #[arg(
+        long,
+        env = "CI_EPHEMERAL_PROVISIONER_OUTPUT",
+        value_enum,
+        default_value = "text",
+        value_name = "FORMAT"
+    )]
+    pub output: OutputFormat,
+
+    /// Debug logging on stderr (RUST_LOG overrides).
+    #[arg(short, long, env = "CI_EPHEMERAL_PROVISIONER_VERBOSE")]
+    pub verbose: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub common: ForgejoArgs,
+
+    /// Runner labels, comma-separated, e.g. debian:host,docker. Jobs match when their runs_on ⊆
+    /// the label names (the part before `:`).
+    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_LABELS", value_name = "LIST")]
+    pub labels: Option<String>,
+
+    /// The OpenTofu binary (terraform is CLI-compatible).
+    #[arg(
+        long,
+        env = "CI_EPHEMERAL_PROVISIONER_TOFU_BIN",
+        default_value = "tofu",
+        value_name = "PATH"
+    )]
+    pub tofu_bin: PathBuf,
+
+    /// Directory of the VM module (needed once a cycle must start). It gets the variable
+    /// `cycle_id` (TF_VAR_cycle_id).
+    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_TOFU_DIR", value_name = "DIR")]
+    pub tofu_dir: Option<PathBuf>,
+
+    /// Program that starts one runner on the VM: no arguments, RUNNER_* / JOB_HANDLE /
+    /// FORGEJO_URL / TOFU_OUTPUT_* in its environment, the runner token as one line on stdin.
+    #[arg(
+        long,
+        env = "CI_EPHEMERAL_PROVISIONER_LAUNCH_COMMAND",
+        value_name = "PATH"
+    )]
+    pub launch_command: Option<PathBuf>,
+
+    /// The launch command is killed after this long and counts as failed.
+    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_LAUNCH_TIMEOUT", default_value = "2m", value_parser = parse_duration, value_name = "DURATION")]
+    pub launch_timeout: Duration,
+
+    /// Runners started on one VM before it is torn down.
+    #[arg(
+        long,
+        env = "CI_EPHEMERAL_PROVISIONER_MAX_JOBS_PER_VM",
+        default_value_t = 10,
+        value_name = "N"
+    )]
+    pub max_jobs_per_vm: u32,
+
+    /// Tear down when no job has waited for this long while the VM was free.
+    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_IDLE_TIMEOUT", default_value = "5m", value_parser = parse_duration, value_name = "DURATION")]
+    pub idle_timeout: Duration,
+
+    /// How long a launched registration may stay offline (starting) before it counts as
+    /// unconsumed and is deleted; also how long an idle runner may outlive its job.
+    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_REGISTRATION_GRACE", default_value = "3m", value_parser = parse_duration, value_name = "DURATION")]
+    pub registration_grace: Duration,
+
+    /// How often Forgejo is asked while a cycle runs.
+    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_POLL_INTERVAL", default_value = "5s", value_parser = parse_duration, value_name = "DURATION")]
+    pub poll_interval: Duration,
+
+    /// No new registration after this; the VM is torn down once free.
+    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_MAX_CYCLE_DURATION", default_value = "6h", value_parser = parse_duration, value_name = "DURATION")]
+    pub max_cycle_duration: Duration,
+
+    /// Past this the VM is torn down even with a runner up (an error, exit 1).
+    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_HARD_DEADLINE", default_value = "24h", value_parser = parse_duration, value_name = "DURATION")]
+    pub hard_deadline: Duration,
+}
+
+#[derive(Debug, Args)]
+pub struct SweepArgs {
+    #[command(flatten)]
+    pub common: ForgejoArgs,
+}
+
+#[derive(Debug, Args)]
+pub struct StatusArgs {
+    /// Directory of cycle.json and last-run.json [default: $STATE_DIRECTORY, else
+    /// /var/lib/ci-ephemeral-provisioner].
+    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_STATE_DIR", value_name = "DIR")]
+    pub state_dir: Option<PathBuf>,
+
+    /// text or json.
+    #[arg(
+        long,
+        env = "CI_EPHEMERAL_PROVISIONER_OUTPUT",
+        value_enum,
+        default_value = "text",
+        value_name = "FORMAT"
+    )]
+    pub output: OutputFormat,
+
+    /// Debug logging on stderr (RUST_LOG overrides).
+    #[arg(short, long, env = "CI_EPHEMERAL_PROVISIONER_VERBOSE")]
+    pub verbose: bool,
+}

@@ -1,0 +1,705 @@
+//! The imperative shell around the planner: observe, decide, act, persist; repeat until the
+//! cycle ends, the run fails, or (dry-run) the cycle would wait on the outside world.
+
+use std::time::Duration;
+
+use crate::forgejo::{Deleted, Forgejo};
+use crate::launch::{LaunchRequest, Launcher};
+use crate::model::may_delete;
+use crate::planner::{self, DeleteReason, Observation, Policy, RunContext, Step};
+use crate::report::{Report, Stopwatch};
+use crate::state::{CycleState, Launch, Phase, StateStore};
+use crate::sweep;
+use crate::time::Timestamp;
+use crate::tofu::{Outputs, Tofu};
+
+pub enum Sleep {
+    Slept,
+    /// A stop was requested (SIGTERM/SIGINT).
+    Interrupted,
+    /// Dry-run: the plan ends where the cycle would wait.
+    Stop,
+}
+
+pub trait Clock {
+    fn now(&self) -> Timestamp;
+    fn sleep(&mut self, d: Duration) -> Sleep;
+    /// A fresh cycle id, unique and usable in runner names and tofu variables.
+    fn new_cycle_id(&mut self, now: Timestamp) -> String;
+}
+
+pub struct CycleConfig {
+    pub policy: Policy,
+    pub poll_interval: Duration,
+    /// `--labels` as given (for `RUNNER_LABELS`).
+    pub labels: String,
+    pub forgejo_url: String,
+    pub sweep_max_deletions: usize,
+}
+
+/// The implementations this run uses, chosen once in `main`.
+pub struct World<'a> {
+    pub forgejo: &'a mut dyn Forgejo,
+    pub tofu: &'a mut dyn Tofu,
+    pub launcher: &'a mut dyn Launcher,
+    pub store: &'a mut dyn StateStore,
+    pub clock: &'a mut dyn Clock,
+}
+
+#[derive(Debug, PartialEq, Eq)]
+pub enum End {
+    /// Finished as far as this run goes; the exit status follows from the report's failures.
+    Done,
+    /// A configuration problem (exit 2).
+    Config(String),
+}
+
+/// Consecutive observation rounds with a failed request after which the run gives up (the next
+/// run resumes).
+const MAX_OBSERVATION_FAILURES: u32 = 3;
+/// Steps without a wait in between after which the driver assumes a bug and stops.
+const MAX_STEPS_WITHOUT_WAIT: u32 = 500;
+
+struct Driver<'w, 'a> {
+    w: &'w mut World<'a>,
+    cfg: &'w CycleConfig,
+    report: &'w mut Report,
+    state: Option<CycleState>,
+    ctx: RunContext,
+    outputs: Option<Outputs>,
+}
+
+pub fn run(w: &mut World<'_>, cfg: &CycleConfig, report: &mut Report) -> End {
+    let state = match w.store.load() {
+        Ok(s) => s,
+        Err(e) => {
+            report.fail(format!("{e:#}"));
+            report.outcome = "failed".into();
+            return End::Done;
+        }
+    };
+    report.cycle_id = state.as_ref().map(|s| s.cycle_id.clone());
+    let mut d = Driver {
+        w,
+        cfg,
+        report,
+        state,
+        ctx: RunContext::default(),
+        outputs: None,
+    };
+    if d.state.is_some()
+        && let Err(e) = d.w.tofu.check_config()
+    {
+        return End::Config(format!("a cycle is in progress but {e}"));
+    }
+    d.drive()
+}
+
+impl Driver<'_, '_> {
+    fn save(&mut self) -> Result<(), ()> {
+        let Some(state) = &self.state else {
+            return Ok(());
+        };
+        match self.w.store.save(state) {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                self.report.fail(format!(
+                    "cannot write {}: {e:#}; stopping before any further side effect",
+                    self.w.store.describe()
+                ));
+                self.report.outcome = "failed".into();
+                Err(())
+            }
+        }
+    }
+
+    fn observe(&mut self) -> (Observation, bool) {
+        let mut obs = Observation::default();
+        let mut failed = false;
+        let (want_jobs, ids): (bool, Vec<i64>) = match &self.state {
+            None => (true, vec![]),
+            Some(s) => {
+                let ids = s.registrations.iter().filter_map(|r| r.id).collect();
+                match s.phase {
+                    Phase::Applying => (false, vec![]),
+                    Phase::Running => (true, ids),
+                    Phase::TearingDown | Phase::Destroyed => (false, ids),
+                }
+            }
+        };
+        if want_jobs {
+            match self.w.forgejo.list_jobs() {
+                Ok(jobs) => obs.jobs = Some(jobs),
+                Err(e) => {
+                    failed = true;
+                    self.report
+                        .fail(format!("asking Forgejo for jobs failed: {e}"));
+                }
+            }
+        }
+        for id in ids {
+            match self.w.forgejo.get_runner(id) {
+                Ok(r) => {
+                    obs.runners.insert(id, r);
+                }
+                Err(e) => {
+                    failed = true;
+                    self.report
+                        .fail(format!("checking registration {id} failed: {e}"));
+                }
+            }
+        }
+        (obs, failed)
+    }
+
+    fn drive(&mut self) -> End {
+        let mut observation_failures = 0u32;
+        let mut steps = 0u32;
+        loop {
+            steps += 1;
+            if steps > MAX_STEPS_WITHOUT_WAIT {
+                self.report.fail(format!(
+                    "internal error: {MAX_STEPS_WITHOUT_WAIT} steps without progress; cycle.json is kept"
+                ));
+                self.report.outcome = "failed".into();
+                return End::Done;
+            }
+            let (obs, failed) = self.observe();
+            observation_failures = if failed { observation_failures + 1 } else { 0 };
+            let now = self.w.clock.now();
+            let step = planner::decide(self.state.as_ref(), &obs, &self.ctx, &self.cfg.policy, now);
+            log::debug!("step: {step:?}");
+            if failed
+                && observation_failures >= MAX_OBSERVATION_FAILURES
+                && matches!(step, Step::Wait { .. })
+            {
+                self.report.outcome = "failed".into();
+                self.report.fail(format!(
+                    "Forgejo requests failed {MAX_OBSERVATION_FAILURES} times in a row; cycle.json is kept and the next run resumes"
+                ));
+                return End::Done;
+            }
+            match step {
+                Step::Idle => {
+                    self.report.outcome = "idle".into();
+                    log::info!("no waiting job matches the labels; nothing to do");
+                    return End::Done;
+                }
+                Step::GiveUp { why } => {
+                    self.report.fail(why);
+                    self.report.outcome = "failed".into();
+                    return End::Done;
+                }
+                Step::Wait { why } => {
+                    log::info!("{why}");
+                    match self.w.clock.sleep(self.cfg.poll_interval) {
+                        Sleep::Slept => {
+                            steps = 0;
+                            self.ctx.failed_deletes.clear();
+                            self.ctx.failed_intents.clear();
+                        }
+                        Sleep::Stop => {
+                            self.report.outcome = format!("would_wait: {why}");
+                            return End::Done;
+                        }
+                        Sleep::Interrupted => return self.interrupted("while waiting"),
+                    }
+                }
+                Step::Finish => {
+                    if let Err(e) = self.w.store.remove() {
+                        self.report.fail(format!("{e:#}"));
+                        self.report.outcome = "failed".into();
+                        return End::Done;
+                    }
+                    self.state = None;
+                    self.report.event(
+                        "finish",
+                        true,
+                        "cycle.json removed: no VM, no registration left",
+                    );
+                    self.report.outcome = "cycle_finished".into();
+                    return End::Done;
+                }
+                other => {
+                    if let Some(end) = self.act(other, now) {
+                        return end;
+                    }
+                }
+            }
+        }
+    }
+
+    fn interrupted(&mut self, during: &str) -> End {
+        let _ = self.save();
+        self.report.fail(format!(
+            "stopped by a signal {during}; cycle.json is kept and the next run resumes"
+        ));
+        self.report.outcome = "interrupted".into();
+        End::Done
+    }
+
+    /// Carries out one step. `Some(end)` ends the run.
+    fn act(&mut self, step: Step, now: Timestamp) -> Option<End> {
+        match step {
+            Step::StartCycle => self.start_cycle(now),
+            Step::Apply => self.apply(now),
+            Step::ResolveIntent { name } => self.resolve_intent(&name),
+            Step::Forget { id } => {
+                let name = self.forget(id, now);
+                let e = self.report.event(
+                    "forget_runner",
+                    true,
+                    "Forgejo answered 404: it ran its job and was removed",
+                );
+                e.runner_id = Some(id);
+                e.runner_name = name;
+                e.reason = Some("consumed".into());
+                self.save().err().map(|_| End::Done)
+            }
+            Step::Delete { id, reason } => self.delete(id, reason, now),
+            Step::AdoptLaunch { id } => {
+                if let Some(s) = &mut self.state {
+                    if let Some(r) = s.registration_mut(id) {
+                        r.launch = Launch::Done;
+                        r.launched_at.get_or_insert(now);
+                    }
+                    s.jobs_started += 1;
+                    s.start_failures = 0;
+                }
+                log::warn!(
+                    "runner {id} is up although its launch was not recorded as done; adopting it"
+                );
+                self.save().err().map(|_| End::Done)
+            }
+            Step::MarkJobGone { id } | Step::ClearJobGone { id } => {
+                let gone = matches!(step, Step::MarkJobGone { .. });
+                if let Some(r) = self.state.as_mut().and_then(|s| s.registration_mut(id)) {
+                    r.job_gone_since = if gone { Some(now) } else { None };
+                }
+                if gone {
+                    log::warn!("runner {id} is idle but its job is neither waiting nor running");
+                }
+                self.save().err().map(|_| End::Done)
+            }
+            Step::Register { job_id, job_handle } => self.register(job_id, &job_handle, now),
+            Step::Teardown { reason } => {
+                let text = reason.describe();
+                if reason.is_failure() {
+                    self.report.fail(format!("tearing down: {text}"));
+                } else {
+                    log::info!("tearing down: {text}");
+                }
+                if let Some(s) = &mut self.state {
+                    s.phase = Phase::TearingDown;
+                    s.teardown_reason = Some(text.clone());
+                }
+                self.report.event("teardown", !reason.is_failure(), text);
+                self.save().err().map(|_| End::Done)
+            }
+            Step::Destroy => self.destroy(now),
+            Step::Sweep => {
+                let sw = Stopwatch::start();
+                let report = sweep::sweep(
+                    self.w.forgejo,
+                    &self.cfg.policy.runner_prefix,
+                    self.cfg.sweep_max_deletions,
+                );
+                let failures = sweep::sweep_failures(&report);
+                let ok = failures.is_empty();
+                for f in failures {
+                    self.report.fail(f);
+                }
+                let e = self.report.event(
+                    "sweep",
+                    ok,
+                    format!(
+                        "{} deleted, {} already gone, {} failed, {} left over the cap",
+                        report.deleted.len(),
+                        report.already_gone.len(),
+                        report.failed.len(),
+                        report.left_over_cap
+                    ),
+                );
+                e.duration_ms = sw.ms();
+                self.report.sweep = Some(report);
+                self.ctx.swept = true;
+                None
+            }
+            Step::Idle | Step::Wait { .. } | Step::GiveUp { .. } | Step::Finish => None,
+        }
+    }
+
+    fn start_cycle(&mut self, now: Timestamp) -> Option<End> {
+        if let Err(e) = self.w.tofu.check_config() {
+            return Some(End::Config(format!("a job is waiting but {e}")));
+        }
+        if let Err(e) = self.w.launcher.check_config() {
+            return Some(End::Config(format!("a job is waiting but {e}")));
+        }
+        let id = self.w.clock.new_cycle_id(now);
+        log::info!("starting cycle {id}");
+        self.state = Some(CycleState::new(id.clone(), now));
+        self.report.cycle_id = Some(id.clone());
+        if self.save().is_err() {
+            return Some(End::Done);
+        }
+        self.report
+            .event("start_cycle", true, format!("cycle {id}"));
+        None
+    }
+
+    fn apply(&mut self, now: Timestamp) -> Option<End> {
+        let cycle_id = self.state.as_ref()?.cycle_id.clone();
+        let sw = Stopwatch::start();
+        let result = self
+            .w
+            .tofu
+            .apply(&cycle_id)
+            .and_then(|()| self.w.tofu.outputs(&cycle_id));
+        match result {
+            Ok(outputs) => {
+                let s = self.state.as_mut()?;
+                s.phase = Phase::Running;
+                s.vm_ready_at = Some(now);
+                s.free_since = Some(self.w.clock.now());
+                s.outputs = outputs
+                    .iter()
+                    .filter(|(_, o)| !o.sensitive)
+                    .map(|(k, o)| (k.clone(), o.value.clone()))
+                    .collect();
+                self.outputs = Some(outputs);
+                if self.save().is_err() {
+                    return Some(End::Done);
+                }
+                self.report
+                    .event("tofu_apply", true, "VM ready")
+                    .duration_ms = sw.ms();
+                None
+            }
+            Err(e) if e.interrupted => {
+                self.report
+                    .event("tofu_apply", false, e.message.clone())
+                    .duration_ms = sw.ms();
+                Some(self.interrupted("during tofu apply"))
+            }
+            Err(e) => {
+                self.report
+                    .event("tofu_apply", false, e.message.clone())
+                    .duration_ms = sw.ms();
+                self.report
+                    .fail(format!("tofu apply failed: {}", e.message));
+                let s = self.state.as_mut()?;
+                s.last_error = Some(format!("tofu apply failed: {}", e.message));
+                s.phase = Phase::TearingDown;
+                s.teardown_reason = Some(planner::TeardownReason::ApplyFailed.describe());
+                if self.save().is_err() {
+                    return Some(End::Done);
+                }
+                None
+            }
+        }
+    }
+
+    /// Removes a registration from the state once Forgejo confirmed it gone.
+    fn forget(&mut self, id: i64, now: Timestamp) -> Option<String> {
+        let s = self.state.as_mut()?;
+        let name = s.registration(id).map(|r| r.name.clone());
+        s.registrations.retain(|r| r.id != Some(id));
+        if s.registrations.is_empty() {
+            s.free_since = Some(now);
+        }
+        name
+    }
+
+    fn delete(&mut self, id: i64, reason: DeleteReason, now: Timestamp) -> Option<End> {
+        let name = self
+            .state
+            .as_ref()
+            .and_then(|s| s.registration(id))
+            .map(|r| r.name.clone());
+        let sw = Stopwatch::start();
+        match self.w.forgejo.delete_runner(id, reason.as_str()) {
+            Ok(outcome) => {
+                let detail = match outcome {
+                    Deleted::Now => "deleted",
+                    Deleted::AlreadyGone => "already gone (404)",
+                };
+                log::info!(
+                    "registration {id} ({}) {detail}: {}",
+                    name.as_deref().unwrap_or("?"),
+                    reason.as_str()
+                );
+                self.forget(id, now);
+                let e = self.report.event("delete_runner", true, detail);
+                e.runner_id = Some(id);
+                e.runner_name = name;
+                e.reason = Some(reason.as_str().into());
+                e.duration_ms = sw.ms();
+                self.save().err().map(|_| End::Done)
+            }
+            Err(e) => {
+                self.ctx.failed_deletes.insert(id);
+                self.report.fail(format!(
+                    "deleting registration {id} ({}) failed: {e}",
+                    reason.as_str()
+                ));
+                let ev = self.report.event("delete_runner", false, e.to_string());
+                ev.runner_id = Some(id);
+                ev.runner_name = name;
+                ev.reason = Some(reason.as_str().into());
+                None
+            }
+        }
+    }
+
+    /// A POST whose answer was lost: list everything, delete the registrations with exactly this
+    /// name (they can only be offline: nobody ever got their token), then forget it.
+    fn resolve_intent(&mut self, name: &str) -> Option<End> {
+        let listing = match sweep::list_all(self.w.forgejo) {
+            Ok(l) => l,
+            Err(e) => {
+                self.ctx.failed_intents.insert(name.to_string());
+                self.report.fail(format!(
+                    "looking for registration {name} (its POST got no answer) failed: {e}"
+                ));
+                return None;
+            }
+        };
+        let matches: Vec<_> = listing
+            .rows
+            .iter()
+            .filter(|r| r.name.as_deref() == Some(name))
+            .cloned()
+            .collect();
+        let mut all_gone = true;
+        for r in &matches {
+            if listing.conflicting.contains(&r.id)
+                || !may_delete(r.name.as_deref(), &r.status, &self.cfg.policy.runner_prefix)
+            {
+                all_gone = false;
+                self.report.fail(format!(
+                    "registration {} ({name}) exists with status {}; not deleting it while it is not offline",
+                    r.id,
+                    r.status.as_str()
+                ));
+                continue;
+            }
+            match self
+                .w
+                .forgejo
+                .delete_runner(r.id, DeleteReason::LostRegistration.as_str())
+            {
+                Ok(_) => {
+                    let e = self.report.event(
+                        "delete_runner",
+                        true,
+                        "found by name after a lost POST answer",
+                    );
+                    e.runner_id = Some(r.id);
+                    e.runner_name = Some(name.to_string());
+                    e.reason = Some(DeleteReason::LostRegistration.as_str().into());
+                }
+                Err(e) => {
+                    all_gone = false;
+                    self.report.fail(format!(
+                        "deleting registration {} ({name}) failed: {e}",
+                        r.id
+                    ));
+                }
+            }
+        }
+        if !all_gone {
+            self.ctx.failed_intents.insert(name.to_string());
+            return None;
+        }
+        if matches.is_empty() {
+            log::info!("registration {name} was never created (its POST did not reach Forgejo)");
+        }
+        let s = self.state.as_mut()?;
+        s.registrations.retain(|r| r.name != name || r.id.is_some());
+        if s.registrations.is_empty() {
+            s.free_since = Some(self.w.clock.now());
+        }
+        self.save().err().map(|_| End::Done)
+    }
+
+    fn register(&mut self, job_id: i64, job_handle: &str, now: Timestamp) -> Option<End> {
+        // Intent first: the name is unique, so a lost answer can be found again.
+        let s = self.state.as_mut()?;
+        let name = format!(
+            "{}{}-{}",
+            self.cfg.policy.runner_prefix, s.cycle_id, s.next_seq
+        );
+        s.next_seq += 1;
+        s.registrations.push(crate::state::Registration {
+            name: name.clone(),
+            id: None,
+            uuid: None,
+            job_id,
+            job_handle: job_handle.to_string(),
+            requested_at: now,
+            launch: Launch::Pending,
+            launched_at: None,
+            job_gone_since: None,
+        });
+        if self.save().is_err() {
+            return Some(End::Done);
+        }
+
+        let sw = Stopwatch::start();
+        let new = match self.w.forgejo.register_runner(&name) {
+            Ok(n) => n,
+            Err(e) => {
+                let s = self.state.as_mut()?;
+                s.start_failures += 1;
+                if self.save().is_err() {
+                    return Some(End::Done);
+                }
+                self.report
+                    .fail(format!("registering runner {name} failed: {e}"));
+                let ev = self.report.event("register_runner", false, e.to_string());
+                ev.runner_name = Some(name);
+                return None;
+            }
+        };
+        let s = self.state.as_mut()?;
+        let cycle_id = s.cycle_id.clone();
+        if let Some(r) = s
+            .registrations
+            .iter_mut()
+            .find(|r| r.name == name && r.id.is_none())
+        {
+            r.id = Some(new.id);
+            r.uuid = Some(new.uuid.clone());
+        }
+        if self.save().is_err() {
+            return Some(End::Done);
+        }
+        let ev = self
+            .report
+            .event("register_runner", true, format!("for job {job_id}"));
+        ev.runner_id = Some(new.id);
+        ev.runner_name = Some(name.clone());
+        ev.duration_ms = sw.ms();
+
+        // Launch. The token lives only in `new` and dies with it.
+        if self.outputs.is_none() {
+            match self.w.tofu.outputs(&cycle_id) {
+                Ok(o) => self.outputs = Some(o),
+                Err(e) => {
+                    return self.launch_failed(
+                        new.id,
+                        &name,
+                        format!("reading tofu outputs failed: {}", e.message),
+                        e.interrupted,
+                    );
+                }
+            }
+        }
+        if let Some(r) = self.state.as_mut()?.registration_mut(new.id) {
+            r.launch = Launch::Started;
+            r.launched_at = Some(self.w.clock.now());
+        }
+        if self.save().is_err() {
+            return Some(End::Done);
+        }
+        let outputs = self.outputs.clone().unwrap_or_default();
+        let req = LaunchRequest {
+            runner_id: new.id,
+            runner_uuid: &new.uuid,
+            runner_name: &name,
+            job_id,
+            job_handle,
+            labels: &self.cfg.labels,
+            forgejo_url: &self.cfg.forgejo_url,
+            outputs: &outputs,
+        };
+        let sw = Stopwatch::start();
+        match self.w.launcher.launch(&req, &new.token) {
+            Ok(()) => {
+                let launched_at = self.w.clock.now();
+                let s = self.state.as_mut()?;
+                if let Some(r) = s.registration_mut(new.id) {
+                    r.launch = Launch::Done;
+                    r.launched_at = Some(launched_at);
+                }
+                s.jobs_started += 1;
+                s.start_failures = 0;
+                if self.save().is_err() {
+                    return Some(End::Done);
+                }
+                let ev = self
+                    .report
+                    .event("launch_runner", true, format!("for job {job_id}"));
+                ev.runner_id = Some(new.id);
+                ev.runner_name = Some(name);
+                ev.duration_ms = sw.ms();
+                None
+            }
+            Err(e) => self.launch_failed(new.id, &name, e.message, e.interrupted),
+        }
+    }
+
+    fn launch_failed(
+        &mut self,
+        id: i64,
+        name: &str,
+        message: String,
+        interrupted: bool,
+    ) -> Option<End> {
+        let ev = self.report.event("launch_runner", false, message.clone());
+        ev.runner_id = Some(id);
+        ev.runner_name = Some(name.to_string());
+        if interrupted {
+            // The launch may or may not have started the runner: leave it `started`; the next
+            // run adopts it if it is up and deletes it if it is offline.
+            return Some(self.interrupted("while launching a runner"));
+        }
+        let s = self.state.as_mut()?;
+        s.start_failures += 1;
+        if let Some(r) = s.registration_mut(id) {
+            r.launch = Launch::Failed;
+        }
+        self.report
+            .fail(format!("starting runner {id} ({name}) failed: {message}"));
+        self.save().err().map(|_| End::Done)
+    }
+
+    fn destroy(&mut self, now: Timestamp) -> Option<End> {
+        let cycle_id = self.state.as_ref()?.cycle_id.clone();
+        let sw = Stopwatch::start();
+        match self.w.tofu.destroy(&cycle_id) {
+            Ok(()) => {
+                let s = self.state.as_mut()?;
+                s.phase = Phase::Destroyed;
+                s.destroyed_at = Some(now);
+                s.last_error = None;
+                self.ctx.destroyed_this_run = true;
+                if self.save().is_err() {
+                    return Some(End::Done);
+                }
+                self.report
+                    .event("tofu_destroy", true, "VM destroyed")
+                    .duration_ms = sw.ms();
+                None
+            }
+            Err(e) => {
+                self.report
+                    .event("tofu_destroy", false, e.message.clone())
+                    .duration_ms = sw.ms();
+                if e.interrupted {
+                    return Some(self.interrupted("during tofu destroy"));
+                }
+                let s = self.state.as_mut()?;
+                s.last_error = Some(format!("tofu destroy failed: {}", e.message));
+                let _ = self.save();
+                self.report.fail(format!(
+                    "tofu destroy failed: {}; no sweep; cycle.json is kept and the next run retries the destroy first",
+                    e.message
+                ));
+                self.report.outcome = "destroy_failed".into();
+                Some(End::Done)
+            }
+        }
+    }
+}

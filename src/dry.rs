@@ -1,0 +1,304 @@
+//! Dry-run implementations: the real cycle code runs against these and the side effects it
+//! would have become the plan. Reads come from live Forgejo GETs or from a fixture file.
+
+use std::cell::RefCell;
+use std::collections::{BTreeMap, BTreeSet};
+use std::rc::Rc;
+use std::time::Duration;
+
+use anyhow::{Context, Result, anyhow};
+use serde_json::{Value, json};
+
+use crate::cycle::{Clock, Sleep};
+use crate::forgejo::{ApiError, Deleted, Forgejo, NewRunner, RunnerPage};
+use crate::launch::{LaunchRequest, Launcher};
+use crate::model::{Job, Runner, RunnerStatus, job_matches};
+use crate::secret::Secret;
+use crate::state::{CycleState, parse_state};
+use crate::time::Timestamp;
+use crate::tofu::{Outputs, StepError, Tofu};
+
+/// The plan: every side effect the cycle would have performed, in order.
+pub type Plan = Rc<RefCell<Vec<Value>>>;
+
+/// A world read from a fixture file: `{"cycle", "runners", "jobs", "now"}`.
+pub struct Fixture {
+    pub cycle: Option<CycleState>,
+    pub runners: Vec<Value>,
+    pub jobs: Option<Vec<Value>>,
+    pub now: Option<Timestamp>,
+}
+
+impl Fixture {
+    pub fn load(path: &std::path::Path) -> Result<Fixture> {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read fixture {}", path.display()))?;
+        let v: Value = serde_json::from_str(&text)
+            .with_context(|| format!("fixture {} is not valid JSON", path.display()))?;
+        let obj = v
+            .as_object()
+            .ok_or_else(|| anyhow!("fixture {} is not a JSON object", path.display()))?;
+        let cycle = match obj.get("cycle") {
+            None | Some(Value::Null) => None,
+            Some(c) => Some(
+                parse_state(&c.to_string())
+                    .with_context(|| format!("\"cycle\" in fixture {}", path.display()))?,
+            ),
+        };
+        let runners = match obj.get("runners") {
+            None | Some(Value::Null) => Vec::new(),
+            Some(Value::Array(a)) => a.clone(),
+            Some(_) => {
+                return Err(anyhow!(
+                    "\"runners\" in fixture {} is not an array",
+                    path.display()
+                ));
+            }
+        };
+        let jobs = match obj.get("jobs") {
+            None | Some(Value::Null) => None,
+            Some(Value::Array(a)) => Some(a.clone()),
+            Some(_) => {
+                return Err(anyhow!(
+                    "\"jobs\" in fixture {} is not an array or null",
+                    path.display()
+                ));
+            }
+        };
+        let now = match obj.get("now") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(s)) => Some(
+                Timestamp::parse_rfc3339(s)
+                    .map_err(|e| anyhow!("\"now\" in fixture {}: {e}", path.display()))?,
+            ),
+            Some(_) => {
+                return Err(anyhow!(
+                    "\"now\" in fixture {} is not a string",
+                    path.display()
+                ));
+            }
+        };
+        Ok(Fixture {
+            cycle,
+            runners,
+            jobs,
+            now,
+        })
+    }
+}
+
+/// Answers reads from the fixture the way Forgejo would.
+pub struct FixtureForgejo {
+    pub runners: Vec<Value>,
+    pub jobs: Option<Vec<Value>>,
+    pub label_names: Vec<String>,
+}
+
+fn fixture_error(what: &str, detail: String) -> ApiError {
+    ApiError {
+        request: format!("fixture {what}"),
+        detail,
+    }
+}
+
+impl Forgejo for FixtureForgejo {
+    fn list_jobs(&mut self) -> Result<Vec<Job>, ApiError> {
+        let jobs: Vec<Job> = match &self.jobs {
+            None => Vec::new(),
+            Some(items) => items
+                .iter()
+                .map(Job::from_json)
+                .collect::<Result<_, _>>()
+                .map_err(|e| fixture_error("jobs", e))?,
+        };
+        Ok(jobs
+            .into_iter()
+            .filter(|j| j.is_live() && job_matches(j, &self.label_names))
+            .collect())
+    }
+
+    fn get_runner(&mut self, id: i64) -> Result<Option<Runner>, ApiError> {
+        for v in &self.runners {
+            let r = Runner::from_json(v).map_err(|e| fixture_error("runners", e))?;
+            if r.id == id {
+                return Ok(Some(r));
+            }
+        }
+        Ok(None)
+    }
+
+    fn delete_runner(&mut self, id: i64, _reason: &str) -> Result<Deleted, ApiError> {
+        Err(fixture_error(
+            "delete",
+            format!("a fixture is read-only (runner {id})"),
+        ))
+    }
+
+    fn register_runner(&mut self, name: &str) -> Result<NewRunner, ApiError> {
+        Err(fixture_error(
+            "register",
+            format!("a fixture is read-only ({name})"),
+        ))
+    }
+
+    fn list_runners_page(&mut self, page: u32, limit: u32) -> Result<RunnerPage, ApiError> {
+        let limit = limit.clamp(1, 50) as usize;
+        let start = (page.max(1) as usize - 1) * limit;
+        let rows = self
+            .runners
+            .iter()
+            .skip(start)
+            .take(limit)
+            .map(Runner::from_json)
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| fixture_error("runners", e))?;
+        Ok(RunnerPage {
+            rows,
+            total: Some(self.runners.len() as u64),
+        })
+    }
+}
+
+/// Passes reads through to `inner`; records writes in the plan and pretends they succeeded
+/// (a new registration is `offline`, as Forgejo shows a runner that never connected).
+pub struct DryForgejo<F: Forgejo> {
+    pub inner: F,
+    pub plan: Plan,
+    created: BTreeMap<i64, String>,
+    deleted: BTreeSet<i64>,
+    next_id: i64,
+}
+
+impl<F: Forgejo> DryForgejo<F> {
+    pub fn new(inner: F, plan: Plan) -> DryForgejo<F> {
+        DryForgejo {
+            inner,
+            plan,
+            created: BTreeMap::new(),
+            deleted: BTreeSet::new(),
+            next_id: -1,
+        }
+    }
+}
+
+impl<F: Forgejo> Forgejo for DryForgejo<F> {
+    fn list_jobs(&mut self) -> Result<Vec<Job>, ApiError> {
+        self.inner.list_jobs()
+    }
+
+    fn get_runner(&mut self, id: i64) -> Result<Option<Runner>, ApiError> {
+        if self.deleted.contains(&id) {
+            return Ok(None);
+        }
+        if let Some(name) = self.created.get(&id) {
+            return Ok(Some(Runner {
+                id,
+                name: Some(name.clone()),
+                status: RunnerStatus::Offline,
+            }));
+        }
+        self.inner.get_runner(id)
+    }
+
+    fn delete_runner(&mut self, id: i64, reason: &str) -> Result<Deleted, ApiError> {
+        self.plan
+            .borrow_mut()
+            .push(json!({"action": "delete_runner", "runner_id": id, "reason": reason}));
+        self.deleted.insert(id);
+        Ok(Deleted::Now)
+    }
+
+    fn register_runner(&mut self, name: &str) -> Result<NewRunner, ApiError> {
+        // Negative ids: they can never be mistaken for a real registration.
+        let id = self.next_id;
+        self.next_id -= 1;
+        self.created.insert(id, name.to_string());
+        self.plan
+            .borrow_mut()
+            .push(json!({"action": "register_runner", "name": name}));
+        Ok(NewRunner {
+            id,
+            uuid: "00000000-0000-4000-8000-000000000000".into(),
+            token: Secret::new(String::new()),
+        })
+    }
+
+    fn list_runners_page(&mut self, page: u32, limit: u32) -> Result<RunnerPage, ApiError> {
+        let mut p = self.inner.list_runners_page(page, limit)?;
+        let before = p.rows.len();
+        p.rows.retain(|r| !self.deleted.contains(&r.id));
+        if let Some(t) = p.total.as_mut() {
+            *t = t.saturating_sub((before - p.rows.len()) as u64);
+        }
+        Ok(p)
+    }
+}
+
+pub struct DryTofu {
+    pub plan: Plan,
+}
+
+impl Tofu for DryTofu {
+    fn check_config(&self) -> Result<(), String> {
+        Ok(())
+    }
+
+    fn apply(&mut self, _cycle_id: &str) -> Result<(), StepError> {
+        self.plan.borrow_mut().push(json!({"action": "tofu_apply"}));
+        Ok(())
+    }
+
+    fn outputs(&mut self, _cycle_id: &str) -> Result<Outputs, StepError> {
+        Ok(Outputs::new())
+    }
+
+    fn destroy(&mut self, _cycle_id: &str) -> Result<(), StepError> {
+        self.plan
+            .borrow_mut()
+            .push(json!({"action": "tofu_destroy"}));
+        Ok(())
+    }
+}
+
+/// Adds the job a registration would be launched for to its `register_runner` action.
+pub struct DryLauncher {
+    pub plan: Plan,
+}
+
+impl Launcher for DryLauncher {
+    fn check_config(&self) -> Result<(), String> {
+        Ok(())
+    }
+
+    fn launch(&mut self, req: &LaunchRequest<'_>, _token: &Secret) -> Result<(), StepError> {
+        let mut plan = self.plan.borrow_mut();
+        if let Some(action) = plan
+            .iter_mut()
+            .rev()
+            .find(|a| a["action"] == "register_runner" && a["name"] == req.runner_name)
+        {
+            action["job_id"] = json!(req.job_id);
+            action["job_handle"] = json!(req.job_handle);
+        }
+        Ok(())
+    }
+}
+
+/// Time stands still in a dry-run, and the plan ends where the cycle would wait.
+pub struct DryClock {
+    pub now: Timestamp,
+}
+
+impl Clock for DryClock {
+    fn now(&self) -> Timestamp {
+        self.now
+    }
+
+    fn sleep(&mut self, _d: Duration) -> Sleep {
+        Sleep::Stop
+    }
+
+    fn new_cycle_id(&mut self, now: Timestamp) -> String {
+        format!("{}-dryrun", now.compact())
+    }
+}

@@ -1,0 +1,470 @@
+//! The Forgejo runner API (≥ 15) as the cycle needs it, behind a small trait, and its HTTP
+//! implementation on ureq.
+
+use std::fmt;
+use std::time::Duration;
+
+use serde_json::{Value, json};
+
+use crate::model::{Job, Runner, parse_jobs, parse_runner_page};
+use crate::secret::Secret;
+
+/// Largest response body read from Forgejo (a full page of 50 runners is ~20 KiB).
+pub const MAX_BODY_BYTES: u64 = 4 * 1024 * 1024;
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Deleted {
+    /// 204: Forgejo deleted it now.
+    Now,
+    /// 404: it was already gone.
+    AlreadyGone,
+}
+
+pub struct NewRunner {
+    pub id: i64,
+    pub uuid: String,
+    pub token: Secret,
+}
+
+pub struct RunnerPage {
+    pub rows: Vec<Runner>,
+    /// `X-Total-Count`, when present and a number.
+    pub total: Option<u64>,
+}
+
+#[derive(Clone, Debug)]
+pub struct ApiError {
+    /// `GET https://forgejo.example/api/v1/admin/actions/runners/5`
+    pub request: String,
+    pub detail: String,
+}
+
+impl fmt::Display for ApiError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.request, self.detail)
+    }
+}
+
+impl std::error::Error for ApiError {}
+
+/// The runner API calls of one scope (`admin`, `user`, `org/NAME`, `repo/OWNER/NAME`).
+pub trait Forgejo {
+    /// Waiting and running jobs that match our labels (`null` is an empty list).
+    fn list_jobs(&mut self) -> Result<Vec<Job>, ApiError>;
+    /// `Ok(None)` on 404.
+    fn get_runner(&mut self, id: i64) -> Result<Option<Runner>, ApiError>;
+    /// 204 and 404 are both success. `reason` is for logs and plans only.
+    fn delete_runner(&mut self, id: i64, reason: &str) -> Result<Deleted, ApiError>;
+    /// `POST …/actions/runners {"name", "ephemeral": true}`.
+    fn register_runner(&mut self, name: &str) -> Result<NewRunner, ApiError>;
+    /// One page of the runner list (`page` is 1-based).
+    fn list_runners_page(&mut self, page: u32, limit: u32) -> Result<RunnerPage, ApiError>;
+}
+
+/// `--scope`: which runner API the registrations live in.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Scope {
+    Admin,
+    User,
+    Org(String),
+    Repo(String, String),
+}
+
+impl Scope {
+    pub fn parse(s: &str) -> Result<Scope, String> {
+        let segment_ok = |p: &str| {
+            !p.is_empty()
+                && p.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+        };
+        let parts: Vec<&str> = s.split('/').collect();
+        let scope = match parts.as_slice() {
+            ["admin"] => Scope::Admin,
+            ["user"] => Scope::User,
+            ["org", name] if segment_ok(name) => Scope::Org(name.to_string()),
+            ["repo", owner, name] if segment_ok(owner) && segment_ok(name) => {
+                Scope::Repo(owner.to_string(), name.to_string())
+            }
+            _ => {
+                return Err(format!(
+                    "{s:?} is not a scope; use admin, user, org/NAME or repo/OWNER/NAME"
+                ));
+            }
+        };
+        Ok(scope)
+    }
+
+    /// The runners API path below `/api/v1/`.
+    pub fn runners_path(&self) -> String {
+        match self {
+            Scope::Admin => "admin/actions/runners".into(),
+            Scope::User => "user/actions/runners".into(),
+            Scope::Org(n) => format!("orgs/{n}/actions/runners"),
+            Scope::Repo(o, n) => format!("repos/{o}/{n}/actions/runners"),
+        }
+    }
+
+    /// The token scope Forgejo asks for on writes, for error hints.
+    fn write_scope(&self) -> &'static str {
+        match self {
+            Scope::Admin => "write:admin",
+            Scope::User => "write:user",
+            Scope::Org(_) => "write:organization",
+            Scope::Repo(..) => "write:repository",
+        }
+    }
+}
+
+/// Checks `--forgejo-url`: https, or plain http only to a loopback host. Returns it without a
+/// trailing slash.
+pub fn validate_url(url: &str) -> Result<String, String> {
+    let trimmed = url.trim().trim_end_matches('/');
+    let uri: ureq::http::Uri = trimmed
+        .parse()
+        .map_err(|e| format!("{url:?} is not a URL: {e}"))?;
+    let host = uri
+        .host()
+        .ok_or_else(|| format!("{url:?} has no host; write it like https://forgejo.example.org"))?;
+    if uri.query().is_some() {
+        return Err(format!("{url:?} must not have a query string"));
+    }
+    match uri.scheme_str() {
+        Some("https") => Ok(trimmed.to_string()),
+        Some("http") if is_loopback_host(host) => Ok(trimmed.to_string()),
+        Some("http") => Err(format!(
+            "{url:?} uses plain http to a host that is not loopback; the token would cross the network in clear text. Use https://"
+        )),
+        _ => Err(format!("{url:?} must start with https://")),
+    }
+}
+
+fn is_loopback_host(host: &str) -> bool {
+    let h = host.trim_start_matches('[').trim_end_matches(']');
+    if h.eq_ignore_ascii_case("localhost") {
+        return true;
+    }
+    match h.parse::<std::net::IpAddr>() {
+        Ok(ip) => ip.is_loopback(),
+        Err(_) => false,
+    }
+}
+
+/// Percent-encodes a query value, keeping `,` (Forgejo splits `labels` on it).
+fn encode_query_value(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~' | b',') {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+pub struct HttpForgejo {
+    agent: ureq::Agent,
+    runners_url: String,
+    scope: Scope,
+    auth: Secret,
+    labels_query: String,
+    label_names: Vec<String>,
+    /// Requests sent, for the report and benchmarks.
+    pub requests: u64,
+}
+
+impl HttpForgejo {
+    pub fn new(
+        base_url: &str,
+        scope: Scope,
+        token: &Secret,
+        label_names: &[String],
+        timeout: Duration,
+    ) -> HttpForgejo {
+        let agent: ureq::Agent = ureq::Agent::config_builder()
+            .timeout_global(Some(timeout))
+            .timeout_connect(Some(timeout.min(Duration::from_secs(10))))
+            .http_status_as_error(false)
+            .max_redirects(0)
+            .user_agent(concat!(
+                "ci-ephemeral-provisioner/",
+                env!("CARGO_PKG_VERSION")
+            ))
+            .build()
+            .into();
+        HttpForgejo {
+            agent,
+            runners_url: format!("{base_url}/api/v1/{}", scope.runners_path()),
+            scope,
+            auth: Secret::new(format!("token {}", token.expose())),
+            labels_query: encode_query_value(&label_names.join(",")),
+            label_names: label_names.to_vec(),
+            requests: 0,
+        }
+    }
+
+    fn send(
+        &mut self,
+        method: &str,
+        url: &str,
+        body: Option<&Value>,
+    ) -> Result<(u16, Option<u64>, String), ApiError> {
+        self.requests += 1;
+        let request = format!("{method} {url}");
+        let err = |detail: String| ApiError {
+            request: request.clone(),
+            detail,
+        };
+        let auth = self.auth.expose();
+        let result = match (method, body) {
+            ("GET", _) => self
+                .agent
+                .get(url)
+                .header("Authorization", auth)
+                .header("Accept", "application/json")
+                .call(),
+            ("DELETE", _) => self
+                .agent
+                .delete(url)
+                .header("Authorization", auth)
+                .header("Accept", "application/json")
+                .call(),
+            ("POST", Some(b)) => self
+                .agent
+                .post(url)
+                .header("Authorization", auth)
+                .header("Accept", "application/json")
+                .send_json(b),
+            _ => return Err(err("internal error: unsupported request".into())),
+        };
+        let mut resp = result.map_err(|e| err(transport_hint(&e)))?;
+        let status = resp.status().as_u16();
+        let total = resp
+            .headers()
+            .get("x-total-count")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|s| s.trim().parse::<u64>().ok());
+        let location = resp
+            .headers()
+            .get("location")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string);
+        let text = resp
+            .body_mut()
+            .with_config()
+            .limit(MAX_BODY_BYTES)
+            .read_to_string()
+            .map_err(|e| err(format!("reading the response body failed: {e}")))?;
+        if (300..400).contains(&status) {
+            return Err(err(format!(
+                "HTTP {status} redirect to {}; set --forgejo-url to the address Forgejo really answers on",
+                location.as_deref().unwrap_or("(no Location)")
+            )));
+        }
+        Ok((status, total, text))
+    }
+
+    fn status_error(&self, request: String, status: u16, body: &str) -> ApiError {
+        let message = serde_json::from_str::<Value>(body)
+            .ok()
+            .and_then(|v| v.get("message").and_then(Value::as_str).map(str::to_string))
+            .unwrap_or_else(|| snippet(body));
+        let hint = match status {
+            401 => " (is the token in --token-file valid?)".to_string(),
+            403 => format!(
+                " (the token needs the {} scope, and admin scope needs a site administrator)",
+                self.scope.write_scope()
+            ),
+            404 => " (Forgejo ≥ 15 is required; check --scope and --forgejo-url)".to_string(),
+            _ => String::new(),
+        };
+        ApiError {
+            request,
+            detail: format!("HTTP {status}: {message}{hint}"),
+        }
+    }
+}
+
+fn transport_hint(e: &ureq::Error) -> String {
+    match e {
+        ureq::Error::Timeout(t) => {
+            format!("timed out ({t}); check that Forgejo is reachable or raise --http-timeout")
+        }
+        other => format!("request failed: {other}"),
+    }
+}
+
+fn snippet(body: &str) -> String {
+    let one_line: String = body.split_whitespace().collect::<Vec<_>>().join(" ");
+    if one_line.is_empty() {
+        return "(empty body)".into();
+    }
+    let mut end = one_line.len().min(160);
+    while !one_line.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{:?}", &one_line[..end])
+}
+
+impl Forgejo for HttpForgejo {
+    fn list_jobs(&mut self) -> Result<Vec<Job>, ApiError> {
+        let url = format!("{}/jobs?labels={}", self.runners_url, self.labels_query);
+        let (status, _, body) = self.send("GET", &url, None)?;
+        if status != 200 {
+            return Err(self.status_error(format!("GET {url}"), status, &body));
+        }
+        let jobs = parse_jobs(&body).map_err(|e| ApiError {
+            request: format!("GET {url}"),
+            detail: e,
+        })?;
+        // Forgejo filters by labels already; filter again so an older server's answer cannot
+        // hand us jobs we cannot run.
+        Ok(jobs
+            .into_iter()
+            .filter(|j| crate::model::job_matches(j, &self.label_names))
+            .collect())
+    }
+
+    fn get_runner(&mut self, id: i64) -> Result<Option<Runner>, ApiError> {
+        let url = format!("{}/{id}", self.runners_url);
+        let (status, _, body) = self.send("GET", &url, None)?;
+        match status {
+            200 => {
+                let v: Value = serde_json::from_str(&body).map_err(|e| ApiError {
+                    request: format!("GET {url}"),
+                    detail: format!("response is not JSON: {e}: {}", snippet(&body)),
+                })?;
+                let r = Runner::from_json(&v).map_err(|e| ApiError {
+                    request: format!("GET {url}"),
+                    detail: e,
+                })?;
+                if r.id != id {
+                    return Err(ApiError {
+                        request: format!("GET {url}"),
+                        detail: format!("Forgejo answered with runner {} instead of {id}", r.id),
+                    });
+                }
+                Ok(Some(r))
+            }
+            404 => Ok(None),
+            _ => Err(self.status_error(format!("GET {url}"), status, &body)),
+        }
+    }
+
+    fn delete_runner(&mut self, id: i64, reason: &str) -> Result<Deleted, ApiError> {
+        let url = format!("{}/{id}", self.runners_url);
+        log::debug!("DELETE {url} ({reason})");
+        let (status, _, body) = self.send("DELETE", &url, None)?;
+        match status {
+            204 | 200 => Ok(Deleted::Now),
+            404 => Ok(Deleted::AlreadyGone),
+            _ => Err(self.status_error(format!("DELETE {url}"), status, &body)),
+        }
+    }
+
+    fn register_runner(&mut self, name: &str) -> Result<NewRunner, ApiError> {
+        let url = self.runners_url.clone();
+        let body = json!({
+            "name": name,
+            "description": "ephemeral runner registered by ci-ephemeral-provisioner",
+            "ephemeral": true,
+        });
+        let (status, _, text) = self.send("POST", &url, Some(&body))?;
+        let request = format!("POST {url}");
+        if status != 201 && status != 200 {
+            return Err(self.status_error(request, status, &text));
+        }
+        // The body holds the runner token: never put it in an error message.
+        let v: Value = serde_json::from_str(&text).map_err(|_| ApiError {
+            request: request.clone(),
+            detail: "response is not JSON".into(),
+        })?;
+        let id = v.get("id").and_then(Value::as_i64);
+        let uuid = v.get("uuid").and_then(Value::as_str);
+        let token = v.get("token").and_then(Value::as_str);
+        match (id, uuid, token) {
+            (Some(id), Some(uuid), Some(token)) if !token.is_empty() => Ok(NewRunner {
+                id,
+                uuid: uuid.to_string(),
+                token: Secret::new(token.to_string()),
+            }),
+            _ => Err(ApiError {
+                request,
+                detail: "response lacks id, uuid or token".into(),
+            }),
+        }
+    }
+
+    fn list_runners_page(&mut self, page: u32, limit: u32) -> Result<RunnerPage, ApiError> {
+        let url = format!("{}?page={page}&limit={limit}", self.runners_url);
+        let (status, total, body) = self.send("GET", &url, None)?;
+        if status != 200 {
+            return Err(self.status_error(format!("GET {url}"), status, &body));
+        }
+        let rows = parse_runner_page(&body).map_err(|e| ApiError {
+            request: format!("GET {url}"),
+            detail: e,
+        })?;
+        Ok(RunnerPage { rows, total })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plain_http_only_to_loopback() {
+        assert!(validate_url("http://127.0.0.1:3000/").is_ok());
+        assert!(validate_url("http://127.8.9.1").is_ok());
+        assert!(validate_url("http://localhost:3000").is_ok());
+        assert!(validate_url("http://[::1]:3000").is_ok());
+        assert!(validate_url("https://forgejo.example.org/sub").is_ok());
+        assert_eq!(
+            validate_url("https://forgejo.example.org/").unwrap(),
+            "https://forgejo.example.org"
+        );
+        assert!(validate_url("http://forgejo.example.org").is_err());
+        assert!(validate_url("http://10.0.0.1").is_err());
+        assert!(validate_url("http://localhost.evil.example").is_err());
+        assert!(validate_url("ftp://forgejo.example.org").is_err());
+        assert!(validate_url("forgejo.example.org").is_err());
+    }
+
+    #[test]
+    fn scopes_map_to_paths() {
+        assert_eq!(
+            Scope::parse("admin").unwrap().runners_path(),
+            "admin/actions/runners"
+        );
+        assert_eq!(
+            Scope::parse("user").unwrap().runners_path(),
+            "user/actions/runners"
+        );
+        assert_eq!(
+            Scope::parse("org/acme").unwrap().runners_path(),
+            "orgs/acme/actions/runners"
+        );
+        assert_eq!(
+            Scope::parse("repo/acme/app").unwrap().runners_path(),
+            "repos/acme/app/actions/runners"
+        );
+        for bad in [
+            "",
+            "org",
+            "org/",
+            "repo/acme",
+            "org/a/b",
+            "repo/a/b?x",
+            "site",
+        ] {
+            assert!(Scope::parse(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn label_query_is_encoded() {
+        assert_eq!(encode_query_value("debian,docker"), "debian,docker");
+        assert_eq!(encode_query_value("a b&c"), "a%20b%26c");
+    }
+}

@@ -1,0 +1,168 @@
+//! The launch command: starts one runner on the VM, with the runner token on its stdin.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde_json::Value;
+
+use crate::process::{ChildSpec, run_child};
+use crate::secret::Secret;
+use crate::signals::StopFlag;
+use crate::tofu::{Outputs, StepError};
+
+pub struct LaunchRequest<'a> {
+    pub runner_id: i64,
+    pub runner_uuid: &'a str,
+    pub runner_name: &'a str,
+    pub job_id: i64,
+    pub job_handle: &'a str,
+    pub labels: &'a str,
+    pub forgejo_url: &'a str,
+    pub outputs: &'a Outputs,
+}
+
+pub trait Launcher {
+    fn check_config(&self) -> Result<(), String>;
+    fn launch(&mut self, req: &LaunchRequest<'_>, token: &Secret) -> Result<(), StepError>;
+}
+
+/// `TOFU_OUTPUT_<NAME>` variables: strings as they are, everything else as compact JSON.
+pub fn output_env(outputs: &Outputs) -> Vec<(String, String)> {
+    outputs
+        .iter()
+        .map(|(name, o)| {
+            let key = format!(
+                "TOFU_OUTPUT_{}",
+                name.chars()
+                    .map(|c| if c.is_ascii_alphanumeric() {
+                        c.to_ascii_uppercase()
+                    } else {
+                        '_'
+                    })
+                    .collect::<String>()
+            );
+            let value = match &o.value {
+                Value::String(s) => s.clone(),
+                other => other.to_string(),
+            };
+            (key, value)
+        })
+        .collect()
+}
+
+/// The environment of the launch command (never the token).
+pub fn launch_env(req: &LaunchRequest<'_>) -> Vec<(String, String)> {
+    let mut env = vec![
+        ("RUNNER_ID".to_string(), req.runner_id.to_string()),
+        ("RUNNER_UUID".to_string(), req.runner_uuid.to_string()),
+        ("RUNNER_NAME".to_string(), req.runner_name.to_string()),
+        ("RUNNER_LABELS".to_string(), req.labels.to_string()),
+        ("FORGEJO_URL".to_string(), req.forgejo_url.to_string()),
+        ("JOB_HANDLE".to_string(), req.job_handle.to_string()),
+    ];
+    env.extend(output_env(req.outputs));
+    env
+}
+
+pub struct CommandLauncher {
+    pub command: Option<PathBuf>,
+    pub timeout: Duration,
+    pub stop: StopFlag,
+}
+
+impl Launcher for CommandLauncher {
+    fn check_config(&self) -> Result<(), String> {
+        match &self.command {
+            None => Err(
+                "--launch-command is not set; it names the program that starts a runner on the VM"
+                    .into(),
+            ),
+            Some(p) if !p.is_file() => Err(format!(
+                "--launch-command {} does not exist or is not a file",
+                p.display()
+            )),
+            Some(_) => Ok(()),
+        }
+    }
+
+    fn launch(&mut self, req: &LaunchRequest<'_>, token: &Secret) -> Result<(), StepError> {
+        let program = self
+            .command
+            .clone()
+            .ok_or_else(|| StepError::failed("--launch-command is not set"))?;
+        let spec = ChildSpec {
+            program: program.clone(),
+            args: vec![],
+            env: launch_env(req),
+            stdin: Some(token.clone()),
+            timeout: Some(self.timeout),
+        };
+        log::info!(
+            "launching runner {} ({}) for job {} with {}",
+            req.runner_id,
+            req.runner_name,
+            req.job_id,
+            program.display()
+        );
+        let r = run_child(&spec, &self.stop).map_err(|e| {
+            StepError::failed(format!(
+                "cannot run launch command {}: {e}",
+                program.display()
+            ))
+        })?;
+        if r.interrupted {
+            return Err(StepError {
+                message: format!(
+                    "launch command {} was interrupted by a stop request ({})",
+                    program.display(),
+                    r.describe()
+                ),
+                interrupted: true,
+            });
+        }
+        if !r.success() {
+            return Err(StepError::failed(format!(
+                "launch command {} {}",
+                program.display(),
+                r.describe()
+            )));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tofu::Output;
+
+    #[test]
+    fn outputs_become_env() {
+        let mut o = Outputs::new();
+        o.insert(
+            "address".into(),
+            Output {
+                sensitive: false,
+                value: Value::String("10.0.0.1".into()),
+            },
+        );
+        o.insert(
+            "ports".into(),
+            Output {
+                sensitive: false,
+                value: serde_json::json!([22, 80]),
+            },
+        );
+        o.insert(
+            "ssh-user".into(),
+            Output {
+                sensitive: true,
+                value: Value::String("ci".into()),
+            },
+        );
+        let env = output_env(&o);
+        assert!(env.contains(&("TOFU_OUTPUT_ADDRESS".into(), "10.0.0.1".into())));
+        assert!(env.contains(&("TOFU_OUTPUT_PORTS".into(), "[22,80]".into())));
+        assert!(env.contains(&("TOFU_OUTPUT_SSH_USER".into(), "ci".into())));
+    }
+}

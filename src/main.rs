@@ -1,0 +1,3 @@
+fn main() -> std::process::ExitCode {
+    ci_ephemeral_provisioner::app::main()
+}

@@ -1,0 +1,293 @@
+//! What Forgejo tells us about runners and jobs, parsed defensively, and the one deletion gate.
+
+use serde::Serialize;
+use serde_json::Value;
+
+/// A runner registration's `status` as Forgejo reported it. Only `Offline` can ever be deleted.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case", tag = "kind", content = "value")]
+pub enum RunnerStatus {
+    Offline,
+    Idle,
+    Active,
+    /// A `status` we do not know (including other casings such as `"Offline"`): never deleted.
+    Unknown(String),
+    /// No `status` field at all: never deleted.
+    Missing,
+}
+
+impl RunnerStatus {
+    pub fn from_json(v: Option<&Value>) -> RunnerStatus {
+        match v {
+            None | Some(Value::Null) => RunnerStatus::Missing,
+            Some(Value::String(s)) => match s.as_str() {
+                "offline" => RunnerStatus::Offline,
+                "idle" => RunnerStatus::Idle,
+                "active" => RunnerStatus::Active,
+                other => RunnerStatus::Unknown(other.to_string()),
+            },
+            Some(other) => RunnerStatus::Unknown(other.to_string()),
+        }
+    }
+
+    pub fn as_str(&self) -> &str {
+        match self {
+            RunnerStatus::Offline => "offline",
+            RunnerStatus::Idle => "idle",
+            RunnerStatus::Active => "active",
+            RunnerStatus::Unknown(s) => s,
+            RunnerStatus::Missing => "(missing)",
+        }
+    }
+}
+
+/// One runner registration as listed or fetched. `name` is `None` when the field is missing or
+/// not a string.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Runner {
+    pub id: i64,
+    pub name: Option<String>,
+    pub status: RunnerStatus,
+}
+
+impl Runner {
+    /// Parses one runner object. A row without an integer `id` cannot be addressed, so it is an
+    /// error; every other oddity (missing name, odd status) is kept and later refused by the gate.
+    pub fn from_json(v: &Value) -> Result<Runner, String> {
+        let obj = v
+            .as_object()
+            .ok_or_else(|| format!("runner entry is not a JSON object: {}", short(v)))?;
+        let id = obj
+            .get("id")
+            .and_then(Value::as_i64)
+            .ok_or_else(|| format!("runner entry has no integer \"id\": {}", short(v)))?;
+        let name = obj.get("name").and_then(Value::as_str).map(str::to_string);
+        Ok(Runner {
+            id,
+            name,
+            status: RunnerStatus::from_json(obj.get("status")),
+        })
+    }
+}
+
+/// THE deletion gate. A registration may be deleted only when its name carries our prefix and
+/// Forgejo says it is exactly `offline`. Everything that deletes goes through this function.
+pub fn may_delete(name: Option<&str>, status: &RunnerStatus, prefix: &str) -> bool {
+    !prefix.is_empty()
+        && name.is_some_and(|n| n.starts_with(prefix))
+        && *status == RunnerStatus::Offline
+}
+
+/// A job from `GET …/actions/runners/jobs`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Job {
+    pub id: i64,
+    pub handle: String,
+    pub status: String,
+    pub runs_on: Vec<String>,
+}
+
+impl Job {
+    pub fn is_waiting(&self) -> bool {
+        self.status == "waiting"
+    }
+
+    /// Waiting or running: the job still needs (or has) a runner.
+    pub fn is_live(&self) -> bool {
+        self.status == "waiting" || self.status == "running"
+    }
+
+    pub fn from_json(v: &Value) -> Result<Job, String> {
+        let obj = v
+            .as_object()
+            .ok_or_else(|| format!("job entry is not a JSON object: {}", short(v)))?;
+        let id = obj
+            .get("id")
+            .and_then(Value::as_i64)
+            .ok_or_else(|| format!("job entry has no integer \"id\": {}", short(v)))?;
+        let handle = match obj.get("handle") {
+            Some(Value::String(s)) => s.clone(),
+            None | Some(Value::Null) => String::new(),
+            Some(other) => return Err(format!("job {id} has a non-string \"handle\": {other}")),
+        };
+        let status = obj
+            .get("status")
+            .and_then(Value::as_str)
+            .ok_or_else(|| format!("job {id} has no string \"status\""))?
+            .to_string();
+        let runs_on = match obj.get("runs_on") {
+            None | Some(Value::Null) => Vec::new(),
+            Some(Value::Array(items)) => items
+                .iter()
+                .map(|i| {
+                    i.as_str()
+                        .map(str::to_string)
+                        .ok_or_else(|| format!("job {id} has a non-string entry in \"runs_on\""))
+                })
+                .collect::<Result<_, _>>()?,
+            Some(other) => return Err(format!("job {id} has a non-array \"runs_on\": {other}")),
+        };
+        Ok(Job {
+            id,
+            handle,
+            status,
+            runs_on,
+        })
+    }
+}
+
+/// Parses a jobs response: a JSON array, or `null` (Forgejo's encoding of "no jobs").
+pub fn parse_jobs(body: &str) -> Result<Vec<Job>, String> {
+    let v: Value = serde_json::from_str(body).map_err(|e| format!("jobs list is not JSON: {e}"))?;
+    match v {
+        Value::Null => Ok(Vec::new()),
+        Value::Array(items) => items.iter().map(Job::from_json).collect(),
+        other => Err(format!("jobs list is not a JSON array: {}", short(&other))),
+    }
+}
+
+/// Parses a runner list page: a bare JSON array.
+pub fn parse_runner_page(body: &str) -> Result<Vec<Runner>, String> {
+    let v: Value =
+        serde_json::from_str(body).map_err(|e| format!("runner list is not JSON: {e}"))?;
+    match v {
+        Value::Array(items) => items.iter().map(Runner::from_json).collect(),
+        other => Err(format!(
+            "runner list is not a JSON array: {}",
+            short(&other)
+        )),
+    }
+}
+
+/// The label names of `--labels` (`debian:host,docker` → `["debian", "docker"]`).
+pub fn label_names(labels: &str) -> Vec<String> {
+    labels
+        .split(',')
+        .map(|l| l.split(':').next().unwrap_or("").trim().to_string())
+        .filter(|l| !l.is_empty())
+        .collect()
+}
+
+/// Forgejo's matching rule: a job runs on us when every entry of its `runs_on` is one of our
+/// label names (and it names at least one).
+pub fn job_matches(job: &Job, names: &[String]) -> bool {
+    !job.runs_on.is_empty() && job.runs_on.iter().all(|r| names.iter().any(|n| n == r))
+}
+
+/// The waiting jobs we could serve, oldest (lowest id) first.
+pub fn waiting_jobs<'a>(jobs: &'a [Job], names: &[String]) -> Vec<&'a Job> {
+    let mut w: Vec<&Job> = jobs
+        .iter()
+        .filter(|j| j.is_waiting() && job_matches(j, names))
+        .collect();
+    w.sort_by_key(|j| j.id);
+    w
+}
+
+fn short(v: &Value) -> String {
+    let s = v.to_string();
+    if s.len() > 120 {
+        let mut end = 120;
+        while !s.is_char_boundary(end) {
+            end -= 1;
+        }
+        format!("{}…", &s[..end])
+    } else {
+        s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn gate_requires_prefix_and_exactly_offline() {
+        let p = "ephemeral-";
+        assert!(may_delete(Some("ephemeral-1"), &RunnerStatus::Offline, p));
+        assert!(!may_delete(Some("ephemeral-1"), &RunnerStatus::Idle, p));
+        assert!(!may_delete(Some("ephemeral-1"), &RunnerStatus::Active, p));
+        assert!(!may_delete(Some("ephemeral-1"), &RunnerStatus::Missing, p));
+        assert!(!may_delete(
+            Some("ephemeral-1"),
+            &RunnerStatus::Unknown("Offline".into()),
+            p
+        ));
+        assert!(!may_delete(
+            Some("my-ephemeral-1"),
+            &RunnerStatus::Offline,
+            p
+        ));
+        assert!(!may_delete(
+            Some("static-builder"),
+            &RunnerStatus::Offline,
+            p
+        ));
+        assert!(!may_delete(None, &RunnerStatus::Offline, p));
+        assert!(!may_delete(Some("anything"), &RunnerStatus::Offline, ""));
+    }
+
+    #[test]
+    fn status_parsing_is_exact() {
+        assert_eq!(
+            RunnerStatus::from_json(Some(&json!("offline"))),
+            RunnerStatus::Offline
+        );
+        assert_eq!(
+            RunnerStatus::from_json(Some(&json!("OFFLINE"))),
+            RunnerStatus::Unknown("OFFLINE".into())
+        );
+        assert_eq!(RunnerStatus::from_json(None), RunnerStatus::Missing);
+        assert_eq!(
+            RunnerStatus::from_json(Some(&Value::Null)),
+            RunnerStatus::Missing
+        );
+        assert!(matches!(
+            RunnerStatus::from_json(Some(&json!(3))),
+            RunnerStatus::Unknown(_)
+        ));
+    }
+
+    #[test]
+    fn runner_rows_parse_defensively() {
+        let r = Runner::from_json(
+            &json!({"id": 5, "name": "ephemeral-x", "status": "offline", "labels": null}),
+        )
+        .unwrap();
+        assert_eq!(r.id, 5);
+        assert_eq!(r.status, RunnerStatus::Offline);
+        let r = Runner::from_json(&json!({"id": 6, "name": 7})).unwrap();
+        assert_eq!(r.name, None);
+        assert_eq!(r.status, RunnerStatus::Missing);
+        assert!(Runner::from_json(&json!({"id": "6"})).is_err());
+        assert!(Runner::from_json(&json!([1])).is_err());
+        assert!(parse_runner_page("{\"runners\": []}").is_err());
+        assert!(parse_runner_page("<html>").is_err());
+        assert_eq!(parse_runner_page("[]").unwrap(), vec![]);
+    }
+
+    #[test]
+    fn jobs_null_is_empty_and_matching_is_subset() {
+        assert!(parse_jobs("null").unwrap().is_empty());
+        assert!(parse_jobs("{}").is_err());
+        let jobs = parse_jobs(
+            r#"[{"id":9,"handle":"h9","status":"waiting","runs_on":["debian","docker"]},
+                {"id":3,"handle":"h3","status":"waiting","runs_on":["debian"]},
+                {"id":4,"handle":"h4","status":"running","runs_on":["debian"]},
+                {"id":5,"handle":"h5","status":"waiting","runs_on":[]},
+                {"id":6,"handle":"h6","status":"waiting","runs_on":["gpu"]}]"#,
+        )
+        .unwrap();
+        let names = label_names("debian:host, docker:docker://node:22");
+        assert_eq!(names, vec!["debian", "docker"]);
+        let w: Vec<i64> = waiting_jobs(&jobs, &names).iter().map(|j| j.id).collect();
+        assert_eq!(w, vec![3, 9]);
+        let only_debian = label_names("debian:host");
+        let w: Vec<i64> = waiting_jobs(&jobs, &only_debian)
+            .iter()
+            .map(|j| j.id)
+            .collect();
+        assert_eq!(w, vec![3]);
+    }
+}

@@ -1,0 +1,464 @@
+//! The pure decision core: given what cycle.json holds, what Forgejo just said and the time,
+//! what is the next step? No I/O here; `cycle.rs` carries the steps out.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use serde::Serialize;
+
+use crate::model::{Job, Runner, RunnerStatus, may_delete, waiting_jobs};
+use crate::state::{CycleState, Launch, Phase};
+use crate::time::{Timestamp, format_duration};
+
+/// Failed attempts in a row to start a runner (POST or launch) after which the VM is presumed
+/// broken and torn down.
+pub const MAX_START_FAILURES: u32 = 3;
+
+/// After a successful destroy, how long a registration may still read `idle`/`active` (Forgejo
+/// marks a runner offline 60 s after its last contact) before the run gives up and leaves it to
+/// the next run.
+pub const OFFLINE_AFTER_DESTROY: Duration = Duration::from_secs(120);
+
+#[derive(Clone, Debug)]
+pub struct Policy {
+    pub runner_prefix: String,
+    /// Label names (the part of each `--labels` entry before `:`).
+    pub label_names: Vec<String>,
+    pub max_jobs_per_vm: u32,
+    pub idle_timeout: Duration,
+    pub registration_grace: Duration,
+    pub max_cycle_duration: Duration,
+    pub hard_deadline: Duration,
+}
+
+/// What the driver learned from Forgejo just before this decision.
+#[derive(Clone, Debug, Default)]
+pub struct Observation {
+    /// Waiting and running jobs in scope; `None` when not fetched or the request failed.
+    pub jobs: Option<Vec<Job>>,
+    /// `GET …/runners/{id}` per registration id: `Some(runner)`, or `None` for a 404.
+    /// An id without an entry could not be fetched (the request failed).
+    pub runners: BTreeMap<i64, Option<Runner>>,
+}
+
+/// Facts about this run (not the cycle) that decisions depend on.
+#[derive(Clone, Debug, Default)]
+pub struct RunContext {
+    /// A `tofu destroy` succeeded in this run: the only licence for a sweep.
+    pub destroyed_this_run: bool,
+    pub swept: bool,
+    /// Registrations whose DELETE failed since the last wait: not retried before waiting.
+    pub failed_deletes: BTreeSet<i64>,
+    /// Registration names whose lost-POST lookup failed since the last wait.
+    pub failed_intents: BTreeSet<String>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DeleteReason {
+    /// Launched, but offline for longer than the registration grace: it never consumed itself.
+    Unconsumed,
+    /// The launch command failed, so the registration can never be used.
+    LaunchFailed,
+    /// The launch was cut off (crash or stop) before it reported back; the token is gone.
+    LaunchCutOff,
+    /// Left over when the VM was torn down.
+    Teardown,
+    /// A POST whose answer was lost, found again by its exact name.
+    LostRegistration,
+    /// Offline registration with our prefix, found by the sweep after a successful destroy.
+    Sweep,
+}
+
+impl DeleteReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DeleteReason::Unconsumed => "unconsumed",
+            DeleteReason::LaunchFailed => "launch_failed",
+            DeleteReason::LaunchCutOff => "launch_cut_off",
+            DeleteReason::Teardown => "teardown",
+            DeleteReason::LostRegistration => "lost_registration",
+            DeleteReason::Sweep => "sweep",
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case", tag = "reason")]
+pub enum TeardownReason {
+    /// No job waited for `--idle-timeout` while the VM was free.
+    Idle,
+    /// `--max-jobs-per-vm` runners were started on this VM.
+    JobCap,
+    /// The cycle is older than `--max-cycle-duration`.
+    MaxCycleDuration,
+    /// The cycle is older than `--hard-deadline`: torn down even with a runner up (an error).
+    HardDeadline,
+    /// Three failed attempts in a row to start a runner.
+    BrokenVm,
+    /// A runner stayed idle while its job was gone for longer than the grace. Forgejo still
+    /// counts it as alive, so it is not deleted; destroying the VM stops it.
+    Stranded { runner_id: i64 },
+    /// `tofu apply` (or reading its outputs) failed.
+    ApplyFailed,
+}
+
+impl TeardownReason {
+    pub fn describe(&self) -> String {
+        match self {
+            TeardownReason::Idle => "idle timeout: no job waited while the VM was free".into(),
+            TeardownReason::JobCap => "job cap reached (--max-jobs-per-vm)".into(),
+            TeardownReason::MaxCycleDuration => "cycle reached --max-cycle-duration".into(),
+            TeardownReason::HardDeadline => {
+                "cycle passed --hard-deadline; tearing down even with a runner up".into()
+            }
+            TeardownReason::BrokenVm => format!(
+                "{MAX_START_FAILURES} failed attempts in a row to start a runner; the VM is presumed broken"
+            ),
+            TeardownReason::Stranded { runner_id } => format!(
+                "runner {runner_id} stays idle although its job is gone; destroying the VM stops it"
+            ),
+            TeardownReason::ApplyFailed => "tofu apply failed".into(),
+        }
+    }
+
+    /// Teardowns that mean this run failed (exit status 1).
+    pub fn is_failure(&self) -> bool {
+        matches!(
+            self,
+            TeardownReason::HardDeadline | TeardownReason::BrokenVm | TeardownReason::ApplyFailed
+        )
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Step {
+    /// No cycle and no waiting job: the idle tick. Nothing to do.
+    Idle,
+    /// Write a new cycle.json (phase `applying`).
+    StartCycle,
+    /// `tofu init` when needed, `tofu apply`, `tofu output -json`.
+    Apply,
+    /// A registration whose POST answer was lost: find it by exact name, delete, forget.
+    ResolveIntent {
+        name: String,
+    },
+    /// Forgejo answered 404 for this registration: it ran its job (or is otherwise gone).
+    Forget {
+        id: i64,
+    },
+    Delete {
+        id: i64,
+        reason: DeleteReason,
+    },
+    /// The launch outcome was never recorded, but the runner is up: it was launched.
+    AdoptLaunch {
+        id: i64,
+    },
+    MarkJobGone {
+        id: i64,
+    },
+    ClearJobGone {
+        id: i64,
+    },
+    /// Register a runner for this job and launch it on the VM.
+    Register {
+        job_id: i64,
+        job_handle: String,
+    },
+    Teardown {
+        reason: TeardownReason,
+    },
+    Destroy,
+    Sweep,
+    /// Everything is gone: remove cycle.json.
+    Finish,
+    Wait {
+        why: String,
+    },
+    /// End this run with a failure, keeping cycle.json for the next run.
+    GiveUp {
+        why: String,
+    },
+}
+
+/// Decides the next step. Pure: the same inputs always give the same step.
+pub fn decide(
+    state: Option<&CycleState>,
+    obs: &Observation,
+    ctx: &RunContext,
+    policy: &Policy,
+    now: Timestamp,
+) -> Step {
+    let Some(state) = state else {
+        return match &obs.jobs {
+            Some(jobs) if !waiting_jobs(jobs, &policy.label_names).is_empty() => Step::StartCycle,
+            Some(_) => Step::Idle,
+            None => Step::GiveUp {
+                why: "could not ask Forgejo for waiting jobs".into(),
+            },
+        };
+    };
+    match state.phase {
+        Phase::Applying => Step::Apply,
+        Phase::Running => decide_running(state, obs, ctx, policy, now),
+        Phase::TearingDown => decide_tearing_down(state, obs, ctx, policy),
+        Phase::Destroyed => decide_destroyed(state, obs, ctx, policy, now),
+    }
+}
+
+fn decide_running(
+    state: &CycleState,
+    obs: &Observation,
+    ctx: &RunContext,
+    policy: &Policy,
+    now: Timestamp,
+) -> Step {
+    let age = now.since(state.started_at);
+    if age >= policy.hard_deadline {
+        return Step::Teardown {
+            reason: TeardownReason::HardDeadline,
+        };
+    }
+    let grace = policy.registration_grace;
+    let mut waiting_on: Vec<String> = Vec::new();
+    for reg in &state.registrations {
+        let Some(id) = reg.id else {
+            if !ctx.failed_intents.contains(&reg.name) {
+                return Step::ResolveIntent {
+                    name: reg.name.clone(),
+                };
+            }
+            waiting_on.push(format!("{} (lookup failed, retrying)", reg.name));
+            continue;
+        };
+        let runner = match obs.runners.get(&id) {
+            None => {
+                waiting_on.push(format!("runner {id} (status unknown: request failed)"));
+                continue;
+            }
+            Some(None) => return Step::Forget { id },
+            Some(Some(r)) => r,
+        };
+        if ctx.failed_deletes.contains(&id) {
+            waiting_on.push(format!("runner {id} (delete failed, retrying)"));
+            continue;
+        }
+        if reg.launch != Launch::Done {
+            match runner.status {
+                RunnerStatus::Offline
+                    if may_delete(
+                        runner.name.as_deref(),
+                        &runner.status,
+                        &policy.runner_prefix,
+                    ) =>
+                {
+                    let reason = if reg.launch == Launch::Failed {
+                        DeleteReason::LaunchFailed
+                    } else {
+                        DeleteReason::LaunchCutOff
+                    };
+                    return Step::Delete { id, reason };
+                }
+                RunnerStatus::Idle | RunnerStatus::Active => return Step::AdoptLaunch { id },
+                _ => {
+                    waiting_on.push(format!("runner {id} (status {})", runner.status.as_str()));
+                    continue;
+                }
+            }
+        }
+        match &runner.status {
+            RunnerStatus::Active => waiting_on.push(format!("runner {id} (active)")),
+            RunnerStatus::Idle => {
+                let job_live = obs.jobs.as_ref().map(|jobs| {
+                    jobs.iter()
+                        .any(|j| j.handle == reg.job_handle && j.is_live())
+                });
+                match (job_live, reg.job_gone_since) {
+                    (None, _) => waiting_on.push(format!("runner {id} (idle; jobs unknown)")),
+                    (Some(true), Some(_)) => return Step::ClearJobGone { id },
+                    (Some(true), None) => {
+                        waiting_on.push(format!("runner {id} (idle, its job waits)"))
+                    }
+                    (Some(false), None) => return Step::MarkJobGone { id },
+                    (Some(false), Some(since)) => {
+                        if now.since(since) >= grace {
+                            return Step::Teardown {
+                                reason: TeardownReason::Stranded { runner_id: id },
+                            };
+                        }
+                        waiting_on.push(format!("runner {id} (idle, its job is gone)"));
+                    }
+                }
+            }
+            RunnerStatus::Offline => {
+                let offline_for = now.since(reg.grace_start());
+                if offline_for >= grace
+                    && may_delete(
+                        runner.name.as_deref(),
+                        &runner.status,
+                        &policy.runner_prefix,
+                    )
+                {
+                    return Step::Delete {
+                        id,
+                        reason: DeleteReason::Unconsumed,
+                    };
+                }
+                waiting_on.push(format!(
+                    "runner {id} (offline; starting, within the {} grace)",
+                    format_duration(grace)
+                ));
+            }
+            other => waiting_on.push(format!(
+                "runner {id} (unknown status {}; never deleted on doubt)",
+                other.as_str()
+            )),
+        }
+    }
+    if !waiting_on.is_empty() {
+        return Step::Wait {
+            why: format!("waiting for {}", waiting_on.join(", ")),
+        };
+    }
+
+    // The VM is free.
+    if state.start_failures >= MAX_START_FAILURES {
+        return Step::Teardown {
+            reason: TeardownReason::BrokenVm,
+        };
+    }
+    if state.jobs_started >= policy.max_jobs_per_vm {
+        return Step::Teardown {
+            reason: TeardownReason::JobCap,
+        };
+    }
+    if age >= policy.max_cycle_duration {
+        return Step::Teardown {
+            reason: TeardownReason::MaxCycleDuration,
+        };
+    }
+    let Some(jobs) = &obs.jobs else {
+        return Step::Wait {
+            why: "waiting for the jobs list (request failed)".into(),
+        };
+    };
+    if let Some(job) = waiting_jobs(jobs, &policy.label_names).first() {
+        return Step::Register {
+            job_id: job.id,
+            job_handle: job.handle.clone(),
+        };
+    }
+    let free_since = state
+        .free_since
+        .or(state.vm_ready_at)
+        .unwrap_or(state.started_at);
+    if now.since(free_since) >= policy.idle_timeout {
+        return Step::Teardown {
+            reason: TeardownReason::Idle,
+        };
+    }
+    Step::Wait {
+        why: "VM free, waiting for a job".into(),
+    }
+}
+
+fn decide_tearing_down(
+    state: &CycleState,
+    obs: &Observation,
+    ctx: &RunContext,
+    policy: &Policy,
+) -> Step {
+    // Delete what is provably dead before the VM goes; anything else waits until after destroy.
+    for reg in &state.registrations {
+        let Some(id) = reg.id else { continue };
+        match obs.runners.get(&id) {
+            Some(None) => return Step::Forget { id },
+            Some(Some(r))
+                if !ctx.failed_deletes.contains(&id)
+                    && may_delete(r.name.as_deref(), &r.status, &policy.runner_prefix) =>
+            {
+                return Step::Delete {
+                    id,
+                    reason: DeleteReason::Teardown,
+                };
+            }
+            _ => {}
+        }
+    }
+    Step::Destroy
+}
+
+fn decide_destroyed(
+    state: &CycleState,
+    obs: &Observation,
+    ctx: &RunContext,
+    policy: &Policy,
+    now: Timestamp,
+) -> Step {
+    if !ctx.destroyed_this_run {
+        // The destroy happened in an earlier run; only a destroy in this run licenses a sweep.
+        // On empty state it is a no-op.
+        return Step::Destroy;
+    }
+    let mut failed: Vec<String> = Vec::new();
+    let mut waiting_on: Vec<String> = Vec::new();
+    for reg in &state.registrations {
+        let Some(id) = reg.id else {
+            if ctx.failed_intents.contains(&reg.name) {
+                failed.push(reg.name.clone());
+                continue;
+            }
+            return Step::ResolveIntent {
+                name: reg.name.clone(),
+            };
+        };
+        match obs.runners.get(&id) {
+            Some(None) => return Step::Forget { id },
+            Some(Some(_)) if ctx.failed_deletes.contains(&id) => {
+                failed.push(format!("runner {id}"))
+            }
+            Some(Some(r)) if may_delete(r.name.as_deref(), &r.status, &policy.runner_prefix) => {
+                return Step::Delete {
+                    id,
+                    reason: DeleteReason::Teardown,
+                };
+            }
+            Some(Some(r)) => waiting_on.push(format!("runner {id} (status {})", r.status.as_str())),
+            None => waiting_on.push(format!("runner {id} (status unknown: request failed)")),
+        }
+    }
+    if !failed.is_empty() {
+        return Step::GiveUp {
+            why: format!(
+                "could not delete {} after the destroy; cycle.json is kept and the next run retries",
+                failed.join(", ")
+            ),
+        };
+    }
+    if !waiting_on.is_empty() {
+        let destroyed_at = state.destroyed_at.unwrap_or(now);
+        if now.since(destroyed_at) >= OFFLINE_AFTER_DESTROY {
+            return Step::GiveUp {
+                why: format!(
+                    "{} not offline {} after the VM was destroyed; cycle.json is kept and the next run retries",
+                    waiting_on.join(", "),
+                    format_duration(OFFLINE_AFTER_DESTROY)
+                ),
+            };
+        }
+        return Step::Wait {
+            why: format!(
+                "VM destroyed; waiting until {} goes offline",
+                waiting_on.join(", ")
+            ),
+        };
+    }
+    if !ctx.swept {
+        return Step::Sweep;
+    }
+    Step::Finish
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,358 @@
+//! `cycle.json`: what the provisioner must remember between runs, and how it is stored.
+//!
+//! The file exists exactly while a cycle may own a VM or a runner registration. Every change is
+//! written before the side effect it announces (intent first), atomically: temp file in the same
+//! directory, fsync, rename, fsync of the directory.
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::io::{self, Read, Write};
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, anyhow};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::time::Timestamp;
+
+pub const STATE_VERSION: u64 = 1;
+pub const STATE_FILE: &str = "cycle.json";
+/// cycle.json never legitimately grows past a few KiB; anything larger is refused unread.
+pub const MAX_STATE_BYTES: u64 = 1024 * 1024;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Phase {
+    /// cycle.json written, `tofu apply` not yet known to have succeeded.
+    Applying,
+    /// The VM exists; registrations are created and watched.
+    Running,
+    /// Teardown decided: registrations are cleaned up and `tofu destroy` runs.
+    TearingDown,
+    /// `tofu destroy` succeeded; what remains is forgetting registrations and the sweep.
+    Destroyed,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Launch {
+    /// Registered (or about to be); the launch command has not been started.
+    Pending,
+    /// The launch command was started and had not reported back when this was written.
+    Started,
+    /// The launch command exited 0: a runner was started on the VM.
+    Done,
+    /// The launch command failed or timed out.
+    Failed,
+}
+
+/// One ephemeral registration this cycle created (or intends to create).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Registration {
+    /// `<prefix><cycle id>-<n>`: unique to this registration, so a POST whose answer was lost
+    /// can be found again by exact name.
+    pub name: String,
+    /// `None` until Forgejo answered the POST: the registration may or may not exist.
+    pub id: Option<i64>,
+    pub uuid: Option<String>,
+    pub job_id: i64,
+    pub job_handle: String,
+    pub requested_at: Timestamp,
+    pub launch: Launch,
+    pub launched_at: Option<Timestamp>,
+    /// When its job was first seen neither waiting nor running while the runner was idle.
+    pub job_gone_since: Option<Timestamp>,
+}
+
+impl Registration {
+    /// The moment the registration grace counts from.
+    pub fn grace_start(&self) -> Timestamp {
+        self.launched_at.unwrap_or(self.requested_at)
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CycleState {
+    pub version: u64,
+    pub cycle_id: String,
+    pub started_at: Timestamp,
+    pub phase: Phase,
+    /// When `tofu apply` succeeded.
+    pub vm_ready_at: Option<Timestamp>,
+    /// When the VM last became free (ready, or its last registration gone).
+    pub free_since: Option<Timestamp>,
+    /// Runners successfully launched on this VM.
+    pub jobs_started: u32,
+    /// Sequence number of the next registration name.
+    pub next_seq: u32,
+    /// Failed attempts in a row to start a runner (POST or launch).
+    pub start_failures: u32,
+    pub registrations: Vec<Registration>,
+    /// Why teardown was decided, once it was.
+    pub teardown_reason: Option<String>,
+    /// When `tofu destroy` last succeeded.
+    pub destroyed_at: Option<Timestamp>,
+    /// The last failure recorded in this cycle (e.g. a failed destroy), for the next run and `status`.
+    pub last_error: Option<String>,
+    /// Non-sensitive tofu outputs, for `status`. Sensitive outputs are never written anywhere.
+    #[serde(default)]
+    pub outputs: BTreeMap<String, Value>,
+}
+
+impl CycleState {
+    pub fn new(cycle_id: String, now: Timestamp) -> CycleState {
+        CycleState {
+            version: STATE_VERSION,
+            cycle_id,
+            started_at: now,
+            phase: Phase::Applying,
+            vm_ready_at: None,
+            free_since: None,
+            jobs_started: 0,
+            next_seq: 1,
+            start_failures: 0,
+            registrations: Vec::new(),
+            teardown_reason: None,
+            destroyed_at: None,
+            last_error: None,
+            outputs: BTreeMap::new(),
+        }
+    }
+
+    pub fn registration(&self, id: i64) -> Option<&Registration> {
+        self.registrations.iter().find(|r| r.id == Some(id))
+    }
+
+    pub fn registration_mut(&mut self, id: i64) -> Option<&mut Registration> {
+        self.registrations.iter_mut().find(|r| r.id == Some(id))
+    }
+}
+
+/// Parses cycle.json text. Any problem is an error that says what is wrong; the caller names the file.
+pub fn parse_state(text: &str) -> Result<CycleState> {
+    let v: Value =
+        serde_json::from_str(text).context("it is not valid JSON (empty or truncated?)")?;
+    let version = v
+        .get("version")
+        .ok_or_else(|| anyhow!("it has no \"version\" field"))?;
+    match version.as_u64() {
+        Some(STATE_VERSION) => {}
+        _ => {
+            return Err(anyhow!(
+                "its version {version} is not one this build understands (expected {STATE_VERSION}); \
+                 a newer ci-ephemeral-provisioner wrote it"
+            ));
+        }
+    }
+    serde_json::from_value(v).context("its contents do not match the cycle.json format")
+}
+
+/// Where cycle.json lives. Chosen once in `main`: a directory on disk, or memory for dry-runs.
+pub trait StateStore {
+    fn load(&mut self) -> Result<Option<CycleState>>;
+    fn save(&mut self, state: &CycleState) -> Result<()>;
+    fn remove(&mut self) -> Result<()>;
+    fn describe(&self) -> String;
+}
+
+pub struct FileStore {
+    dir: PathBuf,
+}
+
+impl FileStore {
+    pub fn new(dir: &Path) -> FileStore {
+        FileStore {
+            dir: dir.to_path_buf(),
+        }
+    }
+
+    pub fn path(&self) -> PathBuf {
+        self.dir.join(STATE_FILE)
+    }
+}
+
+/// Reads cycle.json without changing it. `Ok(None)` when there is none.
+pub fn read_state_file(path: &Path) -> Result<Option<CycleState>> {
+    let meta = match fs::symlink_metadata(path) {
+        Ok(m) => m,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(anyhow!("cannot read {}: {e}", path.display())),
+    };
+    let fix = "fix or move the file by hand; it was left unchanged and nothing else was done";
+    if !meta.file_type().is_file() {
+        return Err(anyhow!(
+            "{} is not a regular file (a symlink or directory?); {fix}",
+            path.display()
+        ));
+    }
+    if meta.len() > MAX_STATE_BYTES {
+        return Err(anyhow!(
+            "{} is {} bytes, larger than any cycle.json this tool writes ({} bytes at most); {fix}",
+            path.display(),
+            meta.len(),
+            MAX_STATE_BYTES
+        ));
+    }
+    let mut text = String::new();
+    fs::File::open(path)
+        .and_then(|f| f.take(MAX_STATE_BYTES + 1).read_to_string(&mut text))
+        .map_err(|e| anyhow!("cannot read {}: {e}; {fix}", path.display()))?;
+    parse_state(&text)
+        .map(Some)
+        .map_err(|e| anyhow!("{} is unusable: {e:#}; {fix}", path.display()))
+}
+
+/// Atomically replaces `path` with `bytes` (mode 0600): temp file in the same directory, fsync,
+/// rename, fsync of the directory.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let dir = path
+        .parent()
+        .ok_or_else(|| anyhow!("{} has no parent directory", path.display()))?;
+    let mut tmp = tempfile::Builder::new()
+        .prefix(".tmp-")
+        .tempfile_in(dir)
+        .with_context(|| format!("cannot create a temporary file in {}", dir.display()))?;
+    tmp.write_all(bytes)
+        .and_then(|_| tmp.as_file().sync_all())
+        .with_context(|| format!("cannot write a temporary file in {}", dir.display()))?;
+    tmp.persist(path).map_err(|e| {
+        anyhow!(
+            "cannot rename a temporary file onto {}: {}",
+            path.display(),
+            e.error
+        )
+    })?;
+    fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .with_context(|| format!("cannot fsync directory {}", dir.display()))?;
+    Ok(())
+}
+
+impl StateStore for FileStore {
+    fn load(&mut self) -> Result<Option<CycleState>> {
+        read_state_file(&self.path())
+    }
+
+    fn save(&mut self, state: &CycleState) -> Result<()> {
+        let mut bytes = serde_json::to_vec_pretty(state).context("cannot encode cycle.json")?;
+        bytes.push(b'\n');
+        write_atomic(&self.path(), &bytes)
+    }
+
+    fn remove(&mut self) -> Result<()> {
+        let path = self.path();
+        match fs::remove_file(&path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(anyhow!("cannot remove {}: {e}", path.display())),
+        }
+        fs::File::open(&self.dir)
+            .and_then(|d| d.sync_all())
+            .with_context(|| format!("cannot fsync directory {}", self.dir.display()))
+    }
+
+    fn describe(&self) -> String {
+        self.path().display().to_string()
+    }
+}
+
+/// A store that never touches the disk: dry-runs start from what the real file (or the fixture)
+/// holds and keep every change in memory.
+pub struct MemoryStore {
+    pub state: Option<CycleState>,
+}
+
+impl StateStore for MemoryStore {
+    fn load(&mut self) -> Result<Option<CycleState>> {
+        Ok(self.state.clone())
+    }
+
+    fn save(&mut self, state: &CycleState) -> Result<()> {
+        self.state = Some(state.clone());
+        Ok(())
+    }
+
+    fn remove(&mut self) -> Result<()> {
+        self.state = None;
+        Ok(())
+    }
+
+    fn describe(&self) -> String {
+        "cycle state (in memory, dry-run)".into()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    fn sample() -> CycleState {
+        let mut s = CycleState::new("20261014t150757z-ab12".into(), Timestamp(1_760_000_000_000));
+        s.registrations.push(Registration {
+            name: "ephemeral-20261014t150757z-ab12-1".into(),
+            id: Some(514),
+            uuid: Some("u".into()),
+            job_id: 7,
+            job_handle: "h".into(),
+            requested_at: Timestamp(1_760_000_001_000),
+            launch: Launch::Done,
+            launched_at: Some(Timestamp(1_760_000_002_000)),
+            job_gone_since: None,
+        });
+        s
+    }
+
+    #[test]
+    fn save_load_round_trip_with_private_mode() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut store = FileStore::new(dir.path());
+        assert_eq!(store.load().unwrap(), None);
+        store.save(&sample()).unwrap();
+        assert_eq!(store.load().unwrap(), Some(sample()));
+        let mode = fs::metadata(store.path()).unwrap().permissions().mode();
+        assert_eq!(mode & 0o077, 0, "cycle.json must not be readable by others");
+        store.remove().unwrap();
+        assert_eq!(store.load().unwrap(), None);
+        store.remove().unwrap();
+    }
+
+    #[test]
+    fn every_truncation_is_a_clear_error() {
+        let text = serde_json::to_string_pretty(&sample()).unwrap();
+        for cut in 0..text.len() {
+            if !text.is_char_boundary(cut) {
+                continue;
+            }
+            let err = parse_state(&text[..cut]).expect_err("a truncated cycle.json must not load");
+            assert!(!format!("{err:#}").is_empty());
+        }
+    }
+
+    #[test]
+    fn unknown_version_and_wrong_types_are_refused() {
+        let mut v = serde_json::to_value(sample()).unwrap();
+        v["version"] = serde_json::json!(2);
+        let e = parse_state(&v.to_string()).unwrap_err();
+        assert!(format!("{e:#}").contains("version 2"), "{e:#}");
+        let mut v = serde_json::to_value(sample()).unwrap();
+        v["jobs_started"] = serde_json::json!("three");
+        assert!(parse_state(&v.to_string()).is_err());
+        assert!(parse_state("[]").is_err());
+    }
+
+    #[test]
+    fn bad_files_are_named_and_left_alone() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(STATE_FILE);
+        fs::write(&path, b"{\"version\": 1, \"cycle_").unwrap();
+        let e = read_state_file(&path).unwrap_err();
+        assert!(format!("{e:#}").contains(&path.display().to_string()));
+        assert_eq!(fs::read(&path).unwrap(), b"{\"version\": 1, \"cycle_");
+        let link = dir.path().join("link.json");
+        std::os::unix::fs::symlink(&path, &link).unwrap();
+        assert!(
+            format!("{:#}", read_state_file(&link).unwrap_err()).contains("not a regular file")
+        );
+    }
+}

@@ -1,0 +1,194 @@
+//! OpenTofu (or the CLI-compatible terraform) behind a small trait.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+
+use crate::process::{ChildSpec, run_child};
+use crate::signals::StopFlag;
+
+/// A failed external step (tofu, the launch command).
+#[derive(Clone, Debug)]
+pub struct StepError {
+    pub message: String,
+    /// The step ended because a stop (SIGTERM/SIGINT) was requested.
+    pub interrupted: bool,
+}
+
+impl StepError {
+    pub fn failed(message: impl Into<String>) -> StepError {
+        StepError {
+            message: message.into(),
+            interrupted: false,
+        }
+    }
+}
+
+impl std::fmt::Display for StepError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Output {
+    pub sensitive: bool,
+    pub value: Value,
+}
+
+pub type Outputs = BTreeMap<String, Output>;
+
+pub trait Tofu {
+    /// `Err` with a message saying what to configure when this cannot run at all.
+    fn check_config(&self) -> Result<(), String>;
+    /// `init` when needed, then `apply`.
+    fn apply(&mut self, cycle_id: &str) -> Result<(), StepError>;
+    fn outputs(&mut self, cycle_id: &str) -> Result<Outputs, StepError>;
+    fn destroy(&mut self, cycle_id: &str) -> Result<(), StepError>;
+}
+
+/// Parses `tofu output -json` (an object of `{sensitive, type, value}`).
+pub fn parse_outputs(stdout: &[u8]) -> Result<Outputs, String> {
+    // Never quote the text: sensitive outputs are printed in plain text by tofu.
+    let v: Value = serde_json::from_slice(stdout)
+        .map_err(|e| format!("`output -json` did not print JSON ({e})"))?;
+    let obj = v
+        .as_object()
+        .ok_or("`output -json` did not print a JSON object")?;
+    let mut outputs = Outputs::new();
+    for (name, entry) in obj {
+        let sensitive = entry
+            .get("sensitive")
+            .and_then(Value::as_bool)
+            .unwrap_or(true);
+        let value = entry.get("value").cloned().unwrap_or(Value::Null);
+        outputs.insert(name.clone(), Output { sensitive, value });
+    }
+    Ok(outputs)
+}
+
+pub struct CliTofu {
+    pub bin: PathBuf,
+    pub dir: Option<PathBuf>,
+    pub stop: StopFlag,
+}
+
+impl CliTofu {
+    fn dir(&self) -> Result<&Path, StepError> {
+        self.dir.as_deref().ok_or_else(|| {
+            StepError::failed("--tofu-dir is not set; it names the directory of the VM module")
+        })
+    }
+
+    fn run(&self, cycle_id: &str, args: &[&str]) -> Result<Vec<u8>, StepError> {
+        let dir = self.dir()?;
+        let mut all = vec![format!("-chdir={}", dir.display())];
+        all.extend(args.iter().map(|a| a.to_string()));
+        let shown = format!("{} {}", self.bin.display(), all.join(" "));
+        log::info!("running {shown}");
+        let spec = ChildSpec {
+            program: self.bin.clone(),
+            args: all.into_iter().map(Into::into).collect(),
+            env: vec![
+                ("TF_IN_AUTOMATION".into(), "1".into()),
+                ("TF_INPUT".into(), "0".into()),
+                ("TF_VAR_cycle_id".into(), cycle_id.into()),
+            ],
+            stdin: None,
+            timeout: None,
+        };
+        let r = run_child(&spec, &self.stop).map_err(|e| {
+            StepError::failed(format!(
+                "cannot run {}: {e} (is --tofu-bin right and installed?)",
+                self.bin.display()
+            ))
+        })?;
+        if r.interrupted {
+            return Err(StepError {
+                message: format!(
+                    "`{shown}` was interrupted by a stop request ({})",
+                    r.describe()
+                ),
+                interrupted: true,
+            });
+        }
+        if !r.success() {
+            return Err(StepError::failed(format!("`{shown}` {}", r.describe())));
+        }
+        Ok(r.stdout)
+    }
+
+    fn needs_init(&self, dir: &Path) -> bool {
+        let data_dir = std::env::var_os("TF_DATA_DIR")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from(".terraform"));
+        let data_dir = if data_dir.is_absolute() {
+            data_dir
+        } else {
+            dir.join(data_dir)
+        };
+        !data_dir.is_dir()
+    }
+}
+
+impl Tofu for CliTofu {
+    fn check_config(&self) -> Result<(), String> {
+        match &self.dir {
+            None => Err("--tofu-dir is not set; it names the directory of the VM module".into()),
+            Some(d) if !d.is_dir() => Err(format!(
+                "--tofu-dir {} is not a directory; point it at the VM module",
+                d.display()
+            )),
+            Some(_) => Ok(()),
+        }
+    }
+
+    fn apply(&mut self, cycle_id: &str) -> Result<(), StepError> {
+        let dir = self.dir()?.to_path_buf();
+        if self.needs_init(&dir) {
+            self.run(cycle_id, &["init", "-input=false", "-no-color"])?;
+        }
+        self.run(
+            cycle_id,
+            &["apply", "-input=false", "-auto-approve", "-no-color"],
+        )?;
+        Ok(())
+    }
+
+    fn outputs(&mut self, cycle_id: &str) -> Result<Outputs, StepError> {
+        let stdout = self.run(cycle_id, &["output", "-json", "-no-color"])?;
+        parse_outputs(&stdout).map_err(StepError::failed)
+    }
+
+    fn destroy(&mut self, cycle_id: &str) -> Result<(), StepError> {
+        let dir = self.dir()?.to_path_buf();
+        if self.needs_init(&dir) {
+            self.run(cycle_id, &["init", "-input=false", "-no-color"])?;
+        }
+        self.run(
+            cycle_id,
+            &["destroy", "-input=false", "-auto-approve", "-no-color"],
+        )?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn outputs_keep_sensitivity() {
+        let o = parse_outputs(
+            br#"{"address":{"sensitive":false,"type":"string","value":"10.0.0.1"},
+                 "key":{"sensitive":true,"type":"string","value":"s3cr3t"}}"#,
+        )
+        .unwrap();
+        assert_eq!(o["address"].value, Value::String("10.0.0.1".into()));
+        assert!(o["key"].sensitive);
+        assert!(parse_outputs(b"{}").unwrap().is_empty());
+        let e = parse_outputs(b"{\"key\": s3cr3t").unwrap_err();
+        assert!(!e.contains("s3cr3t"));
+    }
+}
