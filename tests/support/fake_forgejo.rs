@@ -1,0 +1,1656 @@
+//! A fake Forgejo (>= 15) for integration tests.
+//!
+//! It serves the Actions runner REST API (list/get/delete/register runners and the waiting-jobs
+//! search) at the admin, user, org and repo scopes, with the wire behaviour of the real server as
+//! recorded in the shared `forgejo-api.md` notes (sections 1, 2, 3 and 6): bare JSON arrays,
+//! `X-Total-Count`/`Link` headers, the "no `page` means every row" quirk, the 60 s / 10 s status
+//! computation, `null` labels before the runner connects, `null` for an empty jobs result, soft
+//! deletes, `{"message","url"}` error bodies and the 401/403/404/422 codes.
+//!
+//! `/_fake/*` endpoints simulate a `forgejo-runner` process (connect, take a job, finish it,
+//! disconnect); they authenticate with the runner's own token, not the API token.
+//!
+//! Faults can be injected per request (status codes, HTML pages, truncated or mistyped JSON,
+//! delays, dropped connections, effects applied but the answer lost).
+//!
+//! Network layout: the public port is a small TCP relay in front of a `tiny_http` server. The
+//! relay exists only so that a fault can close the client's socket without any response, which
+//! `tiny_http` cannot do on its own (dropping a `tiny_http::Request` answers 500, and the
+//! keep-alive connection stays open).
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::{self, JoinHandle};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use serde_json::{Value, json};
+
+/// `url` of every API error body.
+pub const SWAGGER_URL: &str = "https://forgejo.invalid/api/swagger";
+/// Default `ROOT_URL` used in `Link` headers.
+pub const DEFAULT_ROOT_URL: &str = "http://forgejo.invalid/";
+/// `version` a runner reports once it has connected (Declare).
+pub const RUNNER_VERSION: &str = "12.8.2";
+/// Answer of `GET /api/v1/version`.
+pub const FORGEJO_VERSION: &str = "15.0.3+gitea-1.22.0";
+/// Id of the user who owns the API token (the `/user/...` scope).
+pub const TOKEN_USER_ID: i64 = 1;
+
+const JSON_CONTENT_TYPE: &str = "application/json;charset=utf-8";
+/// `RunnerOfflineTime` (models/actions/runner.go).
+const OFFLINE_AFTER_MS: i64 = 60_000;
+/// `RunnerIdleTime` (models/actions/runner.go).
+const IDLE_AFTER_MS: i64 = 10_000;
+/// `[api].DEFAULT_PAGING_NUM`.
+const DEFAULT_PAGING_NUM: i64 = 30;
+/// `[api].MAX_RESPONSE_ITEMS`.
+const MAX_RESPONSE_ITEMS: i64 = 50;
+const WORKER_THREADS: usize = 8;
+const FIRST_ORG_ID: i64 = 100;
+const FIRST_REPO_ID: i64 = 1000;
+
+/// How a runner registration is connected, for seeding state.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Conn {
+    /// Registered, never ran Declare: `last_online = 0`, so `offline`; `version ""`, `labels null`.
+    NeverConnected,
+    /// Connected and polling (stays online), no job: `idle`.
+    Idle,
+    /// Connected, polling and running a job: `active`.
+    Active,
+    /// Connected once, stopped polling this long ago (was idle). `offline` only when > 60 s.
+    OfflineFor(Duration),
+}
+
+#[derive(Clone, Debug)]
+pub struct RunnerSnapshot {
+    pub id: i64,
+    pub uuid: String,
+    pub name: String,
+    /// The computed status (`offline`/`idle`/`active`); ignores `set_status_override`.
+    pub status: String,
+    pub ephemeral: bool,
+    pub owner_id: i64,
+    pub repo_id: i64,
+}
+
+#[derive(Clone, Debug)]
+pub struct JobSnapshot {
+    pub id: i64,
+    pub handle: String,
+    pub status: String,
+    pub runs_on: Vec<String>,
+    /// The runner that took the job, if any.
+    pub runner_id: Option<i64>,
+}
+
+/// One request as received.
+#[derive(Clone, Debug)]
+pub struct Request {
+    pub method: String,
+    /// Path without the query string, as sent (not percent-decoded).
+    pub path: String,
+    /// Raw query string without `?` ("" when none).
+    pub query: String,
+    pub authorization: Option<String>,
+}
+
+/// A fault for the next matching requests, see [`FakeForgejo::inject`].
+#[derive(Clone, Debug)]
+pub enum Fault {
+    /// Answer this status with a JSON error body; nothing is applied.
+    Status(u16),
+    /// Answer this status with an HTML page (`text/html`); nothing is applied.
+    Html(u16),
+    /// Apply the request, answer 200 with the first half of the real body.
+    Truncated,
+    /// Sleep, then handle the request normally.
+    Delay(Duration),
+    /// Close the socket without any response; nothing is applied.
+    DropConnection,
+    /// Apply the request, then answer this status with a JSON error body.
+    ApplyThenStatus(u16),
+    /// Apply the request, then close the socket without any response.
+    ApplyThenDrop,
+    /// Apply the request, answer 200 with the real JSON where every `id`/`*_id` number is a
+    /// string and every `status` is a number.
+    WrongTypes,
+    /// Answer 200 with exactly this body (`application/json` content type); nothing is applied.
+    Body(String),
+}
+
+// ---------------------------------------------------------------------------------------------
+// State
+// ---------------------------------------------------------------------------------------------
+
+struct RunnerRow {
+    id: i64,
+    uuid: String,
+    token: String,
+    name: String,
+    description: String,
+    owner_id: i64,
+    repo_id: i64,
+    ephemeral: bool,
+    version: String,
+    /// `None` until the runner has connected (JSON `null`).
+    labels: Option<Vec<String>>,
+    /// Unix milliseconds; 0 = never.
+    last_online_ms: i64,
+    last_active_ms: i64,
+    /// The runner process polls: `last_online` is "now" at every status computation.
+    polling: bool,
+    /// The runner is running a task and reporting: `last_active` is "now".
+    busy: bool,
+    deleted: bool,
+    status_override: Option<String>,
+    token_presented: bool,
+}
+
+impl RunnerRow {
+    fn effective_last_online(&self, now: i64) -> i64 {
+        if self.polling {
+            now
+        } else {
+            self.last_online_ms
+        }
+    }
+
+    /// `ActionRunner.Status()`: offline after 1 min without contact, idle after 10 s without
+    /// task activity, else active.
+    fn status(&self, now: i64) -> &'static str {
+        let last_online = self.effective_last_online(now);
+        let last_active = if self.busy { now } else { self.last_active_ms };
+        if now - last_online > OFFLINE_AFTER_MS {
+            "offline"
+        } else if now - last_active > IDLE_AFTER_MS {
+            "idle"
+        } else {
+            "active"
+        }
+    }
+
+    fn is_instance(&self) -> bool {
+        self.owner_id == 0 && self.repo_id == 0
+    }
+
+    fn json(&self, now: i64) -> Value {
+        let mut v = json!({
+            "id": self.id,
+            "uuid": self.uuid,
+            "owner_id": self.owner_id,
+            "repo_id": self.repo_id,
+            "name": self.name,
+            "status": self.status(now),
+            "version": self.version,
+            "labels": self.labels,
+            "description": self.description,
+            "ephemeral": self.ephemeral,
+        });
+        match self.status_override.as_deref() {
+            None => {}
+            Some("") => {
+                v.as_object_mut().expect("object").remove("status");
+            }
+            Some(s) => v["status"] = json!(s),
+        }
+        v
+    }
+
+    fn snapshot(&self, now: i64) -> RunnerSnapshot {
+        RunnerSnapshot {
+            id: self.id,
+            uuid: self.uuid.clone(),
+            name: self.name.clone(),
+            status: self.status(now).to_string(),
+            ephemeral: self.ephemeral,
+            owner_id: self.owner_id,
+            repo_id: self.repo_id,
+        }
+    }
+
+    /// The runner's Declare RPC: version and label names, and it starts polling.
+    fn declare(&mut self, labels: Option<Vec<String>>, now: i64) {
+        self.version = RUNNER_VERSION.to_string();
+        let labels = labels.unwrap_or_else(|| self.labels.take().unwrap_or_default());
+        self.labels = Some(labels);
+        self.polling = true;
+        self.last_online_ms = now;
+    }
+
+    fn apply_conn(&mut self, conn: &Conn, now: i64) {
+        match conn {
+            Conn::NeverConnected => {
+                self.version = String::new();
+                self.labels = None;
+                self.last_online_ms = 0;
+                self.last_active_ms = 0;
+                self.polling = false;
+                self.busy = false;
+            }
+            Conn::Idle => {
+                self.declare(None, now);
+                self.busy = false;
+                self.last_active_ms = now - 3_600_000;
+            }
+            Conn::Active => {
+                self.declare(None, now);
+                self.busy = true;
+                self.last_active_ms = now;
+            }
+            Conn::OfflineFor(d) => {
+                self.declare(None, now);
+                self.polling = false;
+                self.busy = false;
+                self.last_online_ms = now - d.as_millis() as i64;
+                self.last_active_ms = self.last_online_ms - 3_600_000;
+            }
+        }
+    }
+}
+
+struct JobRow {
+    id: i64,
+    attempt: i64,
+    handle: String,
+    repo_id: i64,
+    owner_id: i64,
+    name: String,
+    runs_on: Vec<String>,
+    task_id: i64,
+    status: String,
+    runner_id: Option<i64>,
+}
+
+impl JobRow {
+    fn json(&self) -> Value {
+        json!({
+            "id": self.id,
+            "attempt": self.attempt,
+            "handle": self.handle,
+            "repo_id": self.repo_id,
+            "owner_id": self.owner_id,
+            "name": self.name,
+            "needs": null,
+            "runs_on": self.runs_on,
+            "task_id": self.task_id,
+            "status": self.status,
+        })
+    }
+
+    fn snapshot(&self) -> JobSnapshot {
+        JobSnapshot {
+            id: self.id,
+            handle: self.handle.clone(),
+            status: self.status.clone(),
+            runs_on: self.runs_on.clone(),
+            runner_id: self.runner_id,
+        }
+    }
+}
+
+struct FaultRule {
+    method: String,
+    path_contains: String,
+    fault: Fault,
+    remaining: usize,
+}
+
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Kind {
+    Admin,
+    Owner,
+    Repo,
+}
+
+/// The scope of an API route: `(owner_id, repo_id)` as in `FindRunnerOptions`.
+#[derive(Clone, Copy, Debug)]
+struct Scope {
+    kind: Kind,
+    owner_id: i64,
+    repo_id: i64,
+    /// For a repo scope: the owner id of the repo (an org id by name), for `visible=true`.
+    repo_owner_id: i64,
+    write_scope: &'static str,
+}
+
+impl Scope {
+    /// `FindRunnerOptions.ToConds` for the list endpoint.
+    fn lists(&self, r: &RunnerRow, visible: bool) -> bool {
+        match self.kind {
+            Kind::Admin => visible || r.is_instance(),
+            Kind::Owner => r.owner_id == self.owner_id || (visible && r.is_instance()),
+            Kind::Repo => {
+                r.repo_id == self.repo_id
+                    || (visible
+                        && (r.is_instance()
+                            || (r.repo_id == 0 && r.owner_id == self.repo_owner_id)))
+            }
+        }
+    }
+
+    /// `GetVisibleRunnerByID`.
+    fn sees(&self, r: &RunnerRow) -> bool {
+        match self.kind {
+            Kind::Admin => true,
+            Kind::Owner => r.owner_id == self.owner_id || r.is_instance(),
+            Kind::Repo => {
+                r.repo_id == self.repo_id
+                    || r.is_instance()
+                    || (r.repo_id == 0 && r.owner_id == self.repo_owner_id)
+            }
+        }
+    }
+
+    /// `ActionRunner.Editable`.
+    fn edits(&self, r: &RunnerRow) -> bool {
+        match self.kind {
+            Kind::Admin => true,
+            Kind::Owner => r.owner_id == self.owner_id && r.repo_id == 0,
+            Kind::Repo => r.repo_id == self.repo_id,
+        }
+    }
+
+    fn has_job(&self, j: &JobRow) -> bool {
+        match self.kind {
+            Kind::Admin => true,
+            Kind::Owner => j.owner_id == self.owner_id,
+            Kind::Repo => j.repo_id == self.repo_id,
+        }
+    }
+}
+
+struct World {
+    token: String,
+    read_only_token: Option<String>,
+    root_url: String,
+    runners: BTreeMap<i64, RunnerRow>,
+    next_runner_id: i64,
+    jobs: BTreeMap<i64, JobRow>,
+    next_job_id: i64,
+    next_task_id: i64,
+    orgs: Vec<String>,
+    repos: Vec<String>,
+    deleted_ids: Vec<i64>,
+    requests: Vec<Request>,
+    faults: Vec<FaultRule>,
+    rng: u64,
+}
+
+/// A request as the handler needs it.
+struct Incoming {
+    method: String,
+    url: String,
+    path: String,
+    query: String,
+    authorization: Option<String>,
+    runner_uuid: Option<String>,
+    body: Vec<u8>,
+}
+
+/// A response before it is put on the wire.
+struct Reply {
+    status: u16,
+    content_type: Option<&'static str>,
+    headers: Vec<(&'static str, String)>,
+    body: Vec<u8>,
+}
+
+impl Reply {
+    fn json(status: u16, v: &Value) -> Reply {
+        Reply {
+            status,
+            content_type: Some(JSON_CONTENT_TYPE),
+            headers: Vec::new(),
+            body: serde_json::to_vec(v).expect("serialize json"),
+        }
+    }
+
+    /// Forgejo's `APIError` body.
+    fn error(status: u16, message: &str) -> Reply {
+        Reply::json(status, &json!({"message": message, "url": SWAGGER_URL}))
+    }
+
+    fn empty(status: u16) -> Reply {
+        Reply {
+            status,
+            content_type: None,
+            headers: Vec::new(),
+            body: Vec::new(),
+        }
+    }
+
+    fn not_found() -> Reply {
+        Reply::error(404, "not found")
+    }
+
+    fn method_not_allowed() -> Reply {
+        Reply::error(405, "Method Not Allowed")
+    }
+}
+
+enum Op {
+    List,
+    Register,
+    Jobs,
+    Get(i64),
+    Delete(i64),
+    RegistrationToken,
+}
+
+impl World {
+    fn new(token: &str) -> World {
+        static COUNTER: AtomicU64 = AtomicU64::new(0);
+        let nanos = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0);
+        let count = COUNTER.fetch_add(1, Ordering::Relaxed);
+        let seed = nanos
+            ^ (u64::from(std::process::id()) << 32)
+            ^ count.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        World {
+            token: token.to_string(),
+            read_only_token: None,
+            root_url: DEFAULT_ROOT_URL.to_string(),
+            runners: BTreeMap::new(),
+            next_runner_id: 1,
+            jobs: BTreeMap::new(),
+            next_job_id: 1,
+            next_task_id: 1,
+            orgs: Vec::new(),
+            repos: Vec::new(),
+            deleted_ids: Vec::new(),
+            requests: Vec::new(),
+            faults: Vec::new(),
+            rng: seed | 1,
+        }
+    }
+
+    // -- randomness (xorshift64*) ---------------------------------------------------------------
+
+    fn next_u64(&mut self) -> u64 {
+        let mut x = self.rng;
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        self.rng = x;
+        x.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+
+    fn random_bytes<const N: usize>(&mut self) -> [u8; N] {
+        let mut out = [0u8; N];
+        for chunk in out.chunks_mut(8) {
+            let v = self.next_u64().to_le_bytes();
+            chunk.copy_from_slice(&v[..chunk.len()]);
+        }
+        out
+    }
+
+    fn uuid_v4(&mut self) -> String {
+        let mut b: [u8; 16] = self.random_bytes();
+        b[6] = (b[6] & 0x0f) | 0x40;
+        b[8] = (b[8] & 0x3f) | 0x80;
+        let h = hex(&b);
+        format!(
+            "{}-{}-{}-{}-{}",
+            &h[0..8],
+            &h[8..12],
+            &h[12..16],
+            &h[16..20],
+            &h[20..32]
+        )
+    }
+
+    fn runner_token(&mut self) -> String {
+        let b: [u8; 20] = self.random_bytes();
+        hex(&b)
+    }
+
+    // -- scopes ---------------------------------------------------------------------------------
+
+    fn org_id(&mut self, org: &str) -> i64 {
+        let idx = match self.orgs.iter().position(|o| o == org) {
+            Some(i) => i,
+            None => {
+                self.orgs.push(org.to_string());
+                self.orgs.len() - 1
+            }
+        };
+        FIRST_ORG_ID + idx as i64
+    }
+
+    fn repo_id(&mut self, full_name: &str) -> i64 {
+        let idx = match self.repos.iter().position(|r| r == full_name) {
+            Some(i) => i,
+            None => {
+                self.repos.push(full_name.to_string());
+                self.repos.len() - 1
+            }
+        };
+        FIRST_REPO_ID + idx as i64
+    }
+
+    // -- rows -----------------------------------------------------------------------------------
+
+    #[allow(clippy::too_many_arguments)]
+    fn insert_runner(
+        &mut self,
+        id: Option<i64>,
+        name: &str,
+        description: &str,
+        owner_id: i64,
+        repo_id: i64,
+        ephemeral: bool,
+        conn: &Conn,
+        now: i64,
+    ) -> (i64, String, String) {
+        let id = id.unwrap_or(self.next_runner_id);
+        assert!(
+            !self.runners.contains_key(&id),
+            "fake forgejo: runner id {id} already exists"
+        );
+        self.next_runner_id = self.next_runner_id.max(id + 1);
+        let uuid = self.uuid_v4();
+        let token = self.runner_token();
+        let mut row = RunnerRow {
+            id,
+            uuid: uuid.clone(),
+            token: token.clone(),
+            name: truncate_bytes(name, 255),
+            description: description.to_string(),
+            owner_id,
+            repo_id,
+            ephemeral,
+            version: String::new(),
+            labels: None,
+            last_online_ms: 0,
+            last_active_ms: 0,
+            polling: false,
+            busy: false,
+            deleted: false,
+            status_override: None,
+            token_presented: false,
+        };
+        row.apply_conn(conn, now);
+        self.runners.insert(id, row);
+        (id, uuid, token)
+    }
+
+    fn live_runner_mut(&mut self, id: i64) -> Option<&mut RunnerRow> {
+        self.runners.get_mut(&id).filter(|r| !r.deleted)
+    }
+
+    /// Soft delete (`DeleteRunner`): the UUID is rewritten so the runner can no longer
+    /// authenticate, and the row disappears from list/get.
+    fn soft_delete(&mut self, id: i64, via_api: bool) {
+        if let Some(r) = self.runners.get_mut(&id) {
+            r.deleted = true;
+            r.polling = false;
+            r.busy = false;
+            let b = id.to_be_bytes();
+            r.uuid = format!("ffffffff-ffff-ffff-{}-{}", hex(&b[0..2]), hex(&b[2..8]));
+            if via_api {
+                self.deleted_ids.push(id);
+            }
+        }
+    }
+
+    fn take_fault(&mut self, method: &str, url: &str) -> Option<Fault> {
+        let idx = self.faults.iter().position(|f| {
+            f.remaining > 0
+                && (f.method == "*" || f.method.eq_ignore_ascii_case(method))
+                && url.contains(&f.path_contains)
+        })?;
+        let rule = &mut self.faults[idx];
+        let fault = rule.fault.clone();
+        if rule.remaining != usize::MAX {
+            rule.remaining -= 1;
+        }
+        if rule.remaining == 0 {
+            self.faults.remove(idx);
+        }
+        Some(fault)
+    }
+
+    // -- request handling -----------------------------------------------------------------------
+
+    fn handle(&mut self, inc: &Incoming, now: i64) -> Reply {
+        if let Some(action) = inc.path.strip_prefix("/_fake/") {
+            return self.control(inc, action, now);
+        }
+        let Some(api) = inc.path.strip_prefix("/api/v1/") else {
+            return Reply::not_found();
+        };
+        let segs: Vec<String> = api
+            .split('/')
+            .filter(|s| !s.is_empty())
+            .map(|s| percent_decode(s, false))
+            .collect();
+        let segs: Vec<&str> = segs.iter().map(String::as_str).collect();
+        let (scope, rest): (Scope, &[&str]) = match segs.as_slice() {
+            ["version"] => {
+                return if inc.method == "GET" {
+                    Reply::json(200, &json!({"version": FORGEJO_VERSION}))
+                } else {
+                    Reply::method_not_allowed()
+                };
+            }
+            ["admin", "actions", "runners", rest @ ..] => (self.admin_scope(), rest),
+            // Legacy path, deprecated in 15 but still routed.
+            ["admin", "runners", "jobs"] => (self.admin_scope(), &["jobs"][..]),
+            ["user", "actions", "runners", rest @ ..] => (
+                Scope {
+                    kind: Kind::Owner,
+                    owner_id: TOKEN_USER_ID,
+                    repo_id: 0,
+                    repo_owner_id: 0,
+                    write_scope: "write:user",
+                },
+                rest,
+            ),
+            ["orgs", org, "actions", "runners", rest @ ..] => (
+                Scope {
+                    kind: Kind::Owner,
+                    owner_id: self.org_id(org),
+                    repo_id: 0,
+                    repo_owner_id: 0,
+                    write_scope: "write:organization",
+                },
+                rest,
+            ),
+            ["repos", owner, repo, "actions", "runners", rest @ ..] => (
+                Scope {
+                    kind: Kind::Repo,
+                    owner_id: 0,
+                    repo_id: self.repo_id(&format!("{owner}/{repo}")),
+                    repo_owner_id: self.org_id(owner),
+                    write_scope: "write:repository",
+                },
+                rest,
+            ),
+            _ => return Reply::not_found(),
+        };
+
+        let method = inc.method.as_str();
+        let op = match (rest, method) {
+            ([], "GET") => Op::List,
+            ([], "POST") => Op::Register,
+            (["jobs"], "GET") => Op::Jobs,
+            (["registration-token"], "GET") => Op::RegistrationToken,
+            ([id], "GET") => Op::Get(parse_i64(id)),
+            ([id], "DELETE") => Op::Delete(parse_i64(id)),
+            ([] | [_], _) => return Reply::method_not_allowed(),
+            _ => return Reply::not_found(),
+        };
+
+        // Authentication, then the read/write token scope check (by HTTP method).
+        let presented = presented_token(inc.authorization.as_deref());
+        let writable = match presented {
+            Some(t) if t == self.token => true,
+            Some(t) if self.read_only_token.as_deref() == Some(t) => false,
+            _ => return Reply::error(401, "token is required"),
+        };
+        if !writable && method != "GET" {
+            return Reply::error(
+                403,
+                &format!(
+                    "token does not have at least one of required scope(s): [{}]",
+                    scope.write_scope
+                ),
+            );
+        }
+
+        match op {
+            Op::List => self.list_runners(inc, scope, now),
+            Op::Register => self.register_runner(inc, scope, now),
+            Op::Jobs => self.list_jobs(inc, scope),
+            Op::Get(id) => match self.runners.get(&id) {
+                Some(r) if !r.deleted && scope.sees(r) => Reply::json(200, &r.json(now)),
+                _ => Reply::error(
+                    404,
+                    &format!("runner with ID {id}: resource does not exist"),
+                ),
+            },
+            Op::Delete(id) => match self.runners.get(&id) {
+                Some(r) if !r.deleted && scope.sees(r) => {
+                    if !scope.edits(r) {
+                        return Reply::error(404, "No permission to delete this runner");
+                    }
+                    // No busy check: Forgejo deletes active runners too.
+                    self.soft_delete(id, true);
+                    Reply::empty(204)
+                }
+                _ => Reply::error(
+                    404,
+                    &format!("runner with ID {id}: resource does not exist"),
+                ),
+            },
+            Op::RegistrationToken => {
+                // Deprecated in 15; a stable 43-character token per scope.
+                let token = format!(
+                    "FakeRegistrationToken{:0>22}",
+                    format!("{}x{}", scope.owner_id, scope.repo_id)
+                );
+                Reply::json(200, &json!({ "token": token }))
+            }
+        }
+    }
+
+    fn admin_scope(&self) -> Scope {
+        Scope {
+            kind: Kind::Admin,
+            owner_id: 0,
+            repo_id: 0,
+            repo_owner_id: 0,
+            write_scope: "write:admin",
+        }
+    }
+
+    /// `shared.ListRunners`.
+    fn list_runners(&self, inc: &Incoming, scope: Scope, now: i64) -> Reply {
+        let q = parse_query(&inc.query);
+        let visible = go_parse_bool(first(&q, "visible"));
+        let page = go_atoi(first(&q, "page"));
+        let limit = match go_atoi(first(&q, "limit")) {
+            l if l <= 0 => DEFAULT_PAGING_NUM,
+            l if l > MAX_RESPONSE_ITEMS => MAX_RESPONSE_ITEMS,
+            l => l,
+        };
+        let mut rows: Vec<&RunnerRow> = self
+            .runners
+            .values()
+            .filter(|r| !r.deleted && scope.lists(r, visible))
+            .collect();
+        // ORDER BY last_online DESC; ties by id so the fake is deterministic.
+        rows.sort_by(|a, b| {
+            b.effective_last_online(now)
+                .cmp(&a.effective_last_online(now))
+                .then(a.id.cmp(&b.id))
+        });
+        let total = rows.len() as i64;
+        // Quirk: LIMIT/OFFSET only applies when page >= 1; without `page` every row comes back.
+        let shown: Vec<Value> = if page >= 1 {
+            rows.iter()
+                .skip(((page - 1) * limit) as usize)
+                .take(limit as usize)
+                .map(|r| r.json(now))
+                .collect()
+        } else {
+            rows.iter().map(|r| r.json(now)).collect()
+        };
+        let mut reply = Reply::json(200, &Value::Array(shown));
+        reply.headers.push(("X-Total-Count", total.to_string()));
+        let links = api_links(&self.root_url, &inc.path, &q, total, limit, page);
+        if links.is_empty() {
+            reply
+                .headers
+                .push(("Access-Control-Expose-Headers", "X-Total-Count".to_string()));
+        } else {
+            reply.headers.push(("Link", links.join(",")));
+            reply.headers.push((
+                "Access-Control-Expose-Headers",
+                "X-Total-Count, Link".to_string(),
+            ));
+        }
+        reply
+    }
+
+    /// `shared.RegisterRunner`.
+    fn register_runner(&mut self, inc: &Incoming, scope: Scope, now: i64) -> Reply {
+        let parsed: Option<Value> = serde_json::from_slice(&inc.body).ok();
+        let obj = parsed.as_ref().and_then(Value::as_object);
+        let name = obj
+            .and_then(|o| o.get("name"))
+            .and_then(Value::as_str)
+            .filter(|n| !n.is_empty());
+        let Some(name) = name else {
+            return Reply::error(422, "Name: Required");
+        };
+        let description = obj
+            .and_then(|o| o.get("description"))
+            .and_then(Value::as_str)
+            .unwrap_or("");
+        let ephemeral = obj
+            .and_then(|o| o.get("ephemeral"))
+            .and_then(Value::as_bool)
+            .unwrap_or(false);
+        let (id, uuid, token) = self.insert_runner(
+            None,
+            name,
+            description,
+            scope.owner_id,
+            scope.repo_id,
+            ephemeral,
+            &Conn::NeverConnected,
+            now,
+        );
+        Reply::json(201, &json!({"id": id, "uuid": uuid, "token": token}))
+    }
+
+    /// `shared.GetActionRunJobs`.
+    fn list_jobs(&self, inc: &Incoming, scope: Scope) -> Reply {
+        let q = parse_query(&inc.query);
+        let labels: Option<Vec<&str>> = first(&q, "labels").map(|l| {
+            if l.is_empty() {
+                Vec::new()
+            } else {
+                l.split(',').collect()
+            }
+        });
+        let matching: Vec<Value> = self
+            .jobs
+            .values()
+            .rev()
+            .filter(|j| j.status == "waiting" || j.status == "running")
+            .filter(|j| scope.has_job(j))
+            .filter(|j| match &labels {
+                None => true,
+                Some(ls) if ls.is_empty() => j.runs_on.is_empty(),
+                Some(ls) => {
+                    !j.runs_on.is_empty() && j.runs_on.iter().all(|r| ls.contains(&r.as_str()))
+                }
+            })
+            .map(JobRow::json)
+            .collect();
+        // A nil Go slice: an empty result is `null`.
+        if matching.is_empty() {
+            Reply::json(200, &Value::Null)
+        } else {
+            Reply::json(200, &Value::Array(matching))
+        }
+    }
+
+    // -- simulated runner process ---------------------------------------------------------------
+
+    fn control(&mut self, inc: &Incoming, action: &str, now: i64) -> Reply {
+        if inc.method != "POST" {
+            return Reply::method_not_allowed();
+        }
+        let token = String::from_utf8_lossy(&inc.body);
+        let token = token.trim_end();
+        let uuid = inc.runner_uuid.as_deref().unwrap_or("").trim();
+        let id = self
+            .runners
+            .values()
+            .find(|r| !r.deleted && !uuid.is_empty() && r.uuid == uuid && r.token == token)
+            .map(|r| r.id);
+        let Some(id) = id else {
+            return Reply::error(401, "unregistered runner");
+        };
+        if let Some(r) = self.runners.get_mut(&id) {
+            r.token_presented = true;
+        }
+        let q = parse_query(&inc.query);
+        let labels = first(&q, "labels").map(label_names);
+        let handle = first(&q, "handle").filter(|h| !h.is_empty());
+        match action {
+            "connect" => {
+                let r = self.live_runner_mut(id).expect("runner exists");
+                r.declare(labels, now);
+                let status = r.status(now);
+                Reply::json(200, &json!({"runner_id": id, "status": status}))
+            }
+            "take" => match self.take(id, handle, labels, now) {
+                Ok(job_id) => Reply::json(200, &self.control_job_json(id, job_id)),
+                Err(reply) => reply,
+            },
+            "finish" => match self.finish(id, now) {
+                Ok(job_id) => Reply::json(200, &self.control_job_json(id, job_id)),
+                Err(reply) => reply,
+            },
+            "one-job" => {
+                let job_id = match self.take(id, handle, labels, now) {
+                    Ok(job_id) => job_id,
+                    Err(reply) => return reply,
+                };
+                match self.finish(id, now) {
+                    Ok(_) => Reply::json(200, &self.control_job_json(id, job_id)),
+                    Err(reply) => reply,
+                }
+            }
+            "disconnect" => {
+                let r = self.live_runner_mut(id).expect("runner exists");
+                r.polling = false;
+                r.busy = false;
+                r.last_online_ms = now - 120_000;
+                r.last_active_ms = r.last_active_ms.min(r.last_online_ms);
+                Reply::json(200, &json!({"runner_id": id, "status": r.status(now)}))
+            }
+            _ => Reply::not_found(),
+        }
+    }
+
+    fn control_job_json(&self, runner_id: i64, job_id: i64) -> Value {
+        let job = &self.jobs[&job_id];
+        let runner_deleted = self.runners.get(&runner_id).is_none_or(|r| r.deleted);
+        json!({
+            "runner_id": runner_id,
+            "runner_deleted": runner_deleted,
+            "job_id": job_id,
+            "handle": job.handle,
+            "task_id": job.task_id,
+            "status": job.status,
+        })
+    }
+
+    /// FetchTask / FetchSingleTask: the runner declares itself if needed, then takes a waiting
+    /// job (the one with `handle`, else the oldest one it can run).
+    fn take(
+        &mut self,
+        id: i64,
+        handle: Option<&str>,
+        labels: Option<Vec<String>>,
+        now: i64,
+    ) -> Result<i64, Reply> {
+        let r = self.live_runner_mut(id).expect("runner exists");
+        if r.labels.is_none() || r.version.is_empty() || labels.is_some() {
+            r.declare(labels, now);
+        }
+        r.last_online_ms = now;
+        let ephemeral = r.ephemeral;
+        let runner_labels = r.labels.clone().unwrap_or_default();
+        if ephemeral && self.jobs.values().any(|j| j.runner_id == Some(id)) {
+            return Err(Reply::error(
+                409,
+                "no task: ephemeral runner already has an assigned task",
+            ));
+        }
+        let job_id = self
+            .jobs
+            .values()
+            .filter(|j| j.status == "waiting")
+            .filter(|j| handle.is_none_or(|h| j.handle == h))
+            .find(|j| {
+                runner_labels.is_empty() || j.runs_on.iter().all(|l| runner_labels.contains(l))
+            })
+            .map(|j| j.id);
+        let Some(job_id) = job_id else {
+            return Err(Reply::error(409, "no task available"));
+        };
+        let task_id = self.next_task_id;
+        self.next_task_id += 1;
+        let job = self.jobs.get_mut(&job_id).expect("job exists");
+        job.status = "running".to_string();
+        job.task_id = task_id;
+        job.runner_id = Some(id);
+        let r = self.live_runner_mut(id).expect("runner exists");
+        r.busy = true;
+        r.last_active_ms = now;
+        Ok(job_id)
+    }
+
+    /// Final UpdateTask: the job succeeds; an ephemeral runner is deleted by Forgejo.
+    fn finish(&mut self, id: i64, now: i64) -> Result<i64, Reply> {
+        let job_id = self
+            .jobs
+            .values()
+            .find(|j| j.runner_id == Some(id) && j.status == "running")
+            .map(|j| j.id);
+        let Some(job_id) = job_id else {
+            return Err(Reply::error(409, "runner holds no running task"));
+        };
+        self.jobs.get_mut(&job_id).expect("job exists").status = "success".to_string();
+        let r = self.live_runner_mut(id).expect("runner exists");
+        r.busy = false;
+        r.last_active_ms = now;
+        r.last_online_ms = now;
+        if r.ephemeral {
+            self.soft_delete(id, false);
+        }
+        Ok(job_id)
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Server
+// ---------------------------------------------------------------------------------------------
+
+struct Shared {
+    world: Mutex<World>,
+    /// Relay connections by the relay's upstream local address (= what `tiny_http` reports as
+    /// the remote address), holding the client-side socket so a fault can close it.
+    conns: Mutex<HashMap<SocketAddr, TcpStream>>,
+    stop: AtomicBool,
+}
+
+impl Shared {
+    fn world(&self) -> MutexGuard<'_, World> {
+        self.world.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn conns(&self) -> MutexGuard<'_, HashMap<SocketAddr, TcpStream>> {
+        self.conns.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// The fake server. Dropping it stops the server threads and closes open connections.
+pub struct FakeForgejo {
+    shared: Arc<Shared>,
+    addr: SocketAddr,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl FakeForgejo {
+    /// Binds 127.0.0.1 on a free port and serves on background threads.
+    pub fn start(token: &str) -> FakeForgejo {
+        let backend =
+            Arc::new(tiny_http::Server::http("127.0.0.1:0").expect("fake forgejo: bind backend"));
+        let backend_addr = backend
+            .server_addr()
+            .to_ip()
+            .expect("fake forgejo: backend is TCP");
+        let front = TcpListener::bind("127.0.0.1:0").expect("fake forgejo: bind");
+        let addr = front.local_addr().expect("fake forgejo: local addr");
+        let shared = Arc::new(Shared {
+            world: Mutex::new(World::new(token)),
+            conns: Mutex::new(HashMap::new()),
+            stop: AtomicBool::new(false),
+        });
+
+        let mut threads = Vec::new();
+        {
+            let shared = shared.clone();
+            threads.push(
+                thread::Builder::new()
+                    .name("fake-forgejo-accept".into())
+                    .spawn(move || accept_loop(&shared, &front, backend_addr))
+                    .expect("spawn"),
+            );
+        }
+        for i in 0..WORKER_THREADS {
+            let shared = shared.clone();
+            let backend = backend.clone();
+            threads.push(
+                thread::Builder::new()
+                    .name(format!("fake-forgejo-worker-{i}"))
+                    .spawn(move || {
+                        while !shared.stop.load(Ordering::SeqCst) {
+                            match backend.recv_timeout(Duration::from_millis(50)) {
+                                Ok(Some(rq)) => serve(&shared, rq),
+                                Ok(None) => {}
+                                Err(_) => break,
+                            }
+                        }
+                    })
+                    .expect("spawn"),
+            );
+        }
+        FakeForgejo {
+            shared,
+            addr,
+            threads,
+        }
+    }
+
+    fn world(&self) -> MutexGuard<'_, World> {
+        self.shared.world()
+    }
+
+    /// `http://127.0.0.1:PORT`, no trailing slash.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// A second token that may GET but gets 403 on POST/DELETE.
+    pub fn set_read_only_token(&self, token: &str) {
+        self.world().read_only_token = Some(token.to_string());
+    }
+
+    /// `ROOT_URL` for `Link` headers (default `http://forgejo.invalid/`); a missing trailing
+    /// slash is added.
+    pub fn set_root_url(&self, root_url: &str) {
+        let mut root = root_url.to_string();
+        if !root.ends_with('/') {
+            root.push('/');
+        }
+        self.world().root_url = root;
+    }
+
+    /// The owner id the fake uses for `/orgs/{org}/...` (allocated on first sight).
+    pub fn org_id(&self, org: &str) -> i64 {
+        self.world().org_id(org)
+    }
+
+    /// The repo id the fake uses for `/repos/{owner}/{repo}/...` (`owner_repo` = "owner/repo",
+    /// allocated on first sight).
+    pub fn repo_id(&self, owner_repo: &str) -> i64 {
+        self.world().repo_id(owner_repo)
+    }
+
+    /// An instance-scope runner (owner 0, repo 0).
+    pub fn add_runner(&self, name: &str, ephemeral: bool, conn: Conn) -> i64 {
+        self.add_scoped_runner(name, 0, 0, ephemeral, conn)
+    }
+
+    /// An instance-scope runner with this id; later ids continue after it.
+    pub fn add_runner_with_id(&self, id: i64, name: &str, ephemeral: bool, conn: Conn) -> i64 {
+        let now = now_ms();
+        self.world()
+            .insert_runner(Some(id), name, "", 0, 0, ephemeral, &conn, now)
+            .0
+    }
+
+    pub fn add_scoped_runner(
+        &self,
+        name: &str,
+        owner_id: i64,
+        repo_id: i64,
+        ephemeral: bool,
+        conn: Conn,
+    ) -> i64 {
+        let now = now_ms();
+        self.world()
+            .insert_runner(None, name, "", owner_id, repo_id, ephemeral, &conn, now)
+            .0
+    }
+
+    /// Changes the connection state of a (not deleted) runner. Panics on an unknown id.
+    pub fn set_conn(&self, id: i64, conn: Conn) {
+        let now = now_ms();
+        let mut w = self.world();
+        let r = w
+            .live_runner_mut(id)
+            .unwrap_or_else(|| panic!("fake forgejo: no runner {id}"));
+        r.apply_conn(&conn, now);
+    }
+
+    /// A waiting job in repo 1 owned by user 1; returns `(id, handle)`.
+    pub fn add_job(&self, runs_on: &[&str]) -> (i64, String) {
+        self.add_scoped_job(runs_on, TOKEN_USER_ID, 1)
+    }
+
+    /// A waiting job with this owner/repo; returns `(id, handle)`.
+    pub fn add_scoped_job(&self, runs_on: &[&str], owner_id: i64, repo_id: i64) -> (i64, String) {
+        let mut w = self.world();
+        let id = w.next_job_id;
+        w.next_job_id += 1;
+        let handle = w.uuid_v4();
+        w.jobs.insert(
+            id,
+            JobRow {
+                id,
+                attempt: 1,
+                handle: handle.clone(),
+                repo_id,
+                owner_id,
+                name: format!("job-{id}"),
+                runs_on: runs_on.iter().map(|s| s.to_string()).collect(),
+                task_id: 0,
+                status: "waiting".to_string(),
+                runner_id: None,
+            },
+        );
+        (id, handle)
+    }
+
+    /// Sets a job's status (`waiting`, `running`, `success`, `failure`, `cancelled`,
+    /// `skipped`, `blocked`). Panics on an unknown id.
+    pub fn set_job_status(&self, job_id: i64, status: &str) {
+        let mut w = self.world();
+        let job = w
+            .jobs
+            .get_mut(&job_id)
+            .unwrap_or_else(|| panic!("fake forgejo: no job {job_id}"));
+        job.status = status.to_string();
+    }
+
+    /// Runners not deleted, id ascending.
+    pub fn runners(&self) -> Vec<RunnerSnapshot> {
+        let now = now_ms();
+        self.world()
+            .runners
+            .values()
+            .filter(|r| !r.deleted)
+            .map(|r| r.snapshot(now))
+            .collect()
+    }
+
+    /// A runner that is not deleted.
+    pub fn runner(&self, id: i64) -> Option<RunnerSnapshot> {
+        let now = now_ms();
+        self.world()
+            .runners
+            .get(&id)
+            .filter(|r| !r.deleted)
+            .map(|r| r.snapshot(now))
+    }
+
+    /// Ids deleted through the API's DELETE, in order (not Forgejo's own ephemeral deletions).
+    pub fn deleted_ids(&self) -> Vec<i64> {
+        self.world().deleted_ids.clone()
+    }
+
+    /// All jobs, id ascending.
+    pub fn jobs(&self) -> Vec<JobSnapshot> {
+        self.world().jobs.values().map(JobRow::snapshot).collect()
+    }
+
+    /// Every request received, in order, including `/_fake/*` ones.
+    pub fn requests(&self) -> Vec<Request> {
+        self.world().requests.clone()
+    }
+
+    pub fn clear_requests(&self) {
+        self.world().requests.clear();
+    }
+
+    /// The next `times` requests (`usize::MAX` = all) whose method equals `method` (any case;
+    /// `"*"` = any method) and whose URL (path and query) contains `path_contains` get `fault`.
+    /// Rules are matched in the order they were added.
+    pub fn inject(&self, method: &str, path_contains: &str, fault: Fault, times: usize) {
+        if times == 0 {
+            return;
+        }
+        self.world().faults.push(FaultRule {
+            method: method.to_string(),
+            path_contains: path_contains.to_string(),
+            fault,
+            remaining: times,
+        });
+    }
+
+    pub fn clear_faults(&self) {
+        self.world().faults.clear();
+    }
+
+    /// Forces the JSON `status` of a runner: `Some("weird")` sends that string, `Some("")`
+    /// omits the field, `None` goes back to the computed value.
+    pub fn set_status_override(&self, id: i64, status: Option<&str>) {
+        let mut w = self.world();
+        let r = w
+            .runners
+            .get_mut(&id)
+            .unwrap_or_else(|| panic!("fake forgejo: no runner {id}"));
+        r.status_override = status.map(str::to_string);
+    }
+
+    /// True once a `/_fake/*` endpoint was called with this runner's correct token.
+    pub fn token_was_presented(&self, id: i64) -> bool {
+        self.world()
+            .runners
+            .get(&id)
+            .is_some_and(|r| r.token_presented)
+    }
+}
+
+impl Drop for FakeForgejo {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::SeqCst);
+        // Wake the accept loop.
+        let _ = TcpStream::connect(self.addr);
+        let accept = self.threads.remove(0);
+        let _ = accept.join();
+        for (_, s) in self.shared.conns().drain() {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Accepts client connections and relays each one to the `tiny_http` backend.
+fn accept_loop(shared: &Arc<Shared>, front: &TcpListener, backend: SocketAddr) {
+    for client in front.incoming() {
+        if shared.stop.load(Ordering::SeqCst) {
+            break;
+        }
+        let Ok(client) = client else { continue };
+        let Ok(upstream) = TcpStream::connect(backend) else {
+            continue;
+        };
+        let _ = client.set_nodelay(true);
+        let _ = upstream.set_nodelay(true);
+        let (Ok(key), Ok(client_w), Ok(upstream_w), Ok(client_keep)) = (
+            upstream.local_addr(),
+            client.try_clone(),
+            upstream.try_clone(),
+            client.try_clone(),
+        ) else {
+            continue;
+        };
+        shared.conns().insert(key, client_keep);
+        // client -> backend
+        let _ = thread::Builder::new()
+            .name("fake-forgejo-relay-up".into())
+            .spawn(move || {
+                let mut from = client;
+                let mut to = upstream_w;
+                let _ = std::io::copy(&mut from, &mut to);
+                let _ = to.shutdown(Shutdown::Write);
+            });
+        // backend -> client
+        let shared2 = shared.clone();
+        let _ = thread::Builder::new()
+            .name("fake-forgejo-relay-down".into())
+            .spawn(move || {
+                let mut from = upstream;
+                let mut to = client_w;
+                let _ = std::io::copy(&mut from, &mut to);
+                let _ = to.shutdown(Shutdown::Both);
+                let _ = from.shutdown(Shutdown::Both);
+                shared2.conns().remove(&key);
+            });
+    }
+}
+
+/// Handles one request on a worker thread.
+fn serve(shared: &Shared, mut rq: tiny_http::Request) {
+    let url = rq.url().to_string();
+    let (path, query) = match url.split_once('?') {
+        Some((p, q)) => (p.to_string(), q.to_string()),
+        None => (url.clone(), String::new()),
+    };
+    let header = |name: &'static str| {
+        rq.headers()
+            .iter()
+            .find(|h| h.field.equiv(name))
+            .map(|h| h.value.as_str().to_string())
+    };
+    let authorization = header("Authorization");
+    let runner_uuid = header("X-Runner-UUID");
+    let mut body = Vec::new();
+    let _ = rq.as_reader().read_to_end(&mut body);
+    let inc = Incoming {
+        method: rq.method().as_str().to_ascii_uppercase(),
+        url,
+        path,
+        query,
+        authorization,
+        runner_uuid,
+        body,
+    };
+
+    let fault = {
+        let mut w = shared.world();
+        w.requests.push(Request {
+            method: inc.method.clone(),
+            path: inc.path.clone(),
+            query: inc.query.clone(),
+            authorization: inc.authorization.clone(),
+        });
+        w.take_fault(&inc.method, &inc.url)
+    };
+
+    // Faults that answer without reaching "Forgejo".
+    match &fault {
+        Some(Fault::DropConnection) => return drop_connection(shared, rq),
+        Some(Fault::Status(code)) => {
+            return send(
+                rq,
+                Reply::error(*code, &format!("fake forgejo: injected status {code}")),
+            );
+        }
+        Some(Fault::Html(code)) => return send(rq, html_reply(*code)),
+        Some(Fault::Body(s)) => {
+            let mut reply = Reply::json(200, &Value::Null);
+            reply.body = s.clone().into_bytes();
+            return send(rq, reply);
+        }
+        Some(Fault::Delay(d)) => thread::sleep(*d),
+        _ => {}
+    }
+
+    let reply = shared.world().handle(&inc, now_ms());
+
+    match fault {
+        Some(Fault::ApplyThenDrop) => drop_connection(shared, rq),
+        Some(Fault::ApplyThenStatus(code)) => send(
+            rq,
+            Reply::error(code, &format!("fake forgejo: injected status {code}")),
+        ),
+        Some(Fault::Truncated) => {
+            let mut reply = reply;
+            reply.status = 200;
+            reply.body.truncate(reply.body.len() / 2);
+            reply.content_type = Some(JSON_CONTENT_TYPE);
+            send(rq, reply)
+        }
+        Some(Fault::WrongTypes) => {
+            let mut v: Value = serde_json::from_slice(&reply.body)
+                .unwrap_or_else(|_| json!({"id": 0, "status": "unknown"}));
+            mistype(&mut v);
+            let mut wrong = Reply::json(200, &v);
+            wrong.headers = reply.headers;
+            send(rq, wrong)
+        }
+        _ => send(rq, reply),
+    }
+}
+
+/// Closes the client's socket without any response.
+fn drop_connection(shared: &Shared, rq: tiny_http::Request) {
+    if let Some(peer) = rq.remote_addr()
+        && let Some(client) = shared.conns().remove(peer)
+    {
+        let _ = client.shutdown(Shutdown::Both);
+    }
+    // Release tiny_http's writer without writing anything (dropping `rq` would answer 500).
+    drop(rq.into_writer());
+}
+
+fn send(rq: tiny_http::Request, reply: Reply) {
+    let mut resp = tiny_http::Response::from_data(reply.body)
+        .with_status_code(reply.status)
+        .with_chunked_threshold(usize::MAX);
+    if let Some(ct) = reply.content_type {
+        resp.add_header(header("Content-Type", ct));
+    }
+    for (k, v) in &reply.headers {
+        resp.add_header(header(k, v));
+    }
+    let _ = rq.respond(resp);
+}
+
+fn header(name: &str, value: &str) -> tiny_http::Header {
+    tiny_http::Header::from_bytes(name.as_bytes(), value.as_bytes()).expect("ASCII header")
+}
+
+fn html_reply(code: u16) -> Reply {
+    let body = format!(
+        "<!DOCTYPE html>\n<html><head><title>{code} Error</title></head>\
+         <body><h1>{code}</h1><p>nginx: upstream error</p></body></html>\n"
+    );
+    Reply {
+        status: code,
+        content_type: Some("text/html; charset=utf-8"),
+        headers: Vec::new(),
+        body: body.into_bytes(),
+    }
+}
+
+/// Ids become strings, statuses numbers.
+fn mistype(v: &mut Value) {
+    match v {
+        Value::Array(items) => items.iter_mut().for_each(mistype),
+        Value::Object(map) => {
+            for (k, val) in map.iter_mut() {
+                if (k == "id" || k.ends_with("_id")) && val.is_number() {
+                    *val = Value::String(val.to_string());
+                } else if k == "status" {
+                    *val = json!(2);
+                } else {
+                    mistype(val);
+                }
+            }
+        }
+        _ => {}
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Helpers
+// ---------------------------------------------------------------------------------------------
+
+fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn truncate_bytes(s: &str, max: usize) -> String {
+    if s.len() <= max {
+        return s.to_string();
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    s[..end].to_string()
+}
+
+/// `Authorization: token T` (exact scheme) or `Bearer T` (any case), as Forgejo accepts.
+fn presented_token(auth: Option<&str>) -> Option<&str> {
+    let (scheme, token) = auth?.split_once(' ')?;
+    (scheme == "token" || scheme.eq_ignore_ascii_case("bearer")).then_some(token)
+}
+
+/// `ParamsInt64`: anything unparsable is 0.
+fn parse_i64(s: &str) -> i64 {
+    s.parse().unwrap_or(0)
+}
+
+/// Label names from a runner's `--label` values (`name[:scheme://…]`).
+fn label_names(s: &str) -> Vec<String> {
+    s.split(',')
+        .map(|l| l.split(':').next().unwrap_or("").trim().to_string())
+        .filter(|l| !l.is_empty())
+        .collect()
+}
+
+fn percent_decode(s: &str, plus_as_space: bool) -> String {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let b = bytes[i];
+        if b == b'%'
+            && i + 2 < bytes.len()
+            && let (Some(h), Some(l)) = (hex_val(bytes[i + 1]), hex_val(bytes[i + 2]))
+        {
+            out.push(h * 16 + l);
+            i += 3;
+            continue;
+        }
+        out.push(if plus_as_space && b == b'+' { b' ' } else { b });
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+fn hex_val(b: u8) -> Option<u8> {
+    match b {
+        b'0'..=b'9' => Some(b - b'0'),
+        b'a'..=b'f' => Some(b - b'a' + 10),
+        b'A'..=b'F' => Some(b - b'A' + 10),
+        _ => None,
+    }
+}
+
+/// Go `url.QueryEscape`.
+fn query_escape(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for &b in s.as_bytes() {
+        match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                out.push(b as char)
+            }
+            b' ' => out.push('+'),
+            _ => out.push_str(&format!("%{b:02X}")),
+        }
+    }
+    out
+}
+
+/// Go `url.ParseQuery` (lenient): pairs in order, values decoded.
+fn parse_query(q: &str) -> Vec<(String, String)> {
+    q.split('&')
+        .filter(|p| !p.is_empty())
+        .map(|p| {
+            let (k, v) = p.split_once('=').unwrap_or((p, ""));
+            (percent_decode(k, true), percent_decode(v, true))
+        })
+        .collect()
+}
+
+fn first<'a>(q: &'a [(String, String)], key: &str) -> Option<&'a str> {
+    q.iter().find(|(k, _)| k == key).map(|(_, v)| v.as_str())
+}
+
+/// `ctx.FormInt`: `strconv.Atoi`, 0 on error.
+fn go_atoi(s: Option<&str>) -> i64 {
+    s.and_then(|s| s.parse::<i64>().ok()).unwrap_or(0)
+}
+
+/// `ctx.FormBool`: `strconv.ParseBool`, false on error.
+fn go_parse_bool(s: Option<&str>) -> bool {
+    matches!(s, Some("1" | "t" | "T" | "true" | "TRUE" | "True"))
+}
+
+/// Go `url.Values.Encode` of the request query with `page` replaced: keys sorted.
+fn query_with_page(q: &[(String, String)], page: i64) -> String {
+    let mut by_key: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+    for (k, v) in q {
+        by_key.entry(k.as_str()).or_default().push(v.as_str());
+    }
+    let page = page.to_string();
+    by_key.insert("page", vec![page.as_str()]);
+    by_key
+        .iter()
+        .flat_map(|(k, vs)| {
+            vs.iter()
+                .map(move |v| format!("{}={}", query_escape(k), query_escape(v)))
+        })
+        .collect::<Vec<_>>()
+        .join("&")
+}
+
+/// `genAPILinks` (services/context/api.go) with Gitea's paginator: `next`, `last`, `first`,
+/// `prev`, using `ROOT_URL`.
+fn api_links(
+    root_url: &str,
+    raw_path: &str,
+    q: &[(String, String)],
+    total: i64,
+    page_size: i64,
+    cur_page: i64,
+) -> Vec<String> {
+    let paging_num = page_size.max(1);
+    let total_pages = if total == 0 {
+        1
+    } else {
+        (total + paging_num - 1) / paging_num
+    };
+    let current = cur_page.max(1).min(total_pages);
+    let has_next = total > current * paging_num;
+    let is_last = total == 0 || (total > (current - 1) * paging_num && !has_next);
+    let path = raw_path.trim_start_matches('/');
+    let link = |page: i64, rel: &str| {
+        format!(
+            "<{root_url}{path}?{}>; rel=\"{rel}\"",
+            query_with_page(q, page)
+        )
+    };
+    let mut links = Vec::new();
+    if has_next {
+        links.push(link(current + 1, "next"));
+    }
+    if !is_last {
+        links.push(link(total_pages, "last"));
+    }
+    if current != 1 {
+        links.push(link(1, "first"));
+    }
+    if current > 1 {
+        links.push(link(current - 1, "prev"));
+    }
+    links
+}
