@@ -125,6 +125,7 @@ pub struct ForgejoArgs {
 }
 
 #[derive(Debug, Args)]
+#[command(args_override_self = true)]
 pub struct RunArgs {
     #[command(flatten)]
     pub common: ForgejoArgs,
@@ -193,12 +194,14 @@ pub struct RunArgs {
 }
 
 #[derive(Debug, Args)]
+#[command(args_override_self = true)]
 pub struct SweepArgs {
     #[command(flatten)]
     pub common: ForgejoArgs,
 }
 
 #[derive(Debug, Args)]
+#[command(args_override_self = true)]
 pub struct StatusArgs {
     /// Directory of cycle.json and last-run.json [default: $STATE_DIRECTORY, else
     /// /var/lib/ci-ephemeral-provisioner].

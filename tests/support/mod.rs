@@ -1,2 +1,3 @@
 #![allow(dead_code)]
 pub mod fake_forgejo;
+pub mod harness;

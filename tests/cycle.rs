@@ -1,0 +1,713 @@
+//! End-to-end: the built binary, the fake Forgejo on 127.0.0.1, the real terraform/tofu CLI.
+
+mod support;
+
+use std::fs;
+use std::time::Duration;
+
+use support::fake_forgejo::{Conn, Fault};
+use support::harness::{API_TOKEN, Env};
+
+fn posts(env: &Env) -> usize {
+    env.fake
+        .requests()
+        .iter()
+        .filter(|r| r.method == "POST" && r.path.ends_with("/actions/runners"))
+        .count()
+}
+
+fn deletes(env: &Env) -> Vec<i64> {
+    env.fake
+        .requests()
+        .iter()
+        .filter(|r| r.method == "DELETE")
+        .filter_map(|r| r.path.rsplit('/').next()?.parse().ok())
+        .collect()
+}
+
+#[test]
+fn idle_tick_is_one_request_and_touches_nothing() {
+    let env = Env::new();
+    env.fake
+        .add_runner("ephemeral-stale", true, Conn::NeverConnected);
+    let out = env.run(&["--output", "json"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let reqs = env.fake.requests();
+    assert_eq!(
+        reqs.len(),
+        1,
+        "the idle tick is exactly one request: {reqs:?}"
+    );
+    assert_eq!(reqs[0].method, "GET");
+    assert_eq!(reqs[0].path, "/api/v1/admin/actions/runners/jobs");
+    assert_eq!(reqs[0].query, "labels=debian");
+    assert_eq!(
+        reqs[0].authorization.as_deref(),
+        Some(&*format!("token {API_TOKEN}"))
+    );
+    assert_eq!(out.json()["outcome"], "idle");
+    assert!(env.cycle_json().is_none());
+    assert!(env.vm_log().is_empty(), "no VM on an idle tick");
+    // Without a destroy in this run there is no sweep: the stale registration stays.
+    assert_eq!(env.our_runners().len(), 1);
+}
+
+#[test]
+fn full_cycle_runs_every_waiting_job_and_ends_with_nothing() {
+    let env = Env::new();
+    let (j1, _) = env.fake.add_job(&["debian"]);
+    let (j2, _) = env.fake.add_job(&["debian"]);
+    let (gpu, _) = env.fake.add_job(&["gpu"]);
+    let out = env.run(&["--output", "json"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let report = out.json();
+    assert_eq!(report["outcome"], "cycle_finished");
+    for j in env.fake.jobs() {
+        let want = if j.id == gpu { "waiting" } else { "success" };
+        assert_eq!(j.status, want, "job {} ({:?})", j.id, j.runs_on);
+    }
+    assert!(
+        [j1, j2]
+            .iter()
+            .all(|j| env.fake.jobs().iter().any(|x| x.id == *j))
+    );
+    assert_eq!(posts(&env), 2, "one registration per waiting job");
+    assert!(
+        env.our_runners().is_empty(),
+        "every registration consumed itself"
+    );
+    assert!(env.cycle_json().is_none(), "no cycle.json at rest");
+    assert!(env.live_vms().is_empty(), "no VM at rest: {}", env.vm_log());
+    let log = env.vm_log();
+    assert_eq!(
+        log.matches("create ").count(),
+        1,
+        "one VM reused for both jobs: {log}"
+    );
+    assert_eq!(log.matches("destroy ").count(), 1, "{log}");
+    // The runner got its token through the launch command's stdin (the fake checked it).
+    let launched: Vec<i64> = report["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["step"] == "launch_runner" && e["ok"] == true)
+        .map(|e| e["runner_id"].as_i64().unwrap())
+        .collect();
+    assert_eq!(launched.len(), 2);
+    assert!(launched.iter().all(|id| env.fake.token_was_presented(*id)));
+    // Names carry the prefix and the cycle id; the cycle id reached tofu.
+    let cycle_id = report["cycle_id"].as_str().unwrap().to_string();
+    assert!(log.contains(&format!("create {cycle_id}")), "{log}");
+    let status = env.exec(env.cmd("status"));
+    assert_eq!(status.code, Some(0));
+    assert!(status.stdout.contains("cycle: none"), "{status:?}");
+    assert!(status.stdout.contains("cycle_finished"), "{status:?}");
+}
+
+/// The incident behind this project: registrations 514, 516, 518, 424 and 106 leaked. After a
+/// destroy they are swept; an idle ephemeral runner, an offline static-builder and an offline
+/// my-ephemeral-1 are not. They are spread over several list pages.
+fn seed_incident(env: &Env) {
+    for id in [106, 424, 514, 516, 518] {
+        env.fake.add_runner_with_id(
+            id,
+            &format!("ephemeral-old-{id}"),
+            true,
+            Conn::NeverConnected,
+        );
+    }
+    env.fake
+        .add_runner_with_id(600, "ephemeral-live", true, Conn::Idle);
+    env.fake.add_runner_with_id(
+        601,
+        "static-builder",
+        false,
+        Conn::OfflineFor(Duration::from_secs(600)),
+    );
+    env.fake
+        .add_runner_with_id(602, "my-ephemeral-1", true, Conn::NeverConnected);
+    env.fake
+        .add_runner_with_id(603, "ephemeral-busy", true, Conn::Active);
+    for i in 0..140 {
+        env.fake.add_runner(
+            &format!("static-{i:03}"),
+            false,
+            Conn::OfflineFor(Duration::from_secs(600)),
+        );
+    }
+}
+
+#[test]
+fn seed_incident_stale_registrations_are_swept_after_destroy() {
+    let env = Env::new();
+    seed_incident(&env);
+    env.fake.add_job(&["debian"]);
+    let out = env.run(&["--output", "json"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let mut swept = env.fake.deleted_ids();
+    swept.sort();
+    assert_eq!(swept, vec![106, 424, 514, 516, 518], "{out:?}");
+    for keep in [600, 601, 602, 603] {
+        assert!(
+            env.fake.runner(keep).is_some(),
+            "runner {keep} must survive"
+        );
+    }
+    let sweep = &out.json()["sweep"];
+    assert!(sweep["pages"].as_u64().unwrap() >= 3, "{sweep}");
+    assert_eq!(sweep["deleted"].as_array().unwrap().len(), 5);
+    // The sweep came after the destroy.
+    let log = env.vm_log();
+    assert!(log.contains("destroy "), "{log}");
+    let list_pages: Vec<String> = env
+        .fake
+        .requests()
+        .iter()
+        .filter(|r| r.method == "GET" && r.path == "/api/v1/admin/actions/runners")
+        .map(|r| r.query.clone())
+        .collect();
+    assert!(
+        list_pages
+            .iter()
+            .all(|q| q.contains("limit=50") && q.contains("page=")),
+        "{list_pages:?}"
+    );
+}
+
+#[test]
+fn failed_destroy_keeps_cycle_and_sweeps_nothing_then_converges() {
+    let env = Env::new();
+    seed_incident(&env);
+    env.fake.add_job(&["debian"]);
+    env.fault("fail-destroy", true);
+    let out = env.run(&["--output", "json"]);
+    assert_eq!(out.code, Some(1), "{out:?}");
+    assert!(
+        env.fake.deleted_ids().is_empty(),
+        "no sweep after a failed destroy"
+    );
+    let cycle = env.cycle_json().expect("cycle.json kept");
+    assert!(
+        cycle["last_error"].as_str().unwrap().contains("destroy"),
+        "{cycle}"
+    );
+    assert_eq!(cycle["phase"], "tearing_down");
+    assert_eq!(env.live_vms().len(), 1);
+    assert!(
+        out.stderr.contains("ERROR"),
+        "failure logged at error level: {}",
+        out.stderr
+    );
+
+    // Next run: the destroy is retried first, then the sweep.
+    env.fault("fail-destroy", false);
+    env.fake.clear_requests();
+    let out = env.run(&["--output", "json"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert!(env.live_vms().is_empty());
+    assert!(env.cycle_json().is_none());
+    let mut swept = env.fake.deleted_ids();
+    swept.sort();
+    assert_eq!(swept, vec![106, 424, 514, 516, 518]);
+    // The retried destroy came before any job was looked at: no new cycle was started.
+    assert_eq!(posts(&env), 0);
+}
+
+#[test]
+fn unconsumed_registration_is_deleted_before_it_is_forgotten() {
+    let env = Env::new();
+    env.set_launch_mode("noop"); // launched, but the runner never connects
+    env.fake.add_job(&["debian"]);
+    let out = env.run(&["--output", "json", "--max-jobs-per-vm", "2"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let report = out.json();
+    let created: Vec<i64> = report["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["step"] == "register_runner" && e["ok"] == true)
+        .map(|e| e["runner_id"].as_i64().unwrap())
+        .collect();
+    assert_eq!(created.len(), 2, "{report}");
+    // Each unconsumed registration was deleted (while the VM existed), before the next POST.
+    let reqs = env.fake.requests();
+    let pos = |m: &str, pred: &dyn Fn(&str) -> bool| {
+        reqs.iter()
+            .position(|r| r.method == m && pred(&r.path))
+            .unwrap()
+    };
+    let del_first = pos("DELETE", &|p| p.ends_with(&format!("/{}", created[0])));
+    let post_second = reqs
+        .iter()
+        .enumerate()
+        .filter(|(_, r)| r.method == "POST" && r.path.ends_with("/actions/runners"))
+        .nth(1)
+        .map(|(i, _)| i)
+        .unwrap();
+    assert!(
+        del_first < post_second,
+        "delete of the unconsumed registration comes first"
+    );
+    let reasons: Vec<&str> = report["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["step"] == "delete_runner")
+        .map(|e| e["reason"].as_str().unwrap())
+        .collect();
+    assert_eq!(reasons, vec!["unconsumed", "unconsumed"], "{report}");
+    assert!(env.our_runners().is_empty());
+    assert!(env.cycle_json().is_none());
+    assert!(env.live_vms().is_empty());
+}
+
+#[test]
+fn failing_launch_three_times_tears_down_and_fails() {
+    let env = Env::new();
+    env.set_launch_mode("fail");
+    env.fake.add_job(&["debian"]);
+    let out = env.run(&["--output", "json"]);
+    assert_eq!(out.code, Some(1), "{out:?}");
+    let report = out.json();
+    let failed_launches = report["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["step"] == "launch_runner" && e["ok"] == false)
+        .count();
+    assert_eq!(failed_launches, 3, "{report}");
+    assert_eq!(deletes(&env).len(), 3, "each failed registration deleted");
+    assert!(env.our_runners().is_empty());
+    assert!(env.live_vms().is_empty());
+    assert!(env.cycle_json().is_none());
+    assert!(out.stderr.contains("presumed broken"), "{}", out.stderr);
+}
+
+#[test]
+fn launch_timeout_kills_the_command_and_counts_as_failure() {
+    let env = Env::new();
+    env.set_launch_mode("hang");
+    env.fake.add_job(&["debian"]);
+    let out = env.run(&["--output", "json", "--launch-timeout", "300ms"]);
+    assert_eq!(out.code, Some(1), "{out:?}");
+    assert!(out.stdout.contains("timed out"), "{out:?}");
+    assert!(env.our_runners().is_empty());
+    assert!(env.live_vms().is_empty());
+}
+
+#[test]
+fn lost_post_answer_is_found_by_name_and_deleted() {
+    let env = Env::new();
+    env.fake.add_job(&["debian"]);
+    env.fake.inject(
+        "POST",
+        "/api/v1/admin/actions/runners",
+        Fault::ApplyThenDrop,
+        1,
+    );
+    let out = env.run(&["--output", "json"]);
+    // The lost POST is a failure of this run, but it converges: the orphan is deleted by name,
+    // the job then runs on a second registration.
+    assert_eq!(out.code, Some(1), "{out:?}");
+    let report = out.json();
+    let lost: Vec<&serde_json::Value> = report["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["reason"] == "lost_registration")
+        .collect();
+    assert_eq!(lost.len(), 1, "{report}");
+    assert_eq!(env.fake.deleted_ids().len(), 1);
+    assert!(env.fake.jobs().iter().all(|j| j.status == "success"));
+    assert!(env.our_runners().is_empty());
+    assert!(env.cycle_json().is_none());
+}
+
+#[test]
+fn api_failures_are_errors_not_success() {
+    for fault in [
+        Fault::Status(500),
+        Fault::Html(502),
+        Fault::Truncated,
+        Fault::WrongTypes,
+    ] {
+        let env = Env::new();
+        env.fake.add_job(&["debian"]);
+        env.fake.inject("GET", "/jobs", fault.clone(), usize::MAX);
+        let out = env.run(&[]);
+        assert_eq!(out.code, Some(1), "{fault:?}: {out:?}");
+        assert!(
+            out.stderr.contains("/actions/runners/jobs"),
+            "the error names the URL: {out:?}"
+        );
+        assert!(
+            env.cycle_json().is_none(),
+            "no cycle started on doubt ({fault:?})"
+        );
+        assert!(env.vm_log().is_empty());
+    }
+}
+
+#[test]
+fn slow_forgejo_times_out_instead_of_hanging() {
+    let env = Env::new();
+    env.fake.inject(
+        "GET",
+        "/jobs",
+        Fault::Delay(Duration::from_secs(3)),
+        usize::MAX,
+    );
+    let out = env.run(&["--http-timeout", "500ms"]);
+    assert_eq!(out.code, Some(1), "{out:?}");
+    assert!(out.stderr.contains("timed out"), "{out:?}");
+}
+
+#[test]
+fn sweep_list_failure_deletes_nothing_and_fails() {
+    let env = Env::new();
+    seed_incident(&env);
+    env.fake.add_job(&["debian"]);
+    env.fake
+        .inject("GET", "page=2", Fault::Status(500), usize::MAX);
+    let out = env.run(&["--output", "json"]);
+    assert_eq!(
+        out.code,
+        Some(1),
+        "a failed sweep makes the run fail: {out:?}"
+    );
+    assert!(
+        env.fake.deleted_ids().is_empty(),
+        "one failed page: nothing deleted"
+    );
+    assert!(
+        env.cycle_json().is_none(),
+        "a sweep failure never blocks convergence"
+    );
+    assert!(env.live_vms().is_empty());
+    assert!(
+        out.json()["sweep"]["error"]
+            .as_str()
+            .unwrap()
+            .contains("page 2")
+    );
+}
+
+#[test]
+fn sweep_cap_leaves_the_rest_for_later() {
+    let env = Env::new();
+    seed_incident(&env);
+    let mut c = env.cmd("sweep");
+    c.args(["--sweep-max-deletions", "2", "--output", "json"]);
+    let out = env.exec(c);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let mut swept = env.fake.deleted_ids();
+    swept.sort();
+    assert_eq!(swept, vec![106, 424], "lowest ids first, at most 2");
+    assert_eq!(out.json()["sweep"]["left_over_cap"], 3);
+}
+
+#[test]
+fn unknown_or_missing_status_is_never_deleted() {
+    let env = Env::new();
+    let weird = env
+        .fake
+        .add_runner("ephemeral-weird", true, Conn::NeverConnected);
+    let missing = env
+        .fake
+        .add_runner("ephemeral-missing", true, Conn::NeverConnected);
+    let upper = env
+        .fake
+        .add_runner("ephemeral-upper", true, Conn::NeverConnected);
+    let plain = env
+        .fake
+        .add_runner("ephemeral-plain", true, Conn::NeverConnected);
+    env.fake.set_status_override(weird, Some("weird"));
+    env.fake.set_status_override(missing, Some(""));
+    env.fake.set_status_override(upper, Some("Offline"));
+    let mut c = env.cmd("sweep");
+    c.args(["--output", "json"]);
+    let out = env.exec(c);
+    assert_eq!(
+        out.code,
+        Some(0),
+        "doubtful rows are reported, not failures: {out:?}"
+    );
+    assert_eq!(env.fake.deleted_ids(), vec![plain]);
+    assert_eq!(
+        out.json()["sweep"]["skipped_doubtful"]
+            .as_array()
+            .unwrap()
+            .len(),
+        3
+    );
+}
+
+#[test]
+fn sweep_is_refused_while_a_cycle_exists() {
+    let env = Env::new();
+    env.fake
+        .add_runner("ephemeral-stale", true, Conn::NeverConnected);
+    env.fake.add_job(&["debian"]);
+    env.fault("fail-destroy", true);
+    assert_eq!(env.run(&[]).code, Some(1));
+    assert!(env.cycle_json().is_some());
+    let out = env.exec(env.cmd("sweep"));
+    assert_eq!(out.code, Some(1), "{out:?}");
+    assert!(out.stderr.contains("refused"), "{out:?}");
+    assert!(env.fake.deleted_ids().is_empty());
+}
+
+#[test]
+fn held_lock_exits_75_touching_nothing() {
+    let env = Env::new();
+    env.fake.add_job(&["debian"]);
+    fs::create_dir_all(&env.state).unwrap();
+    let lock = fs::File::create(env.state.join("cycle.lock")).unwrap();
+    lock.lock().unwrap();
+    for sub in ["run", "sweep"] {
+        let out = env.exec(env.cmd(sub));
+        assert_eq!(out.code, Some(75), "{sub}: {out:?}");
+    }
+    assert!(env.fake.requests().is_empty());
+    assert!(env.cycle_json().is_none());
+    // status only reads and works while the lock is held.
+    assert_eq!(env.exec(env.cmd("status")).code, Some(0));
+}
+
+#[test]
+fn corrupt_cycle_json_is_an_error_that_changes_nothing() {
+    let env = Env::new();
+    env.fake.add_job(&["debian"]);
+    env.fake
+        .add_runner("ephemeral-stale", true, Conn::NeverConnected);
+    fs::create_dir_all(&env.state).unwrap();
+    let path = env.state.join("cycle.json");
+    for bad in [
+        "",
+        "{\"version\": 1, \"cycle_id\": \"x",
+        "not json",
+        "{\"version\": 99}",
+    ] {
+        fs::write(&path, bad).unwrap();
+        let out = env.run(&[]);
+        assert_eq!(out.code, Some(1), "{bad:?}: {out:?}");
+        assert!(
+            out.stderr.contains(path.to_str().unwrap()),
+            "names the file: {out:?}"
+        );
+        assert_eq!(fs::read_to_string(&path).unwrap(), bad, "file unchanged");
+    }
+    assert!(env.fake.requests().is_empty(), "nothing else was done");
+    assert!(env.vm_log().is_empty());
+}
+
+#[test]
+fn configuration_errors_exit_2() {
+    let env = Env::new();
+    // Token file readable by others.
+    fs::write(env.tmp.path().join("open-token"), API_TOKEN).unwrap();
+    let open = env.tmp.path().join("open-token");
+    std::os::unix::fs::PermissionsExt::set_mode(
+        &mut fs::metadata(&open).unwrap().permissions(),
+        0o644,
+    );
+    fs::set_permissions(&open, std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
+    let mut c = env.cmd("run");
+    c.args(["--token-file", open.to_str().unwrap()]);
+    let out = env.exec(c);
+    assert_eq!(out.code, Some(2), "{out:?}");
+    assert!(out.stderr.contains("chmod 600"), "{out:?}");
+
+    let mut c = env.cmd("run");
+    c.args(["--forgejo-url", "http://forgejo.example.org"]);
+    let out = env.exec(c);
+    assert_eq!(out.code, Some(2), "{out:?}");
+    assert!(out.stderr.contains("https"), "{out:?}");
+
+    let mut c = env.cmd("run");
+    c.args(["--runner-prefix", ""]);
+    assert_eq!(env.exec(c).code, Some(2));
+
+    let mut c = env.cmd("run");
+    c.args(["--poll-interval", "soon"]);
+    assert_eq!(env.exec(c).code, Some(2));
+
+    // A cycle must start but no module is configured: exit 2 before anything is written.
+    env.fake.add_job(&["debian"]);
+    let mut c = env.cmd("run");
+    c.env("CI_EPHEMERAL_PROVISIONER_TOFU_DIR", "/nonexistent/module");
+    c.args(["--tofu-dir", "/nonexistent/module"]);
+    let out = env.exec(c);
+    assert_eq!(out.code, Some(2), "{out:?}");
+    assert!(env.cycle_json().is_none());
+    assert!(env.fake.requests().iter().all(|r| r.method == "GET"));
+}
+
+#[test]
+fn flags_read_environment_variables_and_the_command_line_wins() {
+    let env = Env::new();
+    let mut c = std::process::Command::new(support::harness::BIN);
+    c.env_clear();
+    c.env("PATH", std::env::var_os("PATH").unwrap());
+    c.arg("run");
+    c.env("CI_EPHEMERAL_PROVISIONER_FORGEJO_URL", env.fake.url());
+    c.env("CI_EPHEMERAL_PROVISIONER_TOKEN_FILE", &env.token_file);
+    c.env("CI_EPHEMERAL_PROVISIONER_STATE_DIR", &env.state);
+    c.env("CI_EPHEMERAL_PROVISIONER_LABELS", "gpu");
+    c.env("CI_EPHEMERAL_PROVISIONER_OUTPUT", "json");
+    c.args(["--labels", "debian:host"]);
+    let out = env.exec(c);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert_eq!(out.json()["outcome"], "idle");
+    assert_eq!(env.fake.requests()[0].query, "labels=debian");
+}
+
+#[test]
+fn hard_deadline_tears_down_a_busy_vm_and_fails() {
+    let env = Env::new();
+    env.set_launch_mode("take"); // the runner takes its job and keeps running
+    env.fake.add_job(&["debian"]);
+    let out = env.run(&["--output", "json", "--hard-deadline", "2s"]);
+    assert_eq!(out.code, Some(1), "{out:?}");
+    assert!(out.stderr.contains("hard-deadline"), "{}", out.stderr);
+    assert!(
+        env.live_vms().is_empty(),
+        "the VM is destroyed even with a runner up"
+    );
+    // Destroying the VM stopped the runner; once offline it was deleted, then cycle.json removed.
+    assert!(env.our_runners().is_empty());
+    assert!(env.cycle_json().is_none());
+}
+
+#[test]
+fn apply_failure_destroys_what_was_made_and_fails() {
+    let env = Env::new();
+    env.fake.add_job(&["debian"]);
+    env.fault("fail-apply", true);
+    let out = env.run(&[]);
+    assert_eq!(out.code, Some(1), "{out:?}");
+    assert!(out.stderr.contains("tofu apply failed"), "{}", out.stderr);
+    assert_eq!(posts(&env), 0, "no registration without a VM");
+    assert!(
+        env.cycle_json().is_none(),
+        "torn down after the failed apply"
+    );
+    assert!(env.live_vms().is_empty());
+}
+
+#[test]
+fn sigterm_during_apply_forwards_sigint_and_the_next_run_converges() {
+    let env = Env::new();
+    env.fake.add_job(&["debian"]);
+    env.fault("slow-apply", true);
+    let mut c = env.cmd("run");
+    c.stdout(std::process::Stdio::null());
+    c.stderr(std::process::Stdio::piped());
+    let mut child = c.spawn().unwrap();
+    // Wait until terraform runs the provisioner, then stop us the way systemd would.
+    let start = std::time::Instant::now();
+    while !env.vm.join("applying").exists() {
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "apply never started"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let status = child.wait().unwrap();
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut stderr).unwrap();
+    assert_eq!(status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("sending SIGINT to"), "{stderr}");
+    assert!(
+        stderr.contains("stopped by a signal during tofu apply"),
+        "{stderr}"
+    );
+    let cycle = env.cycle_json().expect("cycle.json persisted");
+    assert_eq!(cycle["phase"], "applying");
+
+    env.fault("slow-apply", false);
+    let out = env.run(&[]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert!(env.cycle_json().is_none());
+    assert!(env.live_vms().is_empty(), "{}", env.vm_log());
+    assert!(env.our_runners().is_empty());
+}
+
+#[test]
+fn secrets_never_leak_into_output_files_or_children() {
+    let env = Env::new();
+    env.fake.add_job(&["debian"]);
+    env.fake.add_job(&["debian"]);
+    let mut c = env.cmd("run");
+    c.args(["--output", "json", "-v"]);
+    c.env("RUST_LOG", "trace");
+    let out = env.exec(c);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let mut haystacks = vec![
+        ("stdout".to_string(), out.stdout.clone()),
+        ("stderr".to_string(), out.stderr.clone()),
+    ];
+    for dir in [&env.state, &env.module] {
+        for e in walk(dir) {
+            haystacks.push((
+                e.display().to_string(),
+                String::from_utf8_lossy(&fs::read(&e).unwrap()).into_owned(),
+            ));
+        }
+    }
+    // What the launch command saw in its environment and argv.
+    for e in fs::read_dir(&env.vm).unwrap().filter_map(|e| e.ok()) {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name.starts_with("launch-") {
+            haystacks.push((name, fs::read_to_string(e.path()).unwrap()));
+        }
+    }
+    assert!(haystacks.len() > 5);
+    for (name, text) in &haystacks {
+        assert!(!text.contains(API_TOKEN), "Forgejo token in {name}");
+        // Runner tokens are 40 hex digits; nothing we write or pass on contains one.
+        assert!(!has_hex40(text), "a runner token in {name}:\n{text}");
+        // tofu keeps sensitive outputs in its own state, the module source names the value, and
+        // the launch command gets every output by design (e.g. an SSH key to reach the VM).
+        if !name.contains("terraform.tfstate")
+            && !name.ends_with(".tf")
+            && !name.starts_with("launch-env")
+        {
+            assert!(
+                !text.contains("MODULE-SENSITIVE-VALUE"),
+                "a sensitive tofu output in {name}"
+            );
+        }
+    }
+}
+
+fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    if let Ok(rd) = fs::read_dir(dir) {
+        for e in rd.filter_map(|e| e.ok()) {
+            let p = e.path();
+            if p.is_dir() {
+                out.extend(walk(&p));
+            } else {
+                out.push(p);
+            }
+        }
+    }
+    out
+}
+
+fn has_hex40(s: &str) -> bool {
+    let mut run = 0;
+    for c in s.chars() {
+        if c.is_ascii_hexdigit() {
+            run += 1;
+            if run >= 40 {
+                return true;
+            }
+        } else {
+            run = 0;
+        }
+    }
+    false
+}

@@ -1,0 +1,29 @@
+#!/bin/sh
+# create|destroy CYCLE_ID. Faults are switched on by files in $VM_DIR:
+#   fail-apply, fail-destroy (exit 1), slow-apply, slow-destroy (sleep 30; SIGINT ends it).
+set -eu
+: "${VM_DIR:?VM_DIR must be set by the test}"
+action=$1
+id=$2
+case "$action" in
+create)
+    if [ -e "$VM_DIR/slow-apply" ]; then touch "$VM_DIR/applying"; sleep 30; fi
+    if [ -e "$VM_DIR/fail-apply" ]; then echo "simulated cloud error on create" >&2; exit 1; fi
+    echo "create $id" >> "$VM_DIR/vm.log"
+    touch "$VM_DIR/vm-$id"
+    ;;
+destroy)
+    if [ -e "$VM_DIR/slow-destroy" ]; then touch "$VM_DIR/destroying"; sleep 30; fi
+    if [ -e "$VM_DIR/fail-destroy" ]; then echo "simulated cloud error on destroy" >&2; exit 1; fi
+    # The VM goes away, and with it every runner process still running on it.
+    for f in "$VM_DIR"/runners/*; do
+        [ -e "$f" ] || continue
+        uuid=$(basename "$f")
+        curl -fsS -X POST -H "X-Runner-UUID: $uuid" --data-binary @"$f" \
+            "$FAKE_FORGEJO_URL/_fake/disconnect" > /dev/null || true
+        rm -f "$f"
+    done
+    echo "destroy $id" >> "$VM_DIR/vm.log"
+    rm -f "$VM_DIR/vm-$id"
+    ;;
+esac
