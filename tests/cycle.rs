@@ -711,3 +711,38 @@ fn has_hex40(s: &str) -> bool {
     }
     false
 }
+
+#[test]
+fn live_dry_run_only_gets_and_writes_nothing() {
+    let env = Env::new();
+    seed_incident(&env);
+    env.fake.add_job(&["debian"]);
+    // A cycle whose VM has been free long enough: the plan is destroy + sweep.
+    env.fault("fail-destroy", true);
+    assert_eq!(env.run(&[]).code, Some(1));
+    env.fault("fail-destroy", false);
+    let before = fs::read(env.state.join("cycle.json")).unwrap();
+    let vm_log = env.vm_log();
+    env.fake.clear_requests();
+    let out = env.run(&["--dry-run", "--output", "json"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let v = out.json();
+    assert_eq!(v["actions"][0]["action"], "tofu_destroy", "{v}");
+    let swept: Vec<i64> = v["actions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|a| a["reason"] == "sweep")
+        .map(|a| a["runner_id"].as_i64().unwrap())
+        .collect();
+    assert_eq!(swept, vec![106, 424, 514, 516, 518]);
+    assert!(env.fake.requests().iter().all(|r| r.method == "GET"), "only GETs");
+    assert!(env.fake.deleted_ids().is_empty());
+    assert_eq!(fs::read(env.state.join("cycle.json")).unwrap(), before, "state untouched");
+    assert_eq!(env.vm_log(), vm_log, "tofu never ran");
+    assert!(!env.state.join("last-run.json").exists() || {
+        // last-run.json is from the earlier real run, not the dry one
+        let r: serde_json::Value = serde_json::from_str(&fs::read_to_string(env.state.join("last-run.json")).unwrap()).unwrap();
+        r["dry_run"] == false
+    });
+}

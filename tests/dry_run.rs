@@ -1,0 +1,169 @@
+//! `run --dry-run --fixture`: the real cycle code against a fixture world; the plan is exact.
+
+mod support;
+
+use std::path::Path;
+use std::process::Command;
+
+use serde_json::{Value, json};
+use support::harness::BIN;
+
+fn plan(fixture: &str, extra: &[&str]) -> (Option<i32>, Value, String) {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures").join(fixture);
+    let tmp = tempfile::tempdir().unwrap();
+    let out = Command::new(BIN)
+        .env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap())
+        // Would be used if the dry-run touched the state dir: it must not.
+        .env("STATE_DIRECTORY", tmp.path())
+        .args(["run", "--dry-run", "--fixture"])
+        .arg(&path)
+        .args(["--labels", "debian:host", "--output", "json"])
+        .args(extra)
+        .output()
+        .unwrap();
+    assert_eq!(
+        std::fs::read_dir(tmp.path()).unwrap().count(),
+        0,
+        "a dry-run writes nothing in the state dir"
+    );
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    let v: Value = serde_json::from_str(&stdout)
+        .unwrap_or_else(|e| panic!("{e}: {stdout}\n{}", String::from_utf8_lossy(&out.stderr)));
+    (out.status.code(), v, String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+fn actions(v: &Value) -> &Vec<Value> {
+    v["actions"].as_array().expect("actions array")
+}
+
+#[test]
+fn idle_world_plans_nothing() {
+    let (code, v, _) = plan("idle.json", &[]);
+    assert_eq!(code, Some(0));
+    assert_eq!(v["actions"], json!([]));
+}
+
+#[test]
+fn fresh_cycle_applies_and_registers_for_the_matching_job() {
+    let (code, v, _) = plan("fresh-cycle.json", &[]);
+    assert_eq!(code, Some(0));
+    let a = actions(&v);
+    assert_eq!(a.len(), 2, "{v}");
+    assert_eq!(a[0], json!({"action": "tofu_apply"}));
+    assert_eq!(a[1]["action"], "register_runner");
+    assert_eq!(a[1]["job_id"], 901, "the debian job, not the gpu one");
+    let name = a[1]["name"].as_str().unwrap();
+    assert!(name.starts_with("ephemeral-") && name.ends_with("-1"), "{name}");
+}
+
+#[test]
+fn fresh_cycle_with_other_labels_is_idle() {
+    let (code, v, _) = plan("fresh-cycle.json", &["--labels", "arm64"]);
+    assert_eq!(code, Some(0));
+    assert_eq!(v["actions"], json!([]));
+}
+
+#[test]
+fn reuse_deletes_the_unconsumed_registration_before_registering_again() {
+    let (code, v, _) = plan("reuse-unconsumed.json", &[]);
+    assert_eq!(code, Some(0));
+    let a = actions(&v);
+    assert_eq!(a[0], json!({"action": "delete_runner", "runner_id": 514, "reason": "unconsumed"}));
+    assert_eq!(a[1]["action"], "register_runner");
+    assert_eq!(a[1]["job_id"], 903);
+    assert_eq!(a.len(), 2, "{v}");
+}
+
+#[test]
+fn within_the_grace_an_offline_registration_is_left_alone() {
+    // The same world, five minutes after launch: with a 30 m grace it is still "starting".
+    let (code, v, _) = plan("reuse-unconsumed.json", &["--registration-grace", "30m"]);
+    assert_eq!(code, Some(0));
+    assert_eq!(v["actions"], json!([]));
+    assert!(v["outcome"].as_str().unwrap().contains("514"), "{v}");
+}
+
+#[test]
+fn reuse_after_a_consumed_registration_only_registers() {
+    let (code, v, _) = plan("reuse-consumed.json", &[]);
+    assert_eq!(code, Some(0));
+    let a = actions(&v);
+    assert_eq!(a.len(), 1, "{v}");
+    assert_eq!(a[0]["action"], "register_runner");
+    assert_eq!(a[0]["name"], "ephemeral-20261014t150000z-5c1d-3");
+}
+
+#[test]
+fn teardown_destroys_then_sweeps_only_stale_offline_prefixed_registrations() {
+    let (code, v, _) = plan("teardown-stale.json", &[]);
+    assert_eq!(code, Some(0));
+    let mut want = vec![json!({"action": "tofu_destroy"})];
+    for id in [106, 424, 514, 516, 518] {
+        want.push(json!({"action": "delete_runner", "runner_id": id, "reason": "sweep"}));
+    }
+    assert_eq!(actions(&v), &want);
+    assert_eq!(v["outcome"], "cycle_finished");
+}
+
+#[test]
+fn job_cap_and_cycle_age_force_teardown() {
+    let (_, v, _) = plan("reuse-consumed.json", &["--max-jobs-per-vm", "1"]);
+    assert_eq!(actions(&v)[0], json!({"action": "tofu_destroy"}), "{v}");
+    let (_, v, _) = plan("reuse-consumed.json", &["--max-cycle-duration", "10m"]);
+    assert_eq!(actions(&v)[0], json!({"action": "tofu_destroy"}), "{v}");
+}
+
+#[test]
+fn failed_destroy_is_retried_first() {
+    let (code, v, _) = plan("failed-destroy.json", &[]);
+    assert_eq!(code, Some(0));
+    let a = actions(&v);
+    assert_eq!(a[0], json!({"action": "tofu_destroy"}));
+    assert_eq!(a.len(), 6, "{v}");
+    assert!(a[1..].iter().all(|x| x["reason"] == "sweep"));
+}
+
+#[test]
+fn every_bundled_fixture_plans_cleanly_in_text_too() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures");
+    let mut n = 0;
+    for e in std::fs::read_dir(&dir).unwrap() {
+        let path = e.unwrap().path();
+        let out = Command::new(BIN)
+            .args(["run", "--dry-run", "--fixture"])
+            .arg(&path)
+            .args(["--labels", "debian:host"])
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(0), "{}", path.display());
+        assert!(String::from_utf8_lossy(&out.stdout).starts_with("plan"), "{}", path.display());
+        n += 1;
+    }
+    assert!(n >= 6);
+}
+
+#[test]
+fn broken_fixture_is_a_clear_error() {
+    let tmp = tempfile::tempdir().unwrap();
+    let f = tmp.path().join("broken.json");
+    std::fs::write(&f, r#"{"cycle": {"version": 7}}"#).unwrap();
+    let out = Command::new(BIN)
+        .args(["run", "--dry-run", "--fixture"])
+        .arg(&f)
+        .args(["--labels", "debian"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("broken.json") && err.contains("version 7"), "{err}");
+}
+
+#[test]
+fn fixture_requires_dry_run() {
+    let out = Command::new(BIN)
+        .args(["run", "--fixture", "fixtures/idle.json", "--labels", "debian"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+}
