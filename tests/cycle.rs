@@ -736,13 +736,24 @@ fn live_dry_run_only_gets_and_writes_nothing() {
         .map(|a| a["runner_id"].as_i64().unwrap())
         .collect();
     assert_eq!(swept, vec![106, 424, 514, 516, 518]);
-    assert!(env.fake.requests().iter().all(|r| r.method == "GET"), "only GETs");
+    assert!(
+        env.fake.requests().iter().all(|r| r.method == "GET"),
+        "only GETs"
+    );
     assert!(env.fake.deleted_ids().is_empty());
-    assert_eq!(fs::read(env.state.join("cycle.json")).unwrap(), before, "state untouched");
+    assert_eq!(
+        fs::read(env.state.join("cycle.json")).unwrap(),
+        before,
+        "state untouched"
+    );
     assert_eq!(env.vm_log(), vm_log, "tofu never ran");
-    assert!(!env.state.join("last-run.json").exists() || {
-        // last-run.json is from the earlier real run, not the dry one
-        let r: serde_json::Value = serde_json::from_str(&fs::read_to_string(env.state.join("last-run.json")).unwrap()).unwrap();
-        r["dry_run"] == false
-    });
+    assert!(
+        !env.state.join("last-run.json").exists() || {
+            // last-run.json is from the earlier real run, not the dry one
+            let r: serde_json::Value =
+                serde_json::from_str(&fs::read_to_string(env.state.join("last-run.json")).unwrap())
+                    .unwrap();
+            r["dry_run"] == false
+        }
+    );
 }

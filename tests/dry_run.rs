@@ -9,7 +9,9 @@ use serde_json::{Value, json};
 use support::harness::BIN;
 
 fn plan(fixture: &str, extra: &[&str]) -> (Option<i32>, Value, String) {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures").join(fixture);
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("fixtures")
+        .join(fixture);
     let tmp = tempfile::tempdir().unwrap();
     let out = Command::new(BIN)
         .env_clear()
@@ -30,7 +32,11 @@ fn plan(fixture: &str, extra: &[&str]) -> (Option<i32>, Value, String) {
     let stdout = String::from_utf8(out.stdout).unwrap();
     let v: Value = serde_json::from_str(&stdout)
         .unwrap_or_else(|e| panic!("{e}: {stdout}\n{}", String::from_utf8_lossy(&out.stderr)));
-    (out.status.code(), v, String::from_utf8_lossy(&out.stderr).into_owned())
+    (
+        out.status.code(),
+        v,
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
 }
 
 fn actions(v: &Value) -> &Vec<Value> {
@@ -54,7 +60,10 @@ fn fresh_cycle_applies_and_registers_for_the_matching_job() {
     assert_eq!(a[1]["action"], "register_runner");
     assert_eq!(a[1]["job_id"], 901, "the debian job, not the gpu one");
     let name = a[1]["name"].as_str().unwrap();
-    assert!(name.starts_with("ephemeral-") && name.ends_with("-1"), "{name}");
+    assert!(
+        name.starts_with("ephemeral-") && name.ends_with("-1"),
+        "{name}"
+    );
 }
 
 #[test]
@@ -69,7 +78,10 @@ fn reuse_deletes_the_unconsumed_registration_before_registering_again() {
     let (code, v, _) = plan("reuse-unconsumed.json", &[]);
     assert_eq!(code, Some(0));
     let a = actions(&v);
-    assert_eq!(a[0], json!({"action": "delete_runner", "runner_id": 514, "reason": "unconsumed"}));
+    assert_eq!(
+        a[0],
+        json!({"action": "delete_runner", "runner_id": 514, "reason": "unconsumed"})
+    );
     assert_eq!(a[1]["action"], "register_runner");
     assert_eq!(a[1]["job_id"], 903);
     assert_eq!(a.len(), 2, "{v}");
@@ -137,7 +149,11 @@ fn every_bundled_fixture_plans_cleanly_in_text_too() {
             .output()
             .unwrap();
         assert_eq!(out.status.code(), Some(0), "{}", path.display());
-        assert!(String::from_utf8_lossy(&out.stdout).starts_with("plan"), "{}", path.display());
+        assert!(
+            String::from_utf8_lossy(&out.stdout).starts_with("plan"),
+            "{}",
+            path.display()
+        );
         n += 1;
     }
     assert!(n >= 6);
@@ -156,13 +172,22 @@ fn broken_fixture_is_a_clear_error() {
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("broken.json") && err.contains("version 7"), "{err}");
+    assert!(
+        err.contains("broken.json") && err.contains("version 7"),
+        "{err}"
+    );
 }
 
 #[test]
 fn fixture_requires_dry_run() {
     let out = Command::new(BIN)
-        .args(["run", "--fixture", "fixtures/idle.json", "--labels", "debian"])
+        .args([
+            "run",
+            "--fixture",
+            "fixtures/idle.json",
+            "--labels",
+            "debian",
+        ])
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
