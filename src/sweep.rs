@@ -182,3 +182,250 @@ pub fn sweep_failures(report: &SweepReport) -> Vec<String> {
     }
     f
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::forgejo::{ApiError, NewRunner, RunnerPage};
+    use crate::model::Job;
+
+    /// Serves scripted list pages and records deletions.
+    struct Scripted {
+        pages: Vec<Result<(Vec<Runner>, Option<u64>), String>>,
+        asked: Vec<u32>,
+        deleted: Vec<i64>,
+        fail_delete: Vec<i64>,
+        /// Answer every page with the first one (a server that ignores `page`).
+        loop_first: bool,
+    }
+
+    impl Scripted {
+        fn new(pages: Vec<Result<(Vec<Runner>, Option<u64>), String>>) -> Scripted {
+            Scripted {
+                pages,
+                asked: vec![],
+                deleted: vec![],
+                fail_delete: vec![],
+                loop_first: false,
+            }
+        }
+    }
+
+    fn err(detail: &str) -> ApiError {
+        ApiError {
+            request: "scripted".into(),
+            detail: detail.into(),
+        }
+    }
+
+    impl Forgejo for Scripted {
+        fn list_jobs(&mut self) -> Result<Vec<Job>, ApiError> {
+            Err(err("not used"))
+        }
+        fn get_runner(&mut self, _id: i64) -> Result<Option<Runner>, ApiError> {
+            Err(err("not used"))
+        }
+        fn delete_runner(&mut self, id: i64, _reason: &str) -> Result<Deleted, ApiError> {
+            if self.fail_delete.contains(&id) {
+                return Err(err("HTTP 500"));
+            }
+            self.deleted.push(id);
+            Ok(Deleted::Now)
+        }
+        fn register_runner(&mut self, _name: &str) -> Result<NewRunner, ApiError> {
+            Err(err("not used"))
+        }
+        fn list_runners_page(&mut self, page: u32, limit: u32) -> Result<RunnerPage, ApiError> {
+            assert_eq!(limit, PAGE_LIMIT);
+            self.asked.push(page);
+            let idx = if self.loop_first {
+                0
+            } else {
+                page as usize - 1
+            };
+            match self.pages.get(idx) {
+                None => Ok(RunnerPage {
+                    rows: vec![],
+                    total: None,
+                }),
+                Some(Ok((rows, total))) => Ok(RunnerPage {
+                    rows: rows.clone(),
+                    total: *total,
+                }),
+                Some(Err(e)) => Err(err(e)),
+            }
+        }
+    }
+
+    fn r(id: i64, name: &str, status: RunnerStatus) -> Runner {
+        Runner {
+            id,
+            name: Some(name.into()),
+            status,
+        }
+    }
+
+    fn page(start: i64, n: usize, name: &str) -> Vec<Runner> {
+        (0..n as i64)
+            .map(|i| {
+                r(
+                    start + i,
+                    &format!("{name}-{}", start + i),
+                    RunnerStatus::Offline,
+                )
+            })
+            .collect()
+    }
+
+    #[test]
+    fn all_pages_are_listed_before_any_delete() {
+        let mut f = Scripted::new(vec![
+            Ok((page(1, 50, "static"), Some(120))),
+            Ok((page(51, 50, "ephemeral"), Some(120))),
+            Ok((page(101, 20, "ephemeral"), Some(120))),
+        ]);
+        let rep = sweep(&mut f, "ephemeral-", 1000);
+        assert_eq!(f.asked, vec![1, 2, 3]);
+        assert_eq!(rep.pages, 3);
+        assert_eq!(rep.listed, 120);
+        assert_eq!(f.deleted, (51..=120).collect::<Vec<_>>());
+        assert_eq!(rep.deleted.len(), 70);
+    }
+
+    #[test]
+    fn a_failed_page_deletes_nothing() {
+        let mut f = Scripted::new(vec![
+            Ok((page(1, 50, "ephemeral"), Some(120))),
+            Err("HTTP 500".into()),
+            Ok((page(101, 20, "ephemeral"), Some(120))),
+        ]);
+        let rep = sweep(&mut f, "ephemeral-", 1000);
+        assert!(f.deleted.is_empty());
+        assert!(rep.error.as_deref().unwrap().contains("page 2"));
+        assert_eq!(sweep_failures(&rep).len(), 1);
+    }
+
+    #[test]
+    fn a_server_that_never_ends_deletes_nothing() {
+        let mut f = Scripted::new(vec![Ok((page(1, 50, "ephemeral"), None))]);
+        f.loop_first = true;
+        // Every page repeats the same full page without a total: bounded, then refused.
+        let rep = sweep(&mut f, "ephemeral-", 1000);
+        assert!(f.deleted.is_empty());
+        assert_eq!(f.asked.len(), MAX_PAGES as usize);
+        assert!(rep.error.is_some());
+    }
+
+    #[test]
+    fn short_page_without_total_ends_the_listing() {
+        let mut f = Scripted::new(vec![Ok((page(1, 7, "ephemeral"), None))]);
+        let rep = sweep(&mut f, "ephemeral-", 1000);
+        assert_eq!(f.asked, vec![1]);
+        assert_eq!(rep.deleted.len(), 7);
+    }
+
+    #[test]
+    fn a_lower_server_limit_is_followed_by_the_total() {
+        // The server clamps to 30 rows per page; X-Total-Count says 70.
+        let mut f = Scripted::new(vec![
+            Ok((page(1, 30, "ephemeral"), Some(70))),
+            Ok((page(31, 30, "ephemeral"), Some(70))),
+            Ok((page(61, 10, "ephemeral"), Some(70))),
+        ]);
+        let rep = sweep(&mut f, "ephemeral-", 1000);
+        assert_eq!(f.asked, vec![1, 2, 3]);
+        assert_eq!(rep.deleted.len(), 70);
+    }
+
+    #[test]
+    fn a_total_that_lies_high_stops_on_an_empty_page() {
+        let mut f = Scripted::new(vec![Ok((page(1, 5, "ephemeral"), Some(5000)))]);
+        let rep = sweep(&mut f, "ephemeral-", 1000);
+        assert_eq!(f.asked, vec![1, 2]);
+        assert_eq!(rep.deleted.len(), 5);
+    }
+
+    #[test]
+    fn conflicting_duplicates_are_doubtful_and_kept() {
+        let mut f = Scripted::new(vec![
+            Ok((
+                vec![
+                    r(1, "ephemeral-a", RunnerStatus::Offline),
+                    r(2, "ephemeral-b", RunnerStatus::Offline),
+                ],
+                Some(3),
+            )),
+            Ok((
+                vec![
+                    r(1, "ephemeral-a", RunnerStatus::Idle),
+                    r(2, "ephemeral-b", RunnerStatus::Offline),
+                    r(3, "ephemeral-c", RunnerStatus::Offline),
+                ],
+                Some(3),
+            )),
+        ]);
+        // Page 1 is short, but the total says there is more.
+        let rep = sweep(&mut f, "ephemeral-", 1000);
+        assert_eq!(f.deleted, vec![2, 3], "1 was offline, then idle: doubtful");
+        assert_eq!(rep.skipped_doubtful.len(), 1);
+        assert_eq!(rep.skipped_doubtful[0].runner_id, 1);
+    }
+
+    #[test]
+    fn only_offline_rows_with_the_prefix_are_deleted_and_the_cap_holds() {
+        let rows = vec![
+            r(514, "ephemeral-1", RunnerStatus::Offline),
+            r(516, "ephemeral-2", RunnerStatus::Offline),
+            r(518, "ephemeral-3", RunnerStatus::Offline),
+            r(600, "ephemeral-live", RunnerStatus::Idle),
+            r(601, "ephemeral-busy", RunnerStatus::Active),
+            r(602, "static-builder", RunnerStatus::Offline),
+            r(603, "my-ephemeral-1", RunnerStatus::Offline),
+            r(
+                604,
+                "ephemeral-odd",
+                RunnerStatus::Unknown("Offline".into()),
+            ),
+            r(605, "ephemeral-nostatus", RunnerStatus::Missing),
+            Runner {
+                id: 606,
+                name: None,
+                status: RunnerStatus::Offline,
+            },
+        ];
+        let listing = Listing {
+            rows,
+            conflicting: vec![],
+            pages: 1,
+        };
+        let sel = select(&listing, "ephemeral-", 2);
+        assert_eq!(
+            sel.delete.iter().map(|r| r.id).collect::<Vec<_>>(),
+            vec![514, 516]
+        );
+        assert_eq!(sel.found, 3);
+        assert_eq!(sel.left_over_cap, 1);
+        assert_eq!(
+            sel.doubtful.iter().map(|r| r.id).collect::<Vec<_>>(),
+            vec![604, 605]
+        );
+        assert!(
+            select(&listing, "", 100).delete.is_empty(),
+            "an empty prefix owns nothing"
+        );
+    }
+
+    #[test]
+    fn a_failed_delete_is_reported_and_the_rest_go_on() {
+        let mut f = Scripted::new(vec![Ok((page(1, 3, "ephemeral"), Some(3)))]);
+        f.fail_delete = vec![2];
+        let rep = sweep(&mut f, "ephemeral-", 10);
+        assert_eq!(f.deleted, vec![1, 3]);
+        assert_eq!(rep.failed.len(), 1);
+        assert_eq!(
+            sweep_failures(&rep).len(),
+            1,
+            "a failed delete fails the run"
+        );
+    }
+}
