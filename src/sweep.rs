@@ -189,9 +189,11 @@ mod tests {
     use crate::forgejo::{ApiError, NewRunner, RunnerPage};
     use crate::model::Job;
 
+    type ScriptedPage = Result<(Vec<Runner>, Option<u64>), String>;
+
     /// Serves scripted list pages and records deletions.
     struct Scripted {
-        pages: Vec<Result<(Vec<Runner>, Option<u64>), String>>,
+        pages: Vec<ScriptedPage>,
         asked: Vec<u32>,
         deleted: Vec<i64>,
         fail_delete: Vec<i64>,
@@ -200,7 +202,7 @@ mod tests {
     }
 
     impl Scripted {
-        fn new(pages: Vec<Result<(Vec<Runner>, Option<u64>), String>>) -> Scripted {
+        fn new(pages: Vec<ScriptedPage>) -> Scripted {
             Scripted {
                 pages,
                 asked: vec![],
