@@ -437,7 +437,8 @@ fn decide_destroyed(
         };
     }
     if !waiting_on.is_empty() {
-        let destroyed_at = state.destroyed_at.unwrap_or(now);
+        // Fail safe: without a recorded destroy time, count from the start of the cycle.
+        let destroyed_at = state.destroyed_at.unwrap_or(state.started_at);
         if now.since(destroyed_at) >= OFFLINE_AFTER_DESTROY {
             return Step::GiveUp {
                 why: format!(
