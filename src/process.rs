@@ -216,7 +216,12 @@ mod tests {
     #[test]
     fn stop_forwards_sigint() {
         let stop = StopFlag::new();
-        stop.raise();
+        let later = stop.clone();
+        // Raised once the shell has installed its trap.
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(300));
+            later.raise();
+        });
         let spec = sh("trap 'echo got-int; exit 7' INT; while :; do sleep 0.05; done");
         let r = run_child(&spec, &stop).unwrap();
         assert!(r.interrupted);
