@@ -757,3 +757,145 @@ fn live_dry_run_only_gets_and_writes_nothing() {
         }
     );
 }
+
+#[test]
+fn stranded_idle_runner_is_never_deleted_alive_the_vm_goes_and_then_it_does() {
+    let env = Env::new();
+    env.set_launch_mode("connect"); // the runner connects but never gets its job
+    let (job, _) = env.fake.add_job(&["debian"]);
+    let mut c = env.cmd("run");
+    c.args(["--output", "json"]);
+    c.stdout(std::process::Stdio::piped());
+    let child = c.spawn().unwrap();
+    // Wait until the runner is up and idle, then cancel its job.
+    let start = std::time::Instant::now();
+    while !env
+        .fake
+        .runners()
+        .iter()
+        .any(|r| r.name.starts_with("ephemeral-") && r.status == "idle")
+    {
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "runner never connected"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let runner = env.our_runners()[0];
+    env.fake.set_job_status(job, "cancelled");
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let events = report["events"].as_array().unwrap();
+    let teardown = events.iter().position(|e| e["step"] == "teardown").unwrap();
+    let destroy = events
+        .iter()
+        .position(|e| e["step"] == "tofu_destroy")
+        .unwrap();
+    let delete = events
+        .iter()
+        .position(|e| e["step"] == "delete_runner" && e["runner_id"] == runner)
+        .unwrap();
+    assert!(
+        events[teardown]["detail"]
+            .as_str()
+            .unwrap()
+            .contains("idle"),
+        "{report}"
+    );
+    assert!(
+        destroy < delete,
+        "the idle runner was deleted only after its VM was destroyed"
+    );
+    assert!(env.our_runners().is_empty());
+    assert!(env.cycle_json().is_none());
+}
+
+#[test]
+fn sigterm_during_destroy_persists_and_the_next_run_converges() {
+    let env = Env::new();
+    env.fake.add_job(&["debian"]);
+    env.fake
+        .add_runner("ephemeral-stale", true, Conn::NeverConnected);
+    env.fault("slow-destroy", true);
+    let mut c = env.cmd("run");
+    c.stdout(std::process::Stdio::null());
+    c.stderr(std::process::Stdio::piped());
+    let mut child = c.spawn().unwrap();
+    let start = std::time::Instant::now();
+    while !env.vm.join("destroying").exists() {
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "destroy never started"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let status = child.wait().unwrap();
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut stderr).unwrap();
+    assert_eq!(status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("stopped by a signal during tofu destroy"),
+        "{stderr}"
+    );
+    assert_eq!(env.cycle_json().unwrap()["phase"], "tearing_down");
+    assert_eq!(
+        env.our_runners().len(),
+        1,
+        "no sweep after an interrupted destroy"
+    );
+
+    env.fault("slow-destroy", false);
+    let out = env.run(&[]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert!(env.cycle_json().is_none());
+    assert!(env.live_vms().is_empty());
+    assert!(env.our_runners().is_empty());
+}
+
+#[test]
+fn a_failed_delete_keeps_the_registration_until_forgejo_confirms() {
+    let env = Env::new();
+    env.set_launch_mode("noop");
+    env.fake.add_job(&["debian"]);
+    env.fake
+        .inject("DELETE", "/actions/runners/", Fault::Status(500), 2);
+    let out = env.run(&["--output", "json", "--max-jobs-per-vm", "1"]);
+    assert_eq!(
+        out.code,
+        Some(1),
+        "failed deletes are failures of the run: {out:?}"
+    );
+    let report = out.json();
+    let deletes: Vec<(i64, bool, String)> = report["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["step"] == "delete_runner")
+        .map(|e| {
+            (
+                e["runner_id"].as_i64().unwrap(),
+                e["ok"].as_bool().unwrap(),
+                e["reason"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    let id = deletes[0].0;
+    assert_eq!(
+        deletes,
+        vec![
+            (id, false, "unconsumed".into()),
+            (id, false, "unconsumed".into()),
+            (id, true, "unconsumed".into())
+        ],
+        "retried until Forgejo confirmed, never forgotten in between: {report}"
+    );
+    assert!(env.our_runners().is_empty());
+    assert!(env.cycle_json().is_none());
+}
