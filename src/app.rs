@@ -43,9 +43,9 @@ fn usage(msg: impl Into<String>) -> Fatal {
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
     let (verbose, dry_run) = match &cli.command {
-        Command::Run(a) => (a.common.verbose, a.common.dry_run),
-        Command::Sweep(a) => (a.common.verbose, a.common.dry_run),
-        Command::Status(a) => (a.verbose, false),
+        Command::Run(a) => (a.common.local.verbose, a.common.dry_run),
+        Command::Sweep(a) => (a.common.local.verbose, a.common.dry_run),
+        Command::Status(a) => (a.local.verbose, false),
     };
     init_logging(verbose, dry_run);
     let result = match cli.command {
@@ -245,6 +245,16 @@ fn policy(a: &RunArgs, labels: &str) -> Policy {
     }
 }
 
+fn cycle_config(a: &RunArgs, policy: Policy, labels: String, forgejo_url: String) -> CycleConfig {
+    CycleConfig {
+        policy,
+        poll_interval: a.poll_interval,
+        labels,
+        forgejo_url,
+        sweep_max_deletions: a.common.sweep_max_deletions,
+    }
+}
+
 fn cmd_run(a: RunArgs) -> Result<u8, Fatal> {
     check_prefix(&a.common.runner_prefix)?;
     let labels = a.labels.clone().unwrap_or_default();
@@ -267,7 +277,7 @@ fn cmd_run(a: RunArgs) -> Result<u8, Fatal> {
 
     let (url, scope) = forgejo_target(&a.common)?;
     let token = read_token(&a.common.token_file)?;
-    let dir = state_dir(&a.common.state_dir);
+    let dir = state_dir(&a.common.local.state_dir);
     let _lock = take_lock(&dir)?;
     let stop = StopFlag::install().map_err(|e| Fatal(EXIT_FAILED, format!("{e:#}")))?;
 
@@ -291,13 +301,7 @@ fn cmd_run(a: RunArgs) -> Result<u8, Fatal> {
     };
     let mut store = FileStore::new(&dir);
     let mut clock = RealClock { stop };
-    let cfg = CycleConfig {
-        policy,
-        poll_interval: a.poll_interval,
-        labels,
-        forgejo_url: url,
-        sweep_max_deletions: a.common.sweep_max_deletions,
-    };
+    let cfg = cycle_config(&a, policy, labels, url);
     let mut report = Report::new("run", false, Timestamp::now());
     let mut world = World {
         forgejo: &mut forgejo,
@@ -307,7 +311,7 @@ fn cmd_run(a: RunArgs) -> Result<u8, Fatal> {
         clock: &mut clock,
     };
     let end = cycle::run(&mut world, &cfg, &mut report);
-    finish(report, end, Some(&dir), a.common.output)
+    finish(report, end, Some(&dir), a.common.local.output)
 }
 
 /// Sets the exit status, keeps the report as last-run.json, prints it.
@@ -378,7 +382,7 @@ fn dry_run(a: &RunArgs, policy: Policy, labels: String) -> Result<u8, Fatal> {
         None => {
             let (url, scope) = forgejo_target(&a.common)?;
             let token = read_token(&a.common.token_file)?;
-            let dir = state_dir(&a.common.state_dir);
+            let dir = state_dir(&a.common.local.state_dir);
             let cycle = read_state_file(&dir.join(crate::state::STATE_FILE))
                 .map_err(|e| Fatal(EXIT_FAILED, format!("{e:#}")))?;
             let inner = HttpForgejo::new(
@@ -394,13 +398,7 @@ fn dry_run(a: &RunArgs, policy: Policy, labels: String) -> Result<u8, Fatal> {
     let mut forgejo = DryForgejo::new(BoxedForgejo(inner), plan.clone());
     let mut store = MemoryStore { state: cycle };
     let mut clock = DryClock { now };
-    let cfg = CycleConfig {
-        policy,
-        poll_interval: a.poll_interval,
-        labels,
-        forgejo_url: url,
-        sweep_max_deletions: a.common.sweep_max_deletions,
-    };
+    let cfg = cycle_config(a, policy, labels, url);
     let mut report = Report::new("run", true, now);
     let mut world = World {
         forgejo: &mut forgejo,
@@ -414,7 +412,7 @@ fn dry_run(a: &RunArgs, policy: Policy, labels: String) -> Result<u8, Fatal> {
         return Err(usage(msg));
     }
     let actions: Vec<Value> = plan.borrow().clone();
-    print_plan(&actions, &report, a.common.output);
+    print_plan(&actions, &report, a.common.local.output);
     Ok(if report.failures.is_empty() {
         EXIT_OK
     } else {
@@ -516,7 +514,7 @@ fn cmd_sweep(a: SweepArgs) -> Result<u8, Fatal> {
             None => {
                 let (url, scope) = forgejo_target(c)?;
                 let token = read_token(&c.token_file)?;
-                refuse_if_cycle(&state_dir(&c.state_dir))?;
+                refuse_if_cycle(&state_dir(&c.local.state_dir))?;
                 Box::new(HttpForgejo::new(&url, scope, &token, &[], c.http_timeout))
             }
         };
@@ -529,7 +527,7 @@ fn cmd_sweep(a: SweepArgs) -> Result<u8, Fatal> {
         report.outcome = "would_sweep".into();
         report.sweep = Some(sw);
         let actions: Vec<Value> = plan.borrow().clone();
-        print_plan(&actions, &report, c.output);
+        print_plan(&actions, &report, c.local.output);
         return Ok(if report.failures.is_empty() {
             EXIT_OK
         } else {
@@ -538,7 +536,7 @@ fn cmd_sweep(a: SweepArgs) -> Result<u8, Fatal> {
     }
     let (url, scope) = forgejo_target(c)?;
     let token = read_token(&c.token_file)?;
-    let dir = state_dir(&c.state_dir);
+    let dir = state_dir(&c.local.state_dir);
     let _lock = take_lock(&dir)?;
     refuse_if_cycle(&dir)?;
     let mut forgejo = HttpForgejo::new(&url, scope, &token, &[], c.http_timeout);
@@ -550,7 +548,7 @@ fn cmd_sweep(a: SweepArgs) -> Result<u8, Fatal> {
     }
     report.outcome = "swept".into();
     report.sweep = Some(sw);
-    finish(report, End::Done, Some(&dir), c.output)
+    finish(report, End::Done, Some(&dir), c.local.output)
 }
 
 fn refuse_if_cycle(dir: &Path) -> Result<(), Fatal> {
@@ -570,7 +568,7 @@ fn refuse_if_cycle(dir: &Path) -> Result<(), Fatal> {
 }
 
 fn cmd_status(a: StatusArgs) -> Result<u8, Fatal> {
-    let dir = state_dir(&a.state_dir);
+    let dir = state_dir(&a.local.state_dir);
     let cycle_path = dir.join(crate::state::STATE_FILE);
     let (cycle, cycle_error) = match read_state_file(&cycle_path) {
         Ok(c) => (c, None),
@@ -581,7 +579,7 @@ fn cmd_status(a: StatusArgs) -> Result<u8, Fatal> {
         .ok()
         .and_then(|t| serde_json::from_str(&t).ok());
     let now = Timestamp::now();
-    match a.output {
+    match a.local.output {
         OutputFormat::Json => {
             let doc = json!({
                 "state_dir": dir.display().to_string(),

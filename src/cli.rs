@@ -80,11 +80,6 @@ pub struct ForgejoArgs {
     )]
     pub runner_prefix: String,
 
-    /// Directory of cycle.json, cycle.lock and last-run.json [default: $STATE_DIRECTORY, else
-    /// /var/lib/ci-ephemeral-provisioner].
-    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_STATE_DIR", value_name = "DIR")]
-    pub state_dir: Option<PathBuf>,
-
     /// At most this many registrations deleted by one sweep (the rest is reported and left for the next).
     #[arg(
         long,
@@ -109,19 +104,8 @@ pub struct ForgejoArgs {
     )]
     pub fixture: Option<PathBuf>,
 
-    /// text (a short summary) or json (one JSON document on stdout).
-    #[arg(
-        long,
-        env = "CI_EPHEMERAL_PROVISIONER_OUTPUT",
-        value_enum,
-        default_value = "text",
-        value_name = "FORMAT"
-    )]
-    pub output: OutputFormat,
-
-    /// Debug logging on stderr (RUST_LOG overrides).
-    #[arg(short, long, env = "CI_EPHEMERAL_PROVISIONER_VERBOSE")]
-    pub verbose: bool,
+    #[command(flatten)]
+    pub local: LocalArgs,
 }
 
 #[derive(Debug, Args)]
@@ -203,12 +187,19 @@ pub struct SweepArgs {
 #[derive(Debug, Args)]
 #[command(args_override_self = true)]
 pub struct StatusArgs {
-    /// Directory of cycle.json and last-run.json [default: $STATE_DIRECTORY, else
+    #[command(flatten)]
+    pub local: LocalArgs,
+}
+
+/// Flags every subcommand has: where the state lives, how to print, how much to log.
+#[derive(Debug, Args)]
+pub struct LocalArgs {
+    /// Directory of cycle.json, cycle.lock and last-run.json [default: $STATE_DIRECTORY, else
     /// /var/lib/ci-ephemeral-provisioner].
     #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_STATE_DIR", value_name = "DIR")]
     pub state_dir: Option<PathBuf>,
 
-    /// text or json.
+    /// text (a short summary) or json (one JSON document on stdout).
     #[arg(
         long,
         env = "CI_EPHEMERAL_PROVISIONER_OUTPUT",
