@@ -223,6 +223,10 @@ impl Clock for RealClock {
         }
     }
 
+    fn stop_requested(&self) -> bool {
+        self.stop.is_raised()
+    }
+
     fn new_cycle_id(&mut self, now: Timestamp) -> String {
         let mut buf = [0u8; 2];
         let random = fs::File::open("/dev/urandom")

@@ -24,6 +24,8 @@ pub enum Sleep {
 pub trait Clock {
     fn now(&self) -> Timestamp;
     fn sleep(&mut self, d: Duration) -> Sleep;
+    /// A stop (SIGTERM/SIGINT) was requested: end the run before the next step.
+    fn stop_requested(&self) -> bool;
     /// A fresh cycle id, unique and usable in runner names and tofu variables.
     fn new_cycle_id(&mut self, now: Timestamp) -> String;
 }
@@ -156,6 +158,9 @@ impl Driver<'_, '_> {
         let mut observation_failures = 0u32;
         let mut steps = 0u32;
         loop {
+            if self.w.clock.stop_requested() {
+                return self.interrupted("between steps");
+            }
             steps += 1;
             if steps > MAX_STEPS_WITHOUT_WAIT {
                 self.report.fail(format!(

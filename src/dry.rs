@@ -298,6 +298,10 @@ impl Clock for DryClock {
         Sleep::Stop
     }
 
+    fn stop_requested(&self) -> bool {
+        false
+    }
+
     fn new_cycle_id(&mut self, now: Timestamp) -> String {
         format!("{}-dryrun", now.compact())
     }
