@@ -899,3 +899,62 @@ fn a_failed_delete_keeps_the_registration_until_forgejo_confirms() {
     assert!(env.our_runners().is_empty());
     assert!(env.cycle_json().is_none());
 }
+
+#[test]
+fn systemd_credential_is_the_default_token_and_children_never_see_it() {
+    let env = Env::new();
+    env.fake.add_job(&["debian"]);
+    let creds = env.tmp.path().join("credentials");
+    fs::create_dir(&creds).unwrap();
+    fs::copy(&env.token_file, creds.join("forgejo-token")).unwrap();
+    let mut c = env.cmd_with("run", false);
+    c.env("CREDENTIALS_DIRECTORY", &creds);
+    c.env("CI_EPHEMERAL_PROVISIONER_MAX_JOBS_PER_VM", "3");
+    let out = env.exec(c);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert!(
+        env.fake
+            .requests()
+            .iter()
+            .all(
+                |r| r.authorization.as_deref() == Some(&*format!("token {API_TOKEN}"))
+                    || r.path.starts_with("/_fake")
+            )
+    );
+    let launch_env = fs::read_dir(&env.vm)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .find(|e| e.file_name().to_string_lossy().starts_with("launch-env."))
+        .map(|e| fs::read_to_string(e.path()).unwrap())
+        .expect("the launch command ran");
+    assert!(
+        !launch_env.contains("CREDENTIALS_DIRECTORY"),
+        "{launch_env}"
+    );
+    assert!(
+        !launch_env.contains("CI_EPHEMERAL_PROVISIONER_"),
+        "{launch_env}"
+    );
+    for var in [
+        "RUNNER_ID=",
+        "RUNNER_UUID=",
+        "RUNNER_NAME=ephemeral-",
+        "RUNNER_LABELS=debian:host",
+        "JOB_HANDLE=",
+        "FORGEJO_URL=http://127.0.0.1",
+        "TOFU_OUTPUT_ADDRESS=127.0.0.1",
+    ] {
+        assert!(
+            launch_env.contains(var),
+            "{var} missing from the launch environment:\n{launch_env}"
+        );
+    }
+}
+
+#[test]
+fn missing_token_is_a_configuration_error() {
+    let env = Env::new();
+    let out = env.exec(env.cmd_with("run", false));
+    assert_eq!(out.code, Some(2), "{out:?}");
+    assert!(out.stderr.contains("--token-file"), "{out:?}");
+}

@@ -94,6 +94,11 @@ impl Env {
 
     /// The binary with a complete, fast configuration for `sub` (`run`, `sweep`, `status`).
     pub fn cmd(&self, sub: &str) -> Command {
+        self.cmd_with(sub, true)
+    }
+
+    /// Like `cmd`, without `--token-file` when `token_flag` is false.
+    pub fn cmd_with(&self, sub: &str, token_flag: bool) -> Command {
         let mut c = Command::new(BIN);
         c.arg(sub);
         c.env_clear();
@@ -108,11 +113,12 @@ impl Env {
             c.args(["--state-dir", self.state.to_str().unwrap()]);
             return c;
         }
+        if token_flag {
+            c.args(["--token-file", self.token_file.to_str().unwrap()]);
+        }
         c.args([
             "--forgejo-url",
             &self.fake.url(),
-            "--token-file",
-            self.token_file.to_str().unwrap(),
             "--state-dir",
             self.state.to_str().unwrap(),
             "--http-timeout",
