@@ -140,6 +140,17 @@ fn read_token(arg: &Option<PathBuf>) -> Result<Secret, Fatal> {
     Ok(Secret::new(token.to_string()))
 }
 
+/// `--fixture` only makes sense for a dry-run (clap's `requires` is satisfied by a
+/// `…_DRY_RUN=false` variable, so this checks the value).
+fn check_fixture(common: &ForgejoArgs) -> Result<(), Fatal> {
+    if common.fixture.is_some() && !common.dry_run {
+        return Err(usage(
+            "--fixture needs --dry-run: a fixture world can only be planned against, never acted on",
+        ));
+    }
+    Ok(())
+}
+
 fn check_prefix(prefix: &str) -> Result<(), Fatal> {
     if prefix.is_empty() {
         return Err(usage(
@@ -261,6 +272,7 @@ fn cycle_config(a: &RunArgs, policy: Policy, labels: String, forgejo_url: String
 
 fn cmd_run(a: RunArgs) -> Result<u8, Fatal> {
     check_prefix(&a.common.runner_prefix)?;
+    check_fixture(&a.common)?;
     let labels = a.labels.clone().unwrap_or_default();
     if label_names(&labels).is_empty() {
         return Err(usage(
@@ -501,6 +513,7 @@ impl Forgejo for BoxedForgejo {
 fn cmd_sweep(a: SweepArgs) -> Result<u8, Fatal> {
     let c = &a.common;
     check_prefix(&c.runner_prefix)?;
+    check_fixture(c)?;
     if c.dry_run {
         let plan: Plan = Plan::default();
         let inner: Box<dyn Forgejo> = match &c.fixture {

@@ -958,3 +958,37 @@ fn missing_token_is_a_configuration_error() {
     assert_eq!(out.code, Some(2), "{out:?}");
     assert!(out.stderr.contains("--token-file"), "{out:?}");
 }
+
+#[test]
+fn deletions_spread_over_every_list_page_are_all_found() {
+    let env = Env::new();
+    // Interleaved by last contact, so stale registrations sit on every page.
+    let mut stale = Vec::new();
+    for i in 0..160u64 {
+        let conn = Conn::OfflineFor(Duration::from_secs(120 + i));
+        if i % 4 == 0 {
+            stale.push(
+                env.fake
+                    .add_runner(&format!("ephemeral-old-{i}"), true, conn),
+            );
+        } else {
+            env.fake.add_runner(&format!("static-{i}"), false, conn);
+        }
+    }
+    let mut c = env.cmd("sweep");
+    c.args(["--output", "json", "--sweep-max-deletions", "1000"]);
+    let out = env.exec(c);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let mut deleted = env.fake.deleted_ids();
+    deleted.sort();
+    assert_eq!(deleted, stale);
+    assert_eq!(out.json()["sweep"]["pages"], 4);
+    // Every page was listed before the first DELETE.
+    let reqs = env.fake.requests();
+    let last_list = reqs.iter().rposition(|r| r.method == "GET").unwrap();
+    let first_delete = reqs.iter().position(|r| r.method == "DELETE").unwrap();
+    assert!(
+        last_list < first_delete,
+        "collect all pages first, then delete"
+    );
+}
