@@ -157,6 +157,8 @@ impl Driver<'_, '_> {
     fn drive(&mut self) -> End {
         let mut observation_failures = 0u32;
         let mut steps = 0u32;
+        // A long job means hours of identical waits: log each reason once at info level.
+        let mut last_wait = String::new();
         loop {
             if self.w.clock.stop_requested() {
                 return self.interrupted("between steps");
@@ -196,7 +198,12 @@ impl Driver<'_, '_> {
                     return End::Done;
                 }
                 Step::Wait { why } => {
-                    log::info!("{why}");
+                    if why != last_wait {
+                        log::info!("{why}");
+                        last_wait.clone_from(&why);
+                    } else {
+                        log::debug!("{why}");
+                    }
                     match self.w.clock.sleep(self.cfg.poll_interval) {
                         Sleep::Slept => {
                             steps = 0;
