@@ -7,7 +7,7 @@ use std::time::Duration;
 use serde::Serialize;
 
 use crate::model::{Job, Runner, RunnerStatus, may_delete, waiting_jobs};
-use crate::state::{CycleState, Launch, Phase};
+use crate::state::{CycleState, Launch, Phase, Registration};
 use crate::time::{Timestamp, format_duration};
 
 /// Failed attempts in a row to start a runner (POST or launch) after which the VM is presumed
@@ -182,6 +182,11 @@ pub enum Step {
     },
 }
 
+/// How a registration is named in messages: its name, which is what Forgejo's UI shows.
+fn who(reg: &Registration, id: i64) -> String {
+    format!("runner {id} {}", reg.name)
+}
+
 /// Decides the next step. Pure: the same inputs always give the same step.
 pub fn decide(
     state: Option<&CycleState>,
@@ -234,14 +239,14 @@ fn decide_running(
         };
         let runner = match obs.runners.get(&id) {
             None => {
-                waiting_on.push(format!("runner {id} (status unknown: request failed)"));
+                waiting_on.push(format!("{} (status unknown: request failed)", who(reg, id)));
                 continue;
             }
             Some(None) => return Step::Forget { id },
             Some(Some(r)) => r,
         };
         if ctx.failed_deletes.contains(&id) {
-            waiting_on.push(format!("runner {id} (delete failed, retrying)"));
+            waiting_on.push(format!("{} (delete failed, retrying)", who(reg, id)));
             continue;
         }
         if reg.launch != Launch::Done {
@@ -262,23 +267,27 @@ fn decide_running(
                 }
                 RunnerStatus::Idle | RunnerStatus::Active => return Step::AdoptLaunch { id },
                 _ => {
-                    waiting_on.push(format!("runner {id} (status {})", runner.status.as_str()));
+                    waiting_on.push(format!(
+                        "{} (status {})",
+                        who(reg, id),
+                        runner.status.as_str()
+                    ));
                     continue;
                 }
             }
         }
         match &runner.status {
-            RunnerStatus::Active => waiting_on.push(format!("runner {id} (active)")),
+            RunnerStatus::Active => waiting_on.push(format!("{} (active)", who(reg, id))),
             RunnerStatus::Idle => {
                 let job_live = obs.jobs.as_ref().map(|jobs| {
                     jobs.iter()
                         .any(|j| j.handle == reg.job_handle && j.is_live())
                 });
                 match (job_live, reg.job_gone_since) {
-                    (None, _) => waiting_on.push(format!("runner {id} (idle; jobs unknown)")),
+                    (None, _) => waiting_on.push(format!("{} (idle; jobs unknown)", who(reg, id))),
                     (Some(true), Some(_)) => return Step::ClearJobGone { id },
                     (Some(true), None) => {
-                        waiting_on.push(format!("runner {id} (idle, its job waits)"))
+                        waiting_on.push(format!("{} (idle, its job waits)", who(reg, id)))
                     }
                     (Some(false), None) => return Step::MarkJobGone { id },
                     (Some(false), Some(since)) => {
@@ -287,7 +296,7 @@ fn decide_running(
                                 reason: TeardownReason::Stranded { runner_id: id },
                             };
                         }
-                        waiting_on.push(format!("runner {id} (idle, its job is gone)"));
+                        waiting_on.push(format!("{} (idle, its job is gone)", who(reg, id)));
                     }
                 }
             }
@@ -306,12 +315,14 @@ fn decide_running(
                     };
                 }
                 waiting_on.push(format!(
-                    "runner {id} (offline; starting, within the {} grace)",
+                    "{} (offline; starting, within the {} grace)",
+                    who(reg, id),
                     format_duration(grace)
                 ));
             }
             other => waiting_on.push(format!(
-                "runner {id} (unknown status {}; never deleted on doubt)",
+                "{} (unknown status {}; never deleted on doubt)",
+                who(reg, id),
                 other.as_str()
             )),
         }
@@ -415,17 +426,17 @@ fn decide_destroyed(
         };
         match obs.runners.get(&id) {
             Some(None) => return Step::Forget { id },
-            Some(Some(_)) if ctx.failed_deletes.contains(&id) => {
-                failed.push(format!("runner {id}"))
-            }
+            Some(Some(_)) if ctx.failed_deletes.contains(&id) => failed.push(who(reg, id)),
             Some(Some(r)) if may_delete(r.name.as_deref(), &r.status, &policy.runner_prefix) => {
                 return Step::Delete {
                     id,
                     reason: DeleteReason::Teardown,
                 };
             }
-            Some(Some(r)) => waiting_on.push(format!("runner {id} (status {})", r.status.as_str())),
-            None => waiting_on.push(format!("runner {id} (status unknown: request failed)")),
+            Some(Some(r)) => {
+                waiting_on.push(format!("{} (status {})", who(reg, id), r.status.as_str()))
+            }
+            None => waiting_on.push(format!("{} (status unknown: request failed)", who(reg, id))),
         }
     }
     if !failed.is_empty() {
