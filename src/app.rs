@@ -411,7 +411,7 @@ fn dry_run(a: &RunArgs, policy: Policy, labels: String) -> Result<u8, Fatal> {
             (Box::new(inner), cycle, Timestamp::now(), url)
         }
     };
-    let mut forgejo = DryForgejo::new(BoxedForgejo(inner), plan.clone());
+    let mut forgejo = DryForgejo::new(inner, plan.clone());
     let mut store = MemoryStore { state: cycle };
     let mut clock = DryClock { now };
     let cfg = cycle_config(a, policy, labels, url);
@@ -475,41 +475,6 @@ fn print_plan(actions: &[Value], report: &Report, output: OutputFormat) {
     }
 }
 
-/// Lets a boxed implementation sit inside the generic dry-run overlay.
-struct BoxedForgejo(Box<dyn Forgejo>);
-
-impl Forgejo for BoxedForgejo {
-    fn list_jobs(&mut self) -> Result<Vec<crate::model::Job>, crate::forgejo::ApiError> {
-        self.0.list_jobs()
-    }
-    fn get_runner(
-        &mut self,
-        id: i64,
-    ) -> Result<Option<crate::model::Runner>, crate::forgejo::ApiError> {
-        self.0.get_runner(id)
-    }
-    fn delete_runner(
-        &mut self,
-        id: i64,
-        reason: &str,
-    ) -> Result<crate::forgejo::Deleted, crate::forgejo::ApiError> {
-        self.0.delete_runner(id, reason)
-    }
-    fn register_runner(
-        &mut self,
-        name: &str,
-    ) -> Result<crate::forgejo::NewRunner, crate::forgejo::ApiError> {
-        self.0.register_runner(name)
-    }
-    fn list_runners_page(
-        &mut self,
-        page: u32,
-        limit: u32,
-    ) -> Result<crate::forgejo::RunnerPage, crate::forgejo::ApiError> {
-        self.0.list_runners_page(page, limit)
-    }
-}
-
 fn cmd_sweep(a: SweepArgs) -> Result<u8, Fatal> {
     let c = &a.common;
     check_prefix(&c.runner_prefix)?;
@@ -535,7 +500,7 @@ fn cmd_sweep(a: SweepArgs) -> Result<u8, Fatal> {
                 Box::new(HttpForgejo::new(&url, scope, &token, &[], c.http_timeout))
             }
         };
-        let mut f = DryForgejo::new(BoxedForgejo(inner), plan.clone());
+        let mut f = DryForgejo::new(inner, plan.clone());
         let mut report = Report::new("sweep", true, Timestamp::now());
         let sw = sweep::sweep(&mut f, &c.runner_prefix, c.sweep_max_deletions);
         for failure in sweep::sweep_failures(&sw) {

@@ -161,16 +161,16 @@ impl Forgejo for FixtureForgejo {
 
 /// Passes reads through to `inner`; records writes in the plan and pretends they succeeded
 /// (a new registration is `offline`, as Forgejo shows a runner that never connected).
-pub struct DryForgejo<F: Forgejo> {
-    pub inner: F,
+pub struct DryForgejo {
+    pub inner: Box<dyn Forgejo>,
     pub plan: Plan,
     created: BTreeMap<i64, String>,
     deleted: BTreeSet<i64>,
     next_id: i64,
 }
 
-impl<F: Forgejo> DryForgejo<F> {
-    pub fn new(inner: F, plan: Plan) -> DryForgejo<F> {
+impl DryForgejo {
+    pub fn new(inner: Box<dyn Forgejo>, plan: Plan) -> DryForgejo {
         DryForgejo {
             inner,
             plan,
@@ -181,7 +181,7 @@ impl<F: Forgejo> DryForgejo<F> {
     }
 }
 
-impl<F: Forgejo> Forgejo for DryForgejo<F> {
+impl Forgejo for DryForgejo {
     fn list_jobs(&mut self) -> Result<Vec<Job>, ApiError> {
         self.inner.list_jobs()
     }
