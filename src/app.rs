@@ -282,8 +282,21 @@ fn cmd_run(a: RunArgs) -> Result<u8, Fatal> {
     if a.max_jobs_per_vm == 0 {
         return Err(usage("--max-jobs-per-vm must be at least 1"));
     }
-    if a.poll_interval.is_zero() {
-        return Err(usage("--poll-interval must be longer than 0"));
+    for (flag, d) in [
+        ("--poll-interval", a.poll_interval),
+        ("--launch-timeout", a.launch_timeout),
+        ("--http-timeout", a.common.http_timeout),
+    ] {
+        if d.is_zero() {
+            return Err(usage(format!("{flag} must be longer than 0")));
+        }
+    }
+    if a.hard_deadline < a.max_cycle_duration {
+        return Err(usage(format!(
+            "--hard-deadline ({}) must not be shorter than --max-cycle-duration ({}): the deadline is the backstop past the normal end of a cycle",
+            crate::time::format_duration(a.hard_deadline),
+            crate::time::format_duration(a.max_cycle_duration)
+        )));
     }
     let policy = policy(&a, &labels);
 

@@ -68,6 +68,10 @@ pub fn parse_outputs(stdout: &[u8]) -> Result<Outputs, String> {
     Ok(outputs)
 }
 
+/// A tofu left running by a run that was killed outside systemd still holds the state lock;
+/// waiting for it converges where failing at once would tear the VM down.
+const LOCK_TIMEOUT: &str = "-lock-timeout=2m";
+
 pub struct CliTofu {
     pub bin: PathBuf,
     pub dir: Option<PathBuf>,
@@ -151,7 +155,13 @@ impl Tofu for CliTofu {
         }
         self.run(
             cycle_id,
-            &["apply", "-input=false", "-auto-approve", "-no-color"],
+            &[
+                "apply",
+                "-input=false",
+                "-auto-approve",
+                "-no-color",
+                LOCK_TIMEOUT,
+            ],
         )?;
         Ok(())
     }
@@ -168,7 +178,13 @@ impl Tofu for CliTofu {
         }
         self.run(
             cycle_id,
-            &["destroy", "-input=false", "-auto-approve", "-no-color"],
+            &[
+                "destroy",
+                "-input=false",
+                "-auto-approve",
+                "-no-color",
+                LOCK_TIMEOUT,
+            ],
         )?;
         Ok(())
     }

@@ -532,6 +532,12 @@ fn configuration_errors_exit_2() {
     c.args(["--poll-interval", "soon"]);
     assert_eq!(env.exec(c).code, Some(2));
 
+    let mut c = env.cmd("run");
+    c.args(["--hard-deadline", "1h", "--max-cycle-duration", "2h"]);
+    let out = env.exec(c);
+    assert_eq!(out.code, Some(2), "{out:?}");
+    assert!(out.stderr.contains("--hard-deadline"), "{out:?}");
+
     // A cycle must start but no module is configured: exit 2 before anything is written.
     env.fake.add_job(&["debian"]);
     let mut c = env.cmd("run");
@@ -567,7 +573,14 @@ fn hard_deadline_tears_down_a_busy_vm_and_fails() {
     let env = Env::new();
     env.set_launch_mode("take"); // the runner takes its job and keeps running
     env.fake.add_job(&["debian"]);
-    let out = env.run(&["--output", "json", "--hard-deadline", "2s"]);
+    let out = env.run(&[
+        "--output",
+        "json",
+        "--hard-deadline",
+        "2s",
+        "--max-cycle-duration",
+        "1s",
+    ]);
     assert_eq!(out.code, Some(1), "{out:?}");
     assert!(out.stderr.contains("hard-deadline"), "{}", out.stderr);
     assert!(
