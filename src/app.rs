@@ -562,6 +562,14 @@ fn refuse_if_cycle(dir: &Path) -> Result<(), Fatal> {
     }
 }
 
+/// The name a value has in cycle.json (`running`, `tearing_down`, `done`).
+fn wire_name<T: serde::Serialize>(v: &T) -> String {
+    serde_json::to_value(v)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_string))
+        .unwrap_or_default()
+}
+
 fn cmd_status(a: StatusArgs) -> Result<u8, Fatal> {
     let dir = state_dir(&a.local.state_dir);
     let cycle_path = dir.join(crate::state::STATE_FILE);
@@ -592,9 +600,9 @@ fn cmd_status(a: StatusArgs) -> Result<u8, Fatal> {
                 (None, None) => println!("cycle: none (at rest: no VM, no registration)"),
                 (Some(c), None) => {
                     println!(
-                        "cycle: {} phase {:?}, started {} ({} ago), {} job(s) started",
+                        "cycle: {} phase {}, started {} ({} ago), {} job(s) started",
                         c.cycle_id,
-                        c.phase,
+                        wire_name(&c.phase),
                         c.started_at,
                         crate::time::format_duration(Duration::from_secs(
                             now.since(c.started_at).as_secs()
@@ -603,12 +611,12 @@ fn cmd_status(a: StatusArgs) -> Result<u8, Fatal> {
                     );
                     for r in &c.registrations {
                         println!(
-                            "  registration {} id {} job {} launch {:?}",
+                            "  registration {} id {} job {} launch {}",
                             r.name,
                             r.id.map(|i| i.to_string())
                                 .unwrap_or_else(|| "unknown (POST unanswered)".into()),
                             r.job_id,
-                            r.launch
+                            wire_name(&r.launch)
                         );
                     }
                     if let Some(reason) = &c.teardown_reason {
