@@ -109,8 +109,11 @@ pub fn run_child(spec: &ChildSpec, stop: &StopFlag) -> std::io::Result<ChildResu
         drop(Secret::new(line));
     }
 
-    let mut out = child.stdout.take().expect("stdout is piped");
-    let mut err = child.stderr.take().expect("stderr is piped");
+    let (Some(mut out), Some(mut err)) = (child.stdout.take(), child.stderr.take()) else {
+        let _ = child.kill();
+        let _ = child.wait();
+        return Err(std::io::Error::other("the child's output pipes were not set up"));
+    };
     let out_thread = thread::spawn(move || {
         let mut buf = Vec::new();
         let _ = (&mut out).take(MAX_STDOUT as u64).read_to_end(&mut buf);
