@@ -14,7 +14,7 @@ use serde_json::{Value, json};
 use crate::cli::{Cli, Command, ForgejoArgs, OutputFormat, RunArgs, StatusArgs, SweepArgs};
 use crate::cycle::{self, Clock, CycleConfig, End, Sleep, World};
 use crate::dry::{DryClock, DryForgejo, DryLauncher, DryTofu, Fixture, FixtureForgejo, Plan};
-use crate::forgejo::{Forgejo, HttpForgejo, Scope, validate_url};
+use crate::forgejo::{Forgejo, HttpForgejo, Scope, load_ca_file, validate_url};
 use crate::launch::CommandLauncher;
 use crate::model::label_names;
 use crate::planner::Policy;
@@ -158,6 +158,28 @@ fn check_prefix(prefix: &str) -> Result<(), Fatal> {
         ));
     }
     Ok(())
+}
+
+/// The Forgejo client of a live run or a live dry-run.
+fn http_forgejo(
+    common: &ForgejoArgs,
+    url: &str,
+    scope: Scope,
+    token: &Secret,
+    label_names: &[String],
+) -> Result<HttpForgejo, Fatal> {
+    let ca = match &common.ca_file {
+        Some(path) => Some(load_ca_file(path).map_err(|e| usage(format!("--ca-file: {e}")))?),
+        None => None,
+    };
+    Ok(HttpForgejo::new(
+        url,
+        scope,
+        token,
+        label_names,
+        common.http_timeout,
+        ca.as_deref(),
+    ))
 }
 
 fn forgejo_target(common: &ForgejoArgs) -> Result<(String, Scope), Fatal> {
@@ -306,18 +328,12 @@ fn cmd_run(a: RunArgs) -> Result<u8, Fatal> {
 
     let (url, scope) = forgejo_target(&a.common)?;
     let token = read_token(&a.common.token_file)?;
+    let mut forgejo = http_forgejo(&a.common, &url, scope, &token, &policy.label_names)?;
+    drop(token);
     let dir = state_dir(&a.common.local.state_dir);
     let _lock = take_lock(&dir)?;
     let stop = StopFlag::install().map_err(|e| Fatal(EXIT_FAILED, format!("{e:#}")))?;
 
-    let mut forgejo = HttpForgejo::new(
-        &url,
-        scope,
-        &token,
-        &policy.label_names,
-        a.common.http_timeout,
-    );
-    drop(token);
     let mut tofu = CliTofu {
         bin: a.tofu_bin.clone(),
         dir: a.tofu_dir.clone(),
@@ -414,13 +430,7 @@ fn dry_run(a: &RunArgs, policy: Policy, labels: String) -> Result<u8, Fatal> {
             let dir = state_dir(&a.common.local.state_dir);
             let cycle = read_state_file(&dir.join(crate::state::STATE_FILE))
                 .map_err(|e| Fatal(EXIT_FAILED, format!("{e:#}")))?;
-            let inner = HttpForgejo::new(
-                &url,
-                scope,
-                &token,
-                &policy.label_names,
-                a.common.http_timeout,
-            );
+            let inner = http_forgejo(&a.common, &url, scope, &token, &policy.label_names)?;
             (Box::new(inner), cycle, Timestamp::now(), url)
         }
     };
@@ -510,7 +520,7 @@ fn cmd_sweep(a: SweepArgs) -> Result<u8, Fatal> {
                 let (url, scope) = forgejo_target(c)?;
                 let token = read_token(&c.token_file)?;
                 refuse_if_cycle(&state_dir(&c.local.state_dir))?;
-                Box::new(HttpForgejo::new(&url, scope, &token, &[], c.http_timeout))
+                Box::new(http_forgejo(c, &url, scope, &token, &[])?)
             }
         };
         let mut f = DryForgejo::new(inner, plan.clone());
@@ -531,11 +541,11 @@ fn cmd_sweep(a: SweepArgs) -> Result<u8, Fatal> {
     }
     let (url, scope) = forgejo_target(c)?;
     let token = read_token(&c.token_file)?;
+    let mut forgejo = http_forgejo(c, &url, scope, &token, &[])?;
+    drop(token);
     let dir = state_dir(&c.local.state_dir);
     let _lock = take_lock(&dir)?;
     refuse_if_cycle(&dir)?;
-    let mut forgejo = HttpForgejo::new(&url, scope, &token, &[], c.http_timeout);
-    drop(token);
     let mut report = Report::new("sweep", false, Timestamp::now());
     let sw = sweep::sweep(&mut forgejo, &c.runner_prefix, c.sweep_max_deletions);
     for failure in sweep::sweep_failures(&sw) {

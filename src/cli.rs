@@ -66,6 +66,11 @@ pub struct ForgejoArgs {
     )]
     pub scope: String,
 
+    /// PEM file of the CA certificates to trust for https, instead of the built-in Mozilla
+    /// roots: a private CA, or /etc/ssl/certs/ca-certificates.crt for the system's store.
+    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_CA_FILE", value_name = "PATH")]
+    pub ca_file: Option<PathBuf>,
+
     /// Timeout of each Forgejo request, from connecting to the end of the body.
     #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_HTTP_TIMEOUT", default_value = "30s", value_parser = parse_duration, value_name = "DURATION")]
     pub http_timeout: Duration,

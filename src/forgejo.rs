@@ -180,8 +180,14 @@ impl HttpForgejo {
         token: &Secret,
         label_names: &[String],
         timeout: Duration,
+        ca: Option<&[ureq::tls::Certificate<'static>]>,
     ) -> HttpForgejo {
+        let mut tls = ureq::tls::TlsConfig::builder();
+        if let Some(certs) = ca {
+            tls = tls.root_certs(ureq::tls::RootCerts::new_with_certs(certs));
+        }
         let agent: ureq::Agent = ureq::Agent::config_builder()
+            .tls_config(tls.build())
             .timeout_global(Some(timeout))
             .timeout_connect(Some(timeout.min(Duration::from_secs(10))))
             .http_status_as_error(false)
@@ -285,10 +291,41 @@ impl HttpForgejo {
     }
 }
 
+/// Reads the CA certificates of `--ca-file` (PEM, one or more certificates).
+pub fn load_ca_file(
+    path: &std::path::Path,
+) -> Result<Vec<ureq::tls::Certificate<'static>>, String> {
+    let pem = std::fs::read(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    let mut certs = Vec::new();
+    for item in ureq::tls::parse_pem(&pem) {
+        match item {
+            Ok(ureq::tls::PemItem::Certificate(c)) => certs.push(c),
+            Ok(_) => {}
+            Err(e) => return Err(format!("{} is not valid PEM: {e}", path.display())),
+        }
+    }
+    if certs.is_empty() {
+        return Err(format!("{} holds no PEM certificate", path.display()));
+    }
+    Ok(certs)
+}
+
 fn transport_hint(e: &ureq::Error) -> String {
     match e {
         ureq::Error::Timeout(t) => {
             format!("timed out ({t}); check that Forgejo is reachable or raise --http-timeout")
+        }
+        ureq::Error::Tls(_) | ureq::Error::Rustls(_) => {
+            format!("TLS failed: {e}; for a private CA pass its certificate with --ca-file")
+        }
+        // rustls reports certificate problems through the I/O layer.
+        other
+            if other
+                .to_string()
+                .to_ascii_lowercase()
+                .contains("certificate") =>
+        {
+            format!("TLS failed: {other}; for a private CA pass its certificate with --ca-file")
         }
         other => format!("request failed: {other}"),
     }

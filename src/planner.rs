@@ -200,7 +200,7 @@ pub fn decide(
             Some(jobs) if !waiting_jobs(jobs, &policy.label_names).is_empty() => Step::StartCycle,
             Some(_) => Step::Idle,
             None => Step::GiveUp {
-                why: "could not ask Forgejo for waiting jobs".into(),
+                why: "without the jobs list no cycle can start; the next run asks again".into(),
             },
         };
     };

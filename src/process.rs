@@ -112,7 +112,9 @@ pub fn run_child(spec: &ChildSpec, stop: &StopFlag) -> std::io::Result<ChildResu
     let (Some(mut out), Some(mut err)) = (child.stdout.take(), child.stderr.take()) else {
         let _ = child.kill();
         let _ = child.wait();
-        return Err(std::io::Error::other("the child's output pipes were not set up"));
+        return Err(std::io::Error::other(
+            "the child's output pipes were not set up",
+        ));
     };
     let out_thread = thread::spawn(move || {
         let mut buf = Vec::new();
