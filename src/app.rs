@@ -452,7 +452,9 @@ fn dry_run(a: &RunArgs, policy: Policy, labels: String) -> Result<u8, Fatal> {
     }
     let actions: Vec<Value> = plan.borrow().clone();
     print_plan(&actions, &report, a.common.local.output);
-    Ok(if report.failures.is_empty() {
+    // The plan's own failures (a hard-deadline teardown, say) are what the run would report;
+    // the dry-run itself failed only when it could not read the world.
+    Ok(if forgejo.read_errors == 0 {
         EXIT_OK
     } else {
         EXIT_FAILED
@@ -462,13 +464,12 @@ fn dry_run(a: &RunArgs, policy: Policy, labels: String) -> Result<u8, Fatal> {
 fn print_plan(actions: &[Value], report: &Report, output: OutputFormat) {
     match output {
         OutputFormat::Json => {
-            let doc = json!({
-                "actions": actions,
-                "cycle_id": report.cycle_id,
-                "outcome": report.outcome,
-                "failures": report.failures,
-            });
-            println!("{}", serde_json::to_string_pretty(&doc).unwrap_or_default());
+            // Exactly the plan; how it ends is on stderr.
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&json!({ "actions": actions })).unwrap_or_default()
+            );
+            eprintln!("plan ends: {}", report.outcome);
         }
         OutputFormat::Text => {
             if actions.is_empty() {
@@ -533,7 +534,7 @@ fn cmd_sweep(a: SweepArgs) -> Result<u8, Fatal> {
         report.sweep = Some(sw);
         let actions: Vec<Value> = plan.borrow().clone();
         print_plan(&actions, &report, c.local.output);
-        return Ok(if report.failures.is_empty() {
+        return Ok(if f.read_errors == 0 {
             EXIT_OK
         } else {
             EXIT_FAILED

@@ -89,10 +89,16 @@ pub fn run(w: &mut World<'_>, cfg: &CycleConfig, report: &mut Report) -> End {
         ctx: RunContext::default(),
         outputs: None,
     };
-    if d.state.is_some()
-        && let Err(e) = d.w.tofu.check_config()
-    {
-        return End::Config(format!("a cycle is in progress but {e}"));
+    if let Some(s) = &d.state {
+        if let Err(e) = d.w.tofu.check_config() {
+            return End::Config(format!("cycle {} is in progress but {e}", s.cycle_id));
+        }
+        // A cycle that may still launch runners needs the launch command too.
+        if matches!(s.phase, Phase::Applying | Phase::Running)
+            && let Err(e) = d.w.launcher.check_config()
+        {
+            return End::Config(format!("cycle {} is in progress but {e}", s.cycle_id));
+        }
     }
     d.drive()
 }
@@ -254,7 +260,7 @@ impl Driver<'_, '_> {
     fn act(&mut self, step: Step, now: Timestamp) -> Option<End> {
         match step {
             Step::StartCycle => self.start_cycle(now),
-            Step::Apply => self.apply(now),
+            Step::Apply => self.apply(),
             Step::ResolveIntent { name } => self.resolve_intent(&name),
             Step::Forget { id } => {
                 let name = self.forget(id, now);
@@ -308,7 +314,7 @@ impl Driver<'_, '_> {
                 self.report.event("teardown", !reason.is_failure(), text);
                 self.save().err().map(|_| End::Done)
             }
-            Step::Destroy => self.destroy(now),
+            Step::Destroy => self.destroy(),
             Step::Sweep => {
                 let sw = Stopwatch::start();
                 let report = sweep::sweep(
@@ -360,7 +366,7 @@ impl Driver<'_, '_> {
         None
     }
 
-    fn apply(&mut self, now: Timestamp) -> Option<End> {
+    fn apply(&mut self) -> Option<End> {
         let cycle_id = self.state.as_ref()?.cycle_id.clone();
         let sw = Stopwatch::start();
         let result = self
@@ -371,9 +377,10 @@ impl Driver<'_, '_> {
         match result {
             Ok(outputs) => {
                 let s = self.state.as_mut()?;
+                let ready = self.w.clock.now();
                 s.phase = Phase::Running;
-                s.vm_ready_at = Some(now);
-                s.free_since = Some(self.w.clock.now());
+                s.vm_ready_at = Some(ready);
+                s.free_since = Some(ready);
                 s.outputs = outputs
                     .iter()
                     .filter(|(_, o)| !o.sensitive)
@@ -483,6 +490,15 @@ impl Driver<'_, '_> {
             .filter(|r| r.name.as_deref() == Some(name))
             .cloned()
             .collect();
+        if matches.is_empty() && !listing.complete {
+            self.ctx.failed_intents.insert(name.to_string());
+            self.report.fail(format!(
+                "registration {name} (its POST got no answer) was not in a runner list that ended with {} of the {} rows Forgejo counted; not forgetting it, retrying",
+                listing.rows.len(),
+                listing.total.unwrap_or(0)
+            ));
+            return None;
+        }
         let mut all_gone = true;
         for r in &matches {
             if listing.conflicting.contains(&r.id)
@@ -677,14 +693,15 @@ impl Driver<'_, '_> {
         self.save().err().map(|_| End::Done)
     }
 
-    fn destroy(&mut self, now: Timestamp) -> Option<End> {
+    fn destroy(&mut self) -> Option<End> {
         let cycle_id = self.state.as_ref()?.cycle_id.clone();
         let sw = Stopwatch::start();
         match self.w.tofu.destroy(&cycle_id) {
             Ok(()) => {
                 let s = self.state.as_mut()?;
                 s.phase = Phase::Destroyed;
-                s.destroyed_at = Some(now);
+                // The wait for registrations to go offline counts from the end of the destroy.
+                s.destroyed_at = Some(self.w.clock.now());
                 s.last_error = None;
                 self.ctx.destroyed_this_run = true;
                 if self.save().is_err() {

@@ -163,6 +163,8 @@ impl Forgejo for FixtureForgejo {
 /// (a new registration is `offline`, as Forgejo shows a runner that never connected).
 pub struct DryForgejo {
     pub inner: Box<dyn Forgejo>,
+    /// Reads that failed: then the plan is incomplete and the dry-run fails.
+    pub read_errors: u32,
     pub plan: Plan,
     created: BTreeMap<i64, String>,
     deleted: BTreeSet<i64>,
@@ -173,6 +175,7 @@ impl DryForgejo {
     pub fn new(inner: Box<dyn Forgejo>, plan: Plan) -> DryForgejo {
         DryForgejo {
             inner,
+            read_errors: 0,
             plan,
             created: BTreeMap::new(),
             deleted: BTreeSet::new(),
@@ -181,9 +184,19 @@ impl DryForgejo {
     }
 }
 
+impl DryForgejo {
+    fn count<T>(&mut self, r: Result<T, ApiError>) -> Result<T, ApiError> {
+        if r.is_err() {
+            self.read_errors += 1;
+        }
+        r
+    }
+}
+
 impl Forgejo for DryForgejo {
     fn list_jobs(&mut self) -> Result<Vec<Job>, ApiError> {
-        self.inner.list_jobs()
+        let r = self.inner.list_jobs();
+        self.count(r)
     }
 
     fn get_runner(&mut self, id: i64) -> Result<Option<Runner>, ApiError> {
@@ -197,7 +210,8 @@ impl Forgejo for DryForgejo {
                 status: RunnerStatus::Offline,
             }));
         }
-        self.inner.get_runner(id)
+        let r = self.inner.get_runner(id);
+        self.count(r)
     }
 
     fn delete_runner(&mut self, id: i64, reason: &str) -> Result<Deleted, ApiError> {
@@ -224,7 +238,8 @@ impl Forgejo for DryForgejo {
     }
 
     fn list_runners_page(&mut self, page: u32, limit: u32) -> Result<RunnerPage, ApiError> {
-        let mut p = self.inner.list_runners_page(page, limit)?;
+        let r = self.inner.list_runners_page(page, limit);
+        let mut p = self.count(r)?;
         let before = p.rows.len();
         p.rows.retain(|r| !self.deleted.contains(&r.id));
         if let Some(t) = p.total.as_mut() {

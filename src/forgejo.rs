@@ -186,7 +186,18 @@ impl HttpForgejo {
         if let Some(certs) = ca {
             tls = tls.root_certs(ureq::tls::RootCerts::new_with_certs(certs));
         }
-        let agent: ureq::Agent = ureq::Agent::config_builder()
+        let mut config = ureq::Agent::config_builder();
+        if base_url
+            .parse::<ureq::http::Uri>()
+            .ok()
+            .and_then(|u| u.host().map(is_loopback_host))
+            .unwrap_or(false)
+        {
+            // A proxy from *_PROXY would carry the token off this host, even in clear text for
+            // http:// (which is allowed only because loopback never leaves the host).
+            config = config.proxy(None);
+        }
+        let agent: ureq::Agent = config
             .tls_config(tls.build())
             .timeout_global(Some(timeout))
             .timeout_connect(Some(timeout.min(Duration::from_secs(10))))

@@ -110,6 +110,10 @@ impl Launcher for CommandLauncher {
                 program.display()
             ))
         })?;
+        // A launch that finished counts as done, even if a stop came meanwhile.
+        if r.success() {
+            return Ok(());
+        }
         if r.interrupted {
             return Err(StepError {
                 message: format!(

@@ -6,6 +6,7 @@ use std::io::{Read, Write};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::PathBuf;
 use std::process::{Command, ExitStatus, Stdio};
+use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -45,6 +46,8 @@ pub struct ChildResult {
     pub interrupted: bool,
     /// It ran past its timeout; its process group was killed.
     pub timed_out: bool,
+    /// False when a stop was requested before it could be started.
+    pub started: bool,
 }
 
 impl ChildResult {
@@ -54,7 +57,9 @@ impl ChildResult {
 
     /// `exit status 1`, `killed by signal 9`, with the stderr tail.
     pub fn describe(&self) -> String {
-        let how = if self.timed_out {
+        let how = if !self.started {
+            "was not started: a stop was requested".to_string()
+        } else if self.timed_out {
             "timed out and was killed".to_string()
         } else if let Some(code) = self.status.code() {
             format!("exited with status {code}")
@@ -78,7 +83,82 @@ fn last_lines(s: &str, n: usize) -> String {
     lines[start..].join(" | ")
 }
 
+/// How long output is still read after the child exited. A background process it left behind
+/// (an ssh ControlPersist master, say) may hold the pipes open for good; the run must not wait
+/// for it.
+const OUTPUT_GRACE: Duration = Duration::from_secs(2);
+
+/// Replaces every occurrence of `secret` in `bytes` with `***`.
+fn redact(bytes: &[u8], secret: &str) -> Vec<u8> {
+    let needle = secret.as_bytes();
+    if needle.is_empty() || bytes.len() < needle.len() {
+        return bytes.to_vec();
+    }
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i..].starts_with(needle) {
+            out.extend_from_slice(b"***");
+            i += needle.len();
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    out
+}
+
+/// Reads a pipe into a shared buffer, keeping at most `cap` bytes (the first ones when `keep_head`,
+/// else the last ones), and drains the rest so the child never blocks on a full pipe.
+fn reader(
+    mut pipe: impl Read + Send + 'static,
+    cap: usize,
+    keep_head: bool,
+) -> (Arc<Mutex<Vec<u8>>>, thread::JoinHandle<()>) {
+    let buf = Arc::new(Mutex::new(Vec::new()));
+    let shared = Arc::clone(&buf);
+    let handle = thread::spawn(move || {
+        let mut chunk = [0u8; 8192];
+        loop {
+            match pipe.read(&mut chunk) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    let Ok(mut b) = shared.lock() else { break };
+                    if keep_head {
+                        let room = cap.saturating_sub(b.len());
+                        b.extend_from_slice(&chunk[..n.min(room)]);
+                    } else {
+                        b.extend_from_slice(&chunk[..n]);
+                        if b.len() > cap {
+                            let excess = b.len() - cap;
+                            b.drain(..excess);
+                        }
+                    }
+                }
+            }
+        }
+    });
+    (buf, handle)
+}
+
+fn take(buf: &Arc<Mutex<Vec<u8>>>) -> Vec<u8> {
+    buf.lock()
+        .map(|mut b| std::mem::take(&mut *b))
+        .unwrap_or_default()
+}
+
 pub fn run_child(spec: &ChildSpec, stop: &StopFlag) -> std::io::Result<ChildResult> {
+    if stop.is_raised() {
+        // Never start a child once a stop was requested.
+        return Ok(ChildResult {
+            status: ExitStatus::from_raw(libc::SIGINT),
+            stdout: Vec::new(),
+            stderr_tail: String::new(),
+            interrupted: true,
+            timed_out: false,
+            started: false,
+        });
+    }
     let mut cmd = Command::new(&spec.program);
     cmd.args(&spec.args);
     scrub_env(&mut cmd);
@@ -101,47 +181,22 @@ pub fn run_child(spec: &ChildSpec, stop: &StopFlag) -> std::io::Result<ChildResu
     if let (Some(secret), Some(mut stdin)) = (&spec.stdin, child.stdin.take()) {
         // One line; a child that exits without reading makes this fail with EPIPE, which its
         // exit status then explains.
-        let line = format!("{}\n", secret.expose());
-        if let Err(e) = stdin.write_all(line.as_bytes()) {
+        let line = Secret::new(format!("{}\n", secret.expose()));
+        if let Err(e) = stdin.write_all(line.expose().as_bytes()) {
             log::debug!("writing to the child's stdin failed: {e}");
         }
         drop(stdin);
-        drop(Secret::new(line));
     }
 
-    let (Some(mut out), Some(mut err)) = (child.stdout.take(), child.stderr.take()) else {
+    let (Some(out), Some(err)) = (child.stdout.take(), child.stderr.take()) else {
         let _ = child.kill();
         let _ = child.wait();
         return Err(std::io::Error::other(
             "the child's output pipes were not set up",
         ));
     };
-    let out_thread = thread::spawn(move || {
-        let mut buf = Vec::new();
-        let _ = (&mut out).take(MAX_STDOUT as u64).read_to_end(&mut buf);
-        // Drain the rest so the child never blocks on a full pipe.
-        let _ = std::io::copy(&mut out, &mut std::io::sink());
-        buf
-    });
-    let err_thread = thread::spawn(move || {
-        let mut tail: Vec<u8> = Vec::new();
-        let mut chunk = [0u8; 8192];
-        loop {
-            match err.read(&mut chunk) {
-                Ok(0) | Err(_) => break,
-                Ok(n) => {
-                    tail.extend_from_slice(&chunk[..n]);
-                    if tail.len() > STDERR_TAIL * 2 {
-                        tail.drain(..tail.len() - STDERR_TAIL);
-                    }
-                }
-            }
-        }
-        if tail.len() > STDERR_TAIL {
-            tail.drain(..tail.len() - STDERR_TAIL);
-        }
-        String::from_utf8_lossy(&tail).into_owned()
-    });
+    let (out_buf, out_thread) = reader(out, MAX_STDOUT, true);
+    let (err_buf, err_thread) = reader(err, STDERR_TAIL, false);
 
     let started = Instant::now();
     let mut interrupted = false;
@@ -169,14 +224,31 @@ pub fn run_child(spec: &ChildSpec, stop: &StopFlag) -> std::io::Result<ChildResu
         }
         thread::sleep(Duration::from_millis(20));
     };
-    let stdout = out_thread.join().unwrap_or_default();
-    let stderr_tail = err_thread.join().unwrap_or_default();
+    let exited = Instant::now();
+    while !(out_thread.is_finished() && err_thread.is_finished()) && exited.elapsed() < OUTPUT_GRACE
+    {
+        thread::sleep(Duration::from_millis(10));
+    }
+    if !(out_thread.is_finished() && err_thread.is_finished()) {
+        log::debug!(
+            "{} exited but something it started still holds its output open; not waiting for it",
+            spec.program.display()
+        );
+    }
+    let mut stdout = take(&out_buf);
+    let mut stderr = take(&err_buf);
+    if let Some(secret) = &spec.stdin {
+        // What the child echoed of its stdin never reaches our logs or reports.
+        stdout = redact(&stdout, secret.expose());
+        stderr = redact(&stderr, secret.expose());
+    }
     Ok(ChildResult {
         status,
         stdout,
-        stderr_tail,
+        stderr_tail: String::from_utf8_lossy(&stderr).into_owned(),
         interrupted,
         timed_out,
+        started: true,
     })
 }
 
@@ -208,6 +280,46 @@ mod tests {
         spec.stdin = Some(Secret::new("s3cret".into()));
         let r = run_child(&spec, &StopFlag::new()).unwrap();
         assert!(r.success(), "{}", r.describe());
+    }
+
+    #[test]
+    fn a_background_process_holding_the_pipes_does_not_block() {
+        // The child exits at once but leaves a process that keeps stdout/stderr open for 30 s.
+        let started = Instant::now();
+        let r = run_child(&sh("echo started; sleep 30 & exit 0"), &StopFlag::new()).unwrap();
+        assert!(r.success());
+        assert_eq!(r.stdout, b"started\n");
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "waited for the background process"
+        );
+    }
+
+    #[test]
+    fn what_the_child_echoes_of_its_secret_is_redacted() {
+        let mut spec = sh("read t; echo \"connecting with $t\"; echo \"token=$t\" >&2; exit 3");
+        spec.stdin = Some(Secret::new(
+            "0123456789abcdef0123456789abcdef01234567".into(),
+        ));
+        let r = run_child(&spec, &StopFlag::new()).unwrap();
+        let all = format!("{} {}", String::from_utf8_lossy(&r.stdout), r.describe());
+        assert!(!all.contains("0123456789abcdef"), "{all}");
+        assert!(
+            all.contains("connecting with ***") && all.contains("token=***"),
+            "{all}"
+        );
+    }
+
+    #[test]
+    fn nothing_is_started_once_a_stop_was_requested() {
+        let stop = StopFlag::new();
+        stop.raise();
+        let dir = tempfile::tempdir().unwrap();
+        let marker = dir.path().join("ran");
+        let r = run_child(&sh(&format!("touch {}", marker.display())), &stop).unwrap();
+        assert!(r.interrupted && !r.started && !r.success());
+        assert!(!marker.exists());
+        assert!(r.describe().contains("not started"));
     }
 
     #[test]

@@ -33,6 +33,8 @@ pub struct SweptRunner {
 pub struct SweepReport {
     pub pages: u32,
     pub listed: usize,
+    /// False when the listing ended short of Forgejo's count: some rows may not have been seen.
+    pub listing_complete: bool,
     /// Offline registrations with our prefix.
     pub found: usize,
     pub deleted: Vec<SweptRunner>,

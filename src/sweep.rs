@@ -19,6 +19,10 @@ pub struct Listing {
     pub rows: Vec<Runner>,
     pub conflicting: Vec<i64>,
     pub pages: u32,
+    /// False when the listing ended short of `X-Total-Count` (rows moved between pages while we
+    /// read them): absence from it proves nothing.
+    pub complete: bool,
+    pub total: Option<u64>,
 }
 
 /// Lists all pages (`page=1..`, `limit=50`). Stops on an empty page, once `X-Total-Count` rows
@@ -27,6 +31,7 @@ pub fn list_all(forgejo: &mut dyn Forgejo) -> Result<Listing, String> {
     let mut by_id: BTreeMap<i64, Runner> = BTreeMap::new();
     let mut conflicting: Vec<i64> = Vec::new();
     let mut page = 0u32;
+    let mut last_total = None;
     loop {
         page += 1;
         if page > MAX_PAGES {
@@ -38,6 +43,7 @@ pub fn list_all(forgejo: &mut dyn Forgejo) -> Result<Listing, String> {
             .list_runners_page(page, PAGE_LIMIT)
             .map_err(|e| format!("listing runners failed on page {page}: {e}"))?;
         let n = p.rows.len();
+        last_total = p.total.or(last_total);
         for r in p.rows {
             match by_id.get(&r.id) {
                 Some(seen) if *seen != r => {
@@ -60,10 +66,13 @@ pub fn list_all(forgejo: &mut dyn Forgejo) -> Result<Listing, String> {
             break;
         }
     }
+    let complete = last_total.is_none_or(|t| by_id.len() as u64 >= t);
     Ok(Listing {
         rows: by_id.into_values().collect(),
         conflicting,
         pages: page,
+        complete,
+        total: last_total,
     })
 }
 
@@ -125,6 +134,14 @@ pub fn sweep(forgejo: &mut dyn Forgejo, prefix: &str, cap: usize) -> SweepReport
     };
     report.pages = listing.pages;
     report.listed = listing.rows.len();
+    report.listing_complete = listing.complete;
+    if !listing.complete {
+        log::warn!(
+            "sweep: the runner list ended with {} distinct rows of the {} Forgejo counted (rows moved while paging); what was missed is left for the next sweep",
+            listing.rows.len(),
+            listing.total.unwrap_or(0)
+        );
+    }
     let sel = select(&listing, prefix, cap);
     report.found = sel.found;
     report.left_over_cap = sel.left_over_cap;
@@ -399,6 +416,8 @@ mod tests {
             rows,
             conflicting: vec![],
             pages: 1,
+            complete: true,
+            total: None,
         };
         let sel = select(&listing, "ephemeral-", 2);
         assert_eq!(

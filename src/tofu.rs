@@ -42,7 +42,7 @@ pub type Outputs = BTreeMap<String, Output>;
 pub trait Tofu {
     /// `Err` with a message saying what to configure when this cannot run at all.
     fn check_config(&self) -> Result<(), String>;
-    /// `init` when needed, then `apply`.
+    /// `init`, then `apply`.
     fn apply(&mut self, cycle_id: &str) -> Result<(), StepError>;
     fn outputs(&mut self, cycle_id: &str) -> Result<Outputs, StepError>;
     fn destroy(&mut self, cycle_id: &str) -> Result<(), StepError>;
@@ -79,6 +79,13 @@ pub struct CliTofu {
 }
 
 impl CliTofu {
+    /// `init` before every apply and destroy: idempotent and quick when nothing changed, and the
+    /// only way to recover from an interrupted init or a module that changed since the last one.
+    fn init(&self, cycle_id: &str) -> Result<(), StepError> {
+        self.run(cycle_id, &["init", "-input=false", "-no-color"])
+            .map(|_| ())
+    }
+
     fn dir(&self) -> Result<&Path, StepError> {
         self.dir.as_deref().ok_or_else(|| {
             StepError::failed("--tofu-dir is not set; it names the directory of the VM module")
@@ -108,6 +115,10 @@ impl CliTofu {
                 self.bin.display()
             ))
         })?;
+        // A child that finished its work counts as done, even if a stop came meanwhile.
+        if r.success() {
+            return Ok(r.stdout);
+        }
         if r.interrupted {
             return Err(StepError {
                 message: format!(
@@ -121,18 +132,6 @@ impl CliTofu {
             return Err(StepError::failed(format!("`{shown}` {}", r.describe())));
         }
         Ok(r.stdout)
-    }
-
-    fn needs_init(&self, dir: &Path) -> bool {
-        let data_dir = std::env::var_os("TF_DATA_DIR")
-            .map(PathBuf::from)
-            .unwrap_or_else(|| PathBuf::from(".terraform"));
-        let data_dir = if data_dir.is_absolute() {
-            data_dir
-        } else {
-            dir.join(data_dir)
-        };
-        !data_dir.is_dir()
     }
 }
 
@@ -149,10 +148,7 @@ impl Tofu for CliTofu {
     }
 
     fn apply(&mut self, cycle_id: &str) -> Result<(), StepError> {
-        let dir = self.dir()?.to_path_buf();
-        if self.needs_init(&dir) {
-            self.run(cycle_id, &["init", "-input=false", "-no-color"])?;
-        }
+        self.init(cycle_id)?;
         self.run(
             cycle_id,
             &[
@@ -172,10 +168,7 @@ impl Tofu for CliTofu {
     }
 
     fn destroy(&mut self, cycle_id: &str) -> Result<(), StepError> {
-        let dir = self.dir()?.to_path_buf();
-        if self.needs_init(&dir) {
-            self.run(cycle_id, &["init", "-input=false", "-no-color"])?;
-        }
+        self.init(cycle_id)?;
         self.run(
             cycle_id,
             &[

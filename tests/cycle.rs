@@ -1005,3 +1005,133 @@ fn deletions_spread_over_every_list_page_are_all_found() {
         "collect all pages first, then delete"
     );
 }
+
+#[test]
+fn a_lost_registration_is_not_forgotten_on_an_incomplete_listing() {
+    let env = Env::new();
+    for i in 0..60 {
+        env.fake.add_runner(
+            &format!("static-{i}"),
+            false,
+            Conn::OfflineFor(Duration::from_secs(600)),
+        );
+    }
+    env.fake.add_job(&["debian"]);
+    env.fake.inject(
+        "POST",
+        "/api/v1/admin/actions/runners",
+        Fault::ApplyThenDrop,
+        1,
+    );
+    // The first look for it: page 2 (where the never-connected orphan sorts) comes back empty,
+    // as when rows shift between pages. The listing then holds 50 of the 61 rows counted.
+    env.fake
+        .inject("GET", "page=2", Fault::Body("[]".into()), 1);
+    let out = env.run(&["--output", "json"]);
+    assert_eq!(out.code, Some(1), "{out:?}");
+    let report = out.json();
+    let failures = report["failures"].as_array().unwrap();
+    assert!(
+        failures
+            .iter()
+            .any(|f| f.as_str().unwrap().contains("not forgetting it")),
+        "{report}"
+    );
+    // Found on the retry and deleted as the lost registration it is (not later by the sweep).
+    let lost: Vec<&serde_json::Value> = report["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["step"] == "delete_runner" && e["reason"] == "lost_registration")
+        .collect();
+    assert_eq!(lost.len(), 1, "{report}");
+    assert!(env.our_runners().is_empty());
+    assert!(env.cycle_json().is_none());
+}
+
+#[test]
+fn a_stale_terraform_dir_is_initialised_again() {
+    let env = Env::new();
+    // The module gained a child module since `.terraform` was made (or an init was cut off).
+    fs::create_dir_all(env.module.join(".terraform")).unwrap();
+    fs::create_dir_all(env.module.join("extra")).unwrap();
+    fs::write(
+        env.module.join("extra/main.tf"),
+        "output \"size\" {\n  value = \"small\"\n}\n",
+    )
+    .unwrap();
+    fs::write(
+        env.module.join("extra.tf"),
+        "module \"extra\" {\n  source = \"./extra\"\n}\n",
+    )
+    .unwrap();
+    env.fake.add_job(&["debian"]);
+    let out = env.run(&[]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert!(env.cycle_json().is_none());
+    assert!(env.live_vms().is_empty());
+}
+
+#[test]
+fn a_proxy_in_the_environment_never_carries_the_token_off_loopback() {
+    let env = Env::new();
+    // A "proxy" that records whatever reaches it.
+    let proxy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let proxy_url = format!("http://{}", proxy.local_addr().unwrap());
+    proxy.set_nonblocking(true).unwrap();
+    let mut c = env.cmd("run");
+    for var in ["HTTP_PROXY", "http_proxy", "HTTPS_PROXY", "ALL_PROXY"] {
+        c.env(var, &proxy_url);
+    }
+    let out = env.exec(c);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert_eq!(
+        env.fake.requests().len(),
+        1,
+        "went straight to Forgejo on loopback"
+    );
+    assert!(proxy.accept().is_err(), "nothing reached the proxy");
+}
+
+#[test]
+fn resuming_a_running_cycle_without_a_launch_command_is_a_configuration_error() {
+    let env = Env::new();
+    env.fake.add_job(&["debian"]);
+    env.set_launch_mode("take");
+    // Leave a running cycle behind (SIGTERM while its runner works).
+    let mut c = env.cmd("run");
+    c.stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null());
+    let mut child = c.spawn().unwrap();
+    let start = std::time::Instant::now();
+    while !env.fake.jobs().iter().any(|j| j.status == "running") {
+        assert!(start.elapsed() < Duration::from_secs(30));
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    assert_eq!(child.wait().unwrap().code(), Some(1));
+    assert_eq!(env.cycle_json().unwrap()["phase"], "running");
+    env.fake.clear_requests();
+
+    let mut c = std::process::Command::new(support::harness::BIN);
+    c.env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap())
+        .env("VM_DIR", &env.vm);
+    c.args([
+        "run",
+        "--forgejo-url",
+        &env.fake.url(),
+        "--labels",
+        "debian",
+        "--tofu-bin",
+        &env.tofu,
+    ]);
+    c.arg("--token-file").arg(&env.token_file);
+    c.arg("--state-dir").arg(&env.state);
+    c.arg("--tofu-dir").arg(&env.module);
+    let out = env.exec(c);
+    assert_eq!(out.code, Some(2), "{out:?}");
+    assert!(out.stderr.contains("--launch-command"), "{out:?}");
+    assert!(env.fake.requests().is_empty(), "nothing was done");
+    assert_eq!(env.cycle_json().unwrap()["phase"], "running");
+}
