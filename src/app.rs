@@ -279,6 +279,8 @@ fn policy(a: &RunArgs, labels: &str) -> Policy {
         registration_grace: a.registration_grace,
         max_cycle_duration: a.max_cycle_duration,
         hard_deadline: a.hard_deadline,
+        // Twice the longest a POST can take from our side: by then it has landed or never will.
+        intent_settle: a.common.http_timeout.saturating_mul(2),
     }
 }
 

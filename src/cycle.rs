@@ -59,7 +59,7 @@ pub enum End {
 /// Consecutive observation rounds with a failed request after which the run gives up (the next
 /// run resumes).
 const MAX_OBSERVATION_FAILURES: u32 = 3;
-/// Steps without a wait in between after which the driver assumes a bug and stops.
+/// Steps without a wait or a change to cycle.json after which the driver assumes a bug and stops.
 const MAX_STEPS_WITHOUT_WAIT: u32 = 500;
 
 struct Driver<'w, 'a> {
@@ -69,6 +69,8 @@ struct Driver<'w, 'a> {
     state: Option<CycleState>,
     ctx: RunContext,
     outputs: Option<Outputs>,
+    /// cycle.json was written since the step counter was last reset: the run is progressing.
+    progressed: bool,
 }
 
 pub fn run(w: &mut World<'_>, cfg: &CycleConfig, report: &mut Report) -> End {
@@ -88,6 +90,7 @@ pub fn run(w: &mut World<'_>, cfg: &CycleConfig, report: &mut Report) -> End {
         state,
         ctx: RunContext::default(),
         outputs: None,
+        progressed: false,
     };
     if let Some(s) = &d.state {
         if let Err(e) = d.w.tofu.check_config() {
@@ -109,7 +112,10 @@ impl Driver<'_, '_> {
             return Ok(());
         };
         match self.w.store.save(state) {
-            Ok(()) => Ok(()),
+            Ok(()) => {
+                self.progressed = true;
+                Ok(())
+            }
             Err(e) => {
                 self.report.fail(format!(
                     "cannot write {}: {e:#}; stopping before any further side effect",
@@ -168,6 +174,11 @@ impl Driver<'_, '_> {
         loop {
             if self.w.clock.stop_requested() {
                 return self.interrupted("between steps");
+            }
+            // A busy queue is many steps without a wait (register, consumed, register, …); only
+            // steps that change nothing count towards the runaway guard.
+            if std::mem::take(&mut self.progressed) {
+                steps = 0;
             }
             steps += 1;
             if steps > MAX_STEPS_WITHOUT_WAIT {
@@ -356,7 +367,11 @@ impl Driver<'_, '_> {
         }
         let id = self.w.clock.new_cycle_id(now);
         log::info!("starting cycle {id}");
-        self.state = Some(CycleState::new(id.clone(), now));
+        let mut state = CycleState::new(id.clone(), now);
+        state
+            .runner_prefix
+            .clone_from(&self.cfg.policy.runner_prefix);
+        self.state = Some(state);
         self.report.cycle_id = Some(id.clone());
         if self.save().is_err() {
             return Some(End::Done);
@@ -458,6 +473,9 @@ impl Driver<'_, '_> {
             }
             Err(e) => {
                 self.ctx.failed_deletes.insert(id);
+                if let Some(n) = &name {
+                    *self.ctx.cleanup_failures.entry(n.clone()).or_default() += 1;
+                }
                 self.report.fail(format!(
                     "deleting registration {id} ({}) failed: {e}",
                     reason.as_str()
@@ -471,13 +489,31 @@ impl Driver<'_, '_> {
         }
     }
 
+    /// A lost-POST lookup failed (or was inconclusive): retried after the next wait, and counted.
+    fn intent_failed(&mut self, name: &str) {
+        self.ctx.failed_intents.insert(name.to_string());
+        *self
+            .ctx
+            .cleanup_failures
+            .entry(name.to_string())
+            .or_default() += 1;
+    }
+
+    /// The prefix that marks this cycle's registrations (see `CycleState::runner_prefix`).
+    fn cycle_prefix(&self) -> String {
+        match &self.state {
+            Some(s) if !s.runner_prefix.is_empty() => s.runner_prefix.clone(),
+            _ => self.cfg.policy.runner_prefix.clone(),
+        }
+    }
+
     /// A POST whose answer was lost: list everything, delete the registrations with exactly this
     /// name (they can only be offline: nobody ever got their token), then forget it.
     fn resolve_intent(&mut self, name: &str) -> Option<End> {
         let listing = match sweep::list_all(self.w.forgejo) {
             Ok(l) => l,
             Err(e) => {
-                self.ctx.failed_intents.insert(name.to_string());
+                self.intent_failed(name);
                 self.report.fail(format!(
                     "looking for registration {name} (its POST got no answer) failed: {e}"
                 ));
@@ -491,7 +527,7 @@ impl Driver<'_, '_> {
             .cloned()
             .collect();
         if matches.is_empty() && !listing.complete {
-            self.ctx.failed_intents.insert(name.to_string());
+            self.intent_failed(name);
             self.report.fail(format!(
                 "registration {name} (its POST got no answer) was not in a runner list that ended with {} of the {} rows Forgejo counted; not forgetting it, retrying",
                 listing.rows.len(),
@@ -499,10 +535,11 @@ impl Driver<'_, '_> {
             ));
             return None;
         }
+        let prefix = self.cycle_prefix();
         let mut all_gone = true;
         for r in &matches {
             if listing.conflicting.contains(&r.id)
-                || !may_delete(r.name.as_deref(), &r.status, &self.cfg.policy.runner_prefix)
+                || !may_delete(r.name.as_deref(), &r.status, &prefix)
             {
                 all_gone = false;
                 self.report.fail(format!(
@@ -537,7 +574,7 @@ impl Driver<'_, '_> {
             }
         }
         if !all_gone {
-            self.ctx.failed_intents.insert(name.to_string());
+            self.intent_failed(name);
             return None;
         }
         if matches.is_empty() {
@@ -730,5 +767,181 @@ impl Driver<'_, '_> {
                 Some(End::Done)
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The driver against small in-memory stand-ins (the end-to-end tests use the real binary).
+    use std::cell::RefCell;
+    use std::collections::BTreeMap;
+    use std::rc::Rc;
+
+    use super::*;
+    use crate::forgejo::{ApiError, NewRunner, RunnerPage};
+    use crate::launch::LaunchRequest;
+    use crate::model::{Job, Runner, RunnerStatus};
+    use crate::secret::Secret;
+    use crate::state::MemoryStore;
+    use crate::tofu::StepError;
+
+    /// Forgejo where a launched runner runs its job at once: the job ends, the registration goes.
+    #[derive(Default)]
+    struct World {
+        runners: BTreeMap<i64, String>,
+        jobs: Vec<Job>,
+        next_id: i64,
+    }
+
+    #[derive(Clone, Default)]
+    struct Shared(Rc<RefCell<World>>);
+
+    impl Forgejo for Shared {
+        fn list_jobs(&mut self) -> Result<Vec<Job>, ApiError> {
+            Ok(self.0.borrow().jobs.clone())
+        }
+        fn get_runner(&mut self, id: i64) -> Result<Option<Runner>, ApiError> {
+            Ok(self.0.borrow().runners.get(&id).map(|n| Runner {
+                id,
+                name: Some(n.clone()),
+                status: RunnerStatus::Offline,
+            }))
+        }
+        fn delete_runner(&mut self, id: i64, _: &str) -> Result<Deleted, ApiError> {
+            Ok(match self.0.borrow_mut().runners.remove(&id) {
+                Some(_) => Deleted::Now,
+                None => Deleted::AlreadyGone,
+            })
+        }
+        fn register_runner(&mut self, name: &str) -> Result<NewRunner, ApiError> {
+            let mut w = self.0.borrow_mut();
+            w.next_id += 1;
+            let id = w.next_id;
+            w.runners.insert(id, name.to_string());
+            Ok(NewRunner {
+                id,
+                uuid: format!("uuid-{id}"),
+                token: Secret::new("t".into()),
+            })
+        }
+        fn list_runners_page(&mut self, page: u32, limit: u32) -> Result<RunnerPage, ApiError> {
+            let w = self.0.borrow();
+            let rows: Vec<Runner> = w
+                .runners
+                .iter()
+                .skip(((page - 1) * limit) as usize)
+                .take(limit as usize)
+                .map(|(id, n)| Runner {
+                    id: *id,
+                    name: Some(n.clone()),
+                    status: RunnerStatus::Offline,
+                })
+                .collect();
+            Ok(RunnerPage {
+                rows,
+                total: Some(w.runners.len() as u64),
+            })
+        }
+    }
+
+    impl Launcher for Shared {
+        fn check_config(&self) -> Result<(), String> {
+            Ok(())
+        }
+        fn launch(&mut self, req: &LaunchRequest<'_>, _: &Secret) -> Result<(), StepError> {
+            let mut w = self.0.borrow_mut();
+            w.jobs.retain(|j| j.handle != req.job_handle);
+            w.runners.remove(&req.runner_id);
+            Ok(())
+        }
+    }
+
+    struct NoopTofu;
+
+    impl Tofu for NoopTofu {
+        fn check_config(&self) -> Result<(), String> {
+            Ok(())
+        }
+        fn apply(&mut self, _: &str) -> Result<(), StepError> {
+            Ok(())
+        }
+        fn outputs(&mut self, _: &str) -> Result<Outputs, StepError> {
+            Ok(Outputs::new())
+        }
+        fn destroy(&mut self, _: &str) -> Result<(), StepError> {
+            Ok(())
+        }
+    }
+
+    /// Each sleep advances time by the slept duration.
+    struct StepClock(Timestamp);
+
+    impl Clock for StepClock {
+        fn now(&self) -> Timestamp {
+            self.0
+        }
+        fn sleep(&mut self, d: Duration) -> Sleep {
+            self.0 = self.0.plus(d);
+            Sleep::Slept
+        }
+        fn stop_requested(&self) -> bool {
+            false
+        }
+        fn new_cycle_id(&mut self, now: Timestamp) -> String {
+            now.compact()
+        }
+    }
+
+    #[test]
+    fn a_long_busy_queue_is_progress_not_a_runaway() {
+        let shared = Shared::default();
+        for i in 0..(MAX_STEPS_WITHOUT_WAIT as i64 * 2) {
+            shared.0.borrow_mut().jobs.push(Job {
+                id: i,
+                handle: format!("h{i}"),
+                status: "waiting".into(),
+                runs_on: vec!["debian".into()],
+            });
+        }
+        let jobs = shared.0.borrow().jobs.len();
+        let mut forgejo = shared.clone();
+        let mut launcher = shared.clone();
+        let mut tofu = NoopTofu;
+        let mut store = MemoryStore { state: None };
+        let mut clock = StepClock(Timestamp(1_760_000_000_000));
+        let cfg = CycleConfig {
+            policy: Policy {
+                runner_prefix: "ephemeral-".into(),
+                label_names: vec!["debian".into()],
+                max_jobs_per_vm: 100_000,
+                idle_timeout: Duration::from_secs(60),
+                registration_grace: Duration::from_secs(60),
+                max_cycle_duration: Duration::from_secs(3600),
+                hard_deadline: Duration::from_secs(7200),
+                intent_settle: Duration::from_secs(10),
+            },
+            poll_interval: Duration::from_secs(5),
+            labels: "debian".into(),
+            forgejo_url: "https://forgejo.invalid".into(),
+            sweep_max_deletions: 50,
+        };
+        let mut report = Report::new("run", false, clock.now());
+        let mut world = super::World {
+            forgejo: &mut forgejo,
+            tofu: &mut tofu,
+            launcher: &mut launcher,
+            store: &mut store,
+            clock: &mut clock,
+        };
+        assert_eq!(run(&mut world, &cfg, &mut report), End::Done);
+        assert!(report.failures.is_empty(), "{:?}", report.failures);
+        assert_eq!(report.outcome, "cycle_finished");
+        let launched = report
+            .events
+            .iter()
+            .filter(|e| e.step == "launch_runner")
+            .count();
+        assert_eq!(launched, jobs);
+        assert!(store.state.is_none());
     }
 }

@@ -342,6 +342,24 @@ fn transport_hint(e: &ureq::Error) -> String {
     }
 }
 
+/// A 404 means "gone" only when Forgejo itself said so: its error body is a JSON object with a
+/// string `message`. A proxy's or load balancer's 404 page proves nothing about the runner.
+fn is_forgejo_error(body: &str) -> bool {
+    serde_json::from_str::<Value>(body)
+        .ok()
+        .is_some_and(|v| v.get("message").is_some_and(Value::is_string))
+}
+
+fn not_forgejo_404(request: String, body: &str) -> ApiError {
+    ApiError {
+        request,
+        detail: format!(
+            "HTTP 404 without Forgejo's JSON error body ({}); not taken as \"gone\" (a proxy in the way, or the wrong --forgejo-url?)",
+            snippet(body)
+        ),
+    }
+}
+
 fn snippet(body: &str) -> String {
     let one_line: String = body.split_whitespace().collect::<Vec<_>>().join(" ");
     if one_line.is_empty() {
@@ -394,7 +412,8 @@ impl Forgejo for HttpForgejo {
                 }
                 Ok(Some(r))
             }
-            404 => Ok(None),
+            404 if is_forgejo_error(&body) => Ok(None),
+            404 => Err(not_forgejo_404(format!("GET {url}"), &body)),
             _ => Err(self.status_error(format!("GET {url}"), status, &body)),
         }
     }
@@ -405,7 +424,8 @@ impl Forgejo for HttpForgejo {
         let (status, _, body) = self.send("DELETE", &url, None)?;
         match status {
             204 | 200 => Ok(Deleted::Now),
-            404 => Ok(Deleted::AlreadyGone),
+            404 if is_forgejo_error(&body) => Ok(Deleted::AlreadyGone),
+            404 => Err(not_forgejo_404(format!("DELETE {url}"), &body)),
             _ => Err(self.status_error(format!("DELETE {url}"), status, &body)),
         }
     }
@@ -508,6 +528,17 @@ mod tests {
         ] {
             assert!(Scope::parse(bad).is_err(), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn only_forgejos_own_404_means_gone() {
+        assert!(is_forgejo_error(
+            r#"{"message":"runner with ID 5: resource does not exist","url":"x"}"#
+        ));
+        assert!(!is_forgejo_error("<html><body>404 Not Found</body></html>"));
+        assert!(!is_forgejo_error(""));
+        assert!(!is_forgejo_error(r#"{"error":"not found"}"#));
+        assert!(!is_forgejo_error(r#"{"message": 404}"#));
     }
 
     #[test]

@@ -14,6 +14,10 @@ use crate::time::{Timestamp, format_duration};
 /// broken and torn down.
 pub const MAX_START_FAILURES: u32 = 3;
 
+/// Failed attempts to delete (or look up) one registration in a run after which a running VM is
+/// torn down instead of waiting on it.
+pub const MAX_CLEANUP_FAILURES: u32 = 3;
+
 /// After a successful destroy, how long a registration may still read `idle`/`active` (Forgejo
 /// marks a runner offline 60 s after its last contact) before the run gives up and leaves it to
 /// the next run.
@@ -29,6 +33,9 @@ pub struct Policy {
     pub registration_grace: Duration,
     pub max_cycle_duration: Duration,
     pub hard_deadline: Duration,
+    /// How long after its POST an unanswered registration is looked up by name: long enough
+    /// that a POST still in flight (a slow answer, a run killed mid-request) has landed.
+    pub intent_settle: Duration,
 }
 
 /// What the driver learned from Forgejo just before this decision.
@@ -51,6 +58,10 @@ pub struct RunContext {
     pub failed_deletes: BTreeSet<i64>,
     /// Registration names whose lost-POST lookup failed since the last wait.
     pub failed_intents: BTreeSet<String>,
+    /// Failed deletes and lookups per registration name in this run (never cleared): after
+    /// `MAX_CLEANUP_FAILURES` the VM is torn down rather than kept for a registration that
+    /// cannot be cleaned up.
+    pub cleanup_failures: BTreeMap<String, u32>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -101,6 +112,9 @@ pub enum TeardownReason {
     Stranded { runner_id: i64 },
     /// `tofu apply` (or reading its outputs) failed.
     ApplyFailed,
+    /// A registration could not be deleted (or looked up) `MAX_CLEANUP_FAILURES` times; the
+    /// VM goes, the registration stays in cycle.json until Forgejo confirms it gone.
+    CleanupFailing { name: String },
 }
 
 impl TeardownReason {
@@ -119,6 +133,9 @@ impl TeardownReason {
                 "runner {runner_id} stays idle although its job is gone; destroying the VM stops it"
             ),
             TeardownReason::ApplyFailed => "tofu apply failed".into(),
+            TeardownReason::CleanupFailing { name } => format!(
+                "registration {name} could not be cleaned up {MAX_CLEANUP_FAILURES} times; the VM goes, the registration is retried after the destroy"
+            ),
         }
     }
 
@@ -182,6 +199,16 @@ pub enum Step {
     },
 }
 
+/// The prefix that marks this cycle's registrations: the one they were created with (recorded in
+/// cycle.json), else the configured one.
+fn cycle_prefix<'a>(state: &'a CycleState, policy: &'a Policy) -> &'a str {
+    if state.runner_prefix.is_empty() {
+        &policy.runner_prefix
+    } else {
+        &state.runner_prefix
+    }
+}
+
 /// How a registration is named in messages: its name, which is what Forgejo's UI shows.
 fn who(reg: &Registration, id: i64) -> String {
     format!("runner {id} {}", reg.name)
@@ -225,10 +252,27 @@ fn decide_running(
             reason: TeardownReason::HardDeadline,
         };
     }
+    if let Some(name) = state.registrations.iter().find_map(|r| {
+        ctx.cleanup_failures
+            .get(&r.name)
+            .is_some_and(|n| *n >= MAX_CLEANUP_FAILURES)
+            .then(|| r.name.clone())
+    }) {
+        return Step::Teardown {
+            reason: TeardownReason::CleanupFailing { name },
+        };
+    }
     let grace = policy.registration_grace;
     let mut waiting_on: Vec<String> = Vec::new();
     for reg in &state.registrations {
         let Some(id) = reg.id else {
+            if now.since(reg.requested_at) < policy.intent_settle {
+                waiting_on.push(format!(
+                    "{} (POST unanswered; looked up by name once it has settled)",
+                    reg.name
+                ));
+                continue;
+            }
             if !ctx.failed_intents.contains(&reg.name) {
                 return Step::ResolveIntent {
                     name: reg.name.clone(),
@@ -255,7 +299,7 @@ fn decide_running(
                     if may_delete(
                         runner.name.as_deref(),
                         &runner.status,
-                        &policy.runner_prefix,
+                        cycle_prefix(state, policy),
                     ) =>
                 {
                     let reason = if reg.launch == Launch::Failed {
@@ -306,7 +350,7 @@ fn decide_running(
                     && may_delete(
                         runner.name.as_deref(),
                         &runner.status,
-                        &policy.runner_prefix,
+                        cycle_prefix(state, policy),
                     )
                 {
                     return Step::Delete {
@@ -349,17 +393,18 @@ fn decide_running(
             reason: TeardownReason::MaxCycleDuration,
         };
     }
-    let Some(jobs) = &obs.jobs else {
-        return Step::Wait {
-            why: "waiting for the jobs list (request failed)".into(),
-        };
-    };
-    if let Some(job) = waiting_jobs(jobs, &policy.label_names).first() {
+    if let Some(job) = obs
+        .jobs
+        .as_deref()
+        .and_then(|jobs| waiting_jobs(jobs, &policy.label_names).first().copied())
+    {
         return Step::Register {
             job_id: job.id,
             job_handle: job.handle.clone(),
         };
     }
+    // Without a jobs list no runner can be started anyway (the POST needs Forgejo too), so the
+    // idle timeout applies all the same: a teardown never needs Forgejo.
     let free_since = state
         .free_since
         .or(state.vm_ready_at)
@@ -370,7 +415,11 @@ fn decide_running(
         };
     }
     Step::Wait {
-        why: "VM free, waiting for a job".into(),
+        why: if obs.jobs.is_some() {
+            "VM free, waiting for a job".into()
+        } else {
+            "VM free, waiting for the jobs list (request failed)".into()
+        },
     }
 }
 
@@ -387,7 +436,7 @@ fn decide_tearing_down(
             Some(None) => return Step::Forget { id },
             Some(Some(r))
                 if !ctx.failed_deletes.contains(&id)
-                    && may_delete(r.name.as_deref(), &r.status, &policy.runner_prefix) =>
+                    && may_delete(r.name.as_deref(), &r.status, cycle_prefix(state, policy)) =>
             {
                 return Step::Delete {
                     id,
@@ -420,6 +469,10 @@ fn decide_destroyed(
                 failed.push(reg.name.clone());
                 continue;
             }
+            if now.since(reg.requested_at) < policy.intent_settle {
+                waiting_on.push(format!("{} (POST unanswered, settling)", reg.name));
+                continue;
+            }
             return Step::ResolveIntent {
                 name: reg.name.clone(),
             };
@@ -427,7 +480,9 @@ fn decide_destroyed(
         match obs.runners.get(&id) {
             Some(None) => return Step::Forget { id },
             Some(Some(_)) if ctx.failed_deletes.contains(&id) => failed.push(who(reg, id)),
-            Some(Some(r)) if may_delete(r.name.as_deref(), &r.status, &policy.runner_prefix) => {
+            Some(Some(r))
+                if may_delete(r.name.as_deref(), &r.status, cycle_prefix(state, policy)) =>
+            {
                 return Step::Delete {
                     id,
                     reason: DeleteReason::Teardown,

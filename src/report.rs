@@ -61,9 +61,16 @@ pub struct Report {
     pub outcome: String,
     pub exit_code: i32,
     pub events: Vec<Event>,
+    /// Distinct failures, at most `MAX_FAILURES`; every one is also logged at error level.
     pub failures: Vec<String>,
+    /// Failures not listed again: repeats of a listed one, or past `MAX_FAILURES`.
+    pub failures_not_listed: u64,
     pub sweep: Option<SweepReport>,
 }
+
+/// A run that keeps failing the same way (Forgejo down for hours) must not grow its report
+/// without bound.
+pub const MAX_FAILURES: usize = 100;
 
 impl Report {
     pub fn new(command: &str, dry_run: bool, now: Timestamp) -> Report {
@@ -78,6 +85,7 @@ impl Report {
             exit_code: 0,
             events: Vec::new(),
             failures: Vec::new(),
+            failures_not_listed: 0,
             sweep: None,
         }
     }
@@ -87,7 +95,11 @@ impl Report {
     pub fn fail(&mut self, message: impl Into<String>) {
         let message = message.into();
         log::error!("{message}");
-        self.failures.push(message);
+        if self.failures.len() >= MAX_FAILURES || self.failures.contains(&message) {
+            self.failures_not_listed += 1;
+        } else {
+            self.failures.push(message);
+        }
     }
 
     pub fn event(&mut self, step: &str, ok: bool, detail: impl Into<String>) -> &mut Event {
@@ -144,6 +156,12 @@ impl Report {
         }
         for f in &self.failures {
             out.push_str(&format!("\n  error: {f}"));
+        }
+        if self.failures_not_listed > 0 {
+            out.push_str(&format!(
+                "\n  ({} more failures: repeats or past the first {MAX_FAILURES}; all are in the log)",
+                self.failures_not_listed
+            ));
         }
         out
     }

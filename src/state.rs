@@ -75,6 +75,10 @@ impl Registration {
 pub struct CycleState {
     pub version: u64,
     pub cycle_id: String,
+    /// The `--runner-prefix` this cycle's registrations were created with: they stay ours (and
+    /// deletable) even if the configured prefix changes mid-cycle. Empty: the configured one.
+    #[serde(default)]
+    pub runner_prefix: String,
     pub started_at: Timestamp,
     pub phase: Phase,
     /// When `tofu apply` succeeded.
@@ -104,6 +108,7 @@ impl CycleState {
         CycleState {
             version: STATE_VERSION,
             cycle_id,
+            runner_prefix: String::new(),
             started_at: now,
             phase: Phase::Applying,
             vm_ready_at: None,

@@ -32,6 +32,7 @@ pub fn list_all(forgejo: &mut dyn Forgejo) -> Result<Listing, String> {
     let mut conflicting: Vec<i64> = Vec::new();
     let mut page = 0u32;
     let mut last_total = None;
+    let mut totals: Vec<u64> = Vec::new();
     loop {
         page += 1;
         if page > MAX_PAGES {
@@ -44,6 +45,11 @@ pub fn list_all(forgejo: &mut dyn Forgejo) -> Result<Listing, String> {
             .map_err(|e| format!("listing runners failed on page {page}: {e}"))?;
         let n = p.rows.len();
         last_total = p.total.or(last_total);
+        if let Some(t) = p.total
+            && !totals.contains(&t)
+        {
+            totals.push(t);
+        }
         for r in p.rows {
             match by_id.get(&r.id) {
                 Some(seen) if *seen != r => {
@@ -66,7 +72,13 @@ pub fn list_all(forgejo: &mut dyn Forgejo) -> Result<Listing, String> {
             break;
         }
     }
-    let complete = last_total.is_none_or(|t| by_id.len() as u64 >= t);
+    // Complete only when every page agreed on the count and we saw that many distinct rows: a
+    // count that changed while we paged means rows moved between pages.
+    let complete = match totals.as_slice() {
+        [] => true,
+        [t] => by_id.len() as u64 >= *t,
+        _ => false,
+    };
     Ok(Listing {
         rows: by_id.into_values().collect(),
         conflicting,
@@ -434,6 +446,24 @@ mod tests {
             select(&listing, "", 100).delete.is_empty(),
             "an empty prefix owns nothing"
         );
+    }
+
+    #[test]
+    fn a_count_that_changes_while_paging_makes_the_listing_incomplete() {
+        // Someone deleted a runner while we paged: the total dropped from 51 to 50 and the row
+        // that was 51st slid onto page 1, which we had already read.
+        let mut f = Scripted::new(vec![
+            Ok((page(1, 50, "ephemeral"), Some(51))),
+            Ok((vec![], Some(50))),
+        ]);
+        let l = list_all(&mut f).unwrap();
+        assert_eq!(l.rows.len(), 50);
+        assert!(!l.complete);
+        let mut f = Scripted::new(vec![
+            Ok((page(1, 50, "ephemeral"), Some(60))),
+            Ok((page(51, 10, "ephemeral"), Some(60))),
+        ]);
+        assert!(list_all(&mut f).unwrap().complete);
     }
 
     #[test]

@@ -1135,3 +1135,181 @@ fn resuming_a_running_cycle_without_a_launch_command_is_a_configuration_error() 
     assert!(env.fake.requests().is_empty(), "nothing was done");
     assert_eq!(env.cycle_json().unwrap()["phase"], "running");
 }
+
+#[test]
+fn a_post_answered_too_late_is_looked_up_after_it_landed() {
+    let env = Env::new();
+    env.fake.add_job(&["debian"]);
+    // Forgejo creates the registration 1.5 s after the request; we give up waiting after 1 s.
+    env.fake.inject(
+        "POST",
+        "/api/v1/admin/actions/runners",
+        Fault::Delay(Duration::from_millis(1500)),
+        1,
+    );
+    let out = env.run(&["--output", "json", "--http-timeout", "1s"]);
+    assert_eq!(
+        out.code,
+        Some(1),
+        "the timed-out POST is a failure: {out:?}"
+    );
+    let report = out.json();
+    let lost = report["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["step"] == "delete_runner" && e["reason"] == "lost_registration")
+        .count();
+    assert_eq!(
+        lost, 1,
+        "found by name once it had landed, not forgotten: {report}"
+    );
+    assert!(env.fake.jobs().iter().all(|j| j.status == "success"));
+    assert!(env.our_runners().is_empty());
+    assert!(env.cycle_json().is_none());
+}
+
+#[test]
+fn a_404_that_is_not_forgejos_does_not_forget_a_busy_runner() {
+    let env = Env::new();
+    env.set_launch_mode("take");
+    let (job, _) = env.fake.add_job(&["debian"]);
+    let mut c = env.cmd("run");
+    c.args(["--output", "json"]);
+    c.stdout(std::process::Stdio::piped());
+    c.stderr(std::process::Stdio::null());
+    let child = c.spawn().unwrap();
+    let start = std::time::Instant::now();
+    while !env
+        .fake
+        .jobs()
+        .iter()
+        .any(|j| j.id == job && j.status == "running")
+    {
+        assert!(start.elapsed() < Duration::from_secs(30));
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let runner = env.our_runners()[0];
+    // A proxy's 404 page for the runner, twice.
+    env.fake.inject(
+        "GET",
+        &format!("/actions/runners/{runner}"),
+        Fault::Html(404),
+        2,
+    );
+    std::thread::sleep(Duration::from_millis(600));
+    assert!(
+        env.live_vms().len() == 1,
+        "the VM of a working runner stays"
+    );
+    assert_eq!(env.cycle_json().unwrap()["registrations"][0]["id"], runner);
+    // The job ends normally; Forgejo removes the registration; the cycle ends.
+    let uuid = env.fake.runner(runner).unwrap().uuid;
+    let token = fs::read_to_string(env.vm.join("runners").join(&uuid)).unwrap();
+    ureq::post(format!("{}/_fake/finish", env.fake.url()))
+        .header("X-Runner-UUID", &uuid)
+        .send(token.as_bytes())
+        .unwrap();
+    fs::remove_file(env.vm.join("runners").join(&uuid)).unwrap();
+    let out = child.wait_with_output().unwrap();
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(
+        report["failures"].as_array().unwrap().iter().any(|f| f
+            .as_str()
+            .unwrap()
+            .contains("without Forgejo's JSON error body")),
+        "{report}"
+    );
+    assert!(env.cycle_json().is_none());
+    assert!(env.live_vms().is_empty());
+}
+
+#[test]
+fn a_registration_that_cannot_be_deleted_ends_the_vm_and_waits_in_cycle_json() {
+    let env = Env::new();
+    env.set_launch_mode("noop"); // never consumed: must be deleted
+    env.fake.add_job(&["debian"]);
+    env.fake.inject(
+        "DELETE",
+        "/actions/runners/",
+        Fault::Status(500),
+        usize::MAX,
+    );
+    let out = env.run(&["--output", "json", "--max-jobs-per-vm", "1"]);
+    assert_eq!(out.code, Some(1), "{out:?}");
+    let report = out.json();
+    let teardown = report["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["step"] == "teardown")
+        .unwrap();
+    assert!(
+        teardown["detail"]
+            .as_str()
+            .unwrap()
+            .contains("could not be cleaned up"),
+        "{report}"
+    );
+    assert!(
+        env.live_vms().is_empty(),
+        "the VM does not wait for Forgejo"
+    );
+    let cycle = env.cycle_json().expect("the registration is not forgotten");
+    assert_eq!(cycle["phase"], "destroyed");
+    assert_eq!(cycle["registrations"].as_array().unwrap().len(), 1);
+    assert!(
+        report["failures"].as_array().unwrap().len() < 10,
+        "repeated failures are listed once: {report}"
+    );
+
+    env.fake.clear_faults();
+    let out = env.run(&[]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert!(env.cycle_json().is_none());
+    assert!(env.our_runners().is_empty());
+}
+
+#[test]
+fn an_idle_vm_goes_even_while_forgejo_cannot_be_asked_for_jobs() {
+    let env = Env::new();
+    env.fake.add_job(&["debian"]);
+    let mut c = env.cmd("run");
+    c.args(["--output", "json", "--idle-timeout", "1s"]);
+    c.stdout(std::process::Stdio::piped());
+    c.stderr(std::process::Stdio::null());
+    let child = c.spawn().unwrap();
+    let start = std::time::Instant::now();
+    while !env.fake.jobs().iter().all(|j| j.status == "success") {
+        assert!(start.elapsed() < Duration::from_secs(30));
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // From now on Forgejo cannot be asked for jobs.
+    env.fake
+        .inject("GET", "/jobs", Fault::Status(503), usize::MAX);
+    let mut out = child.wait_with_output().unwrap();
+    // Each run gives up after three failed rounds (the next run resumes); within a few runs the
+    // idle timeout has passed and the VM goes without Forgejo's help.
+    for _ in 0..20 {
+        if env.cycle_json().is_none() {
+            break;
+        }
+        assert_eq!(out.status.code(), Some(1), "failed requests are failures");
+        let mut c = env.cmd("run");
+        c.args(["--output", "json", "--idle-timeout", "1s"]);
+        out = c.output().unwrap();
+    }
+    assert_eq!(out.status.code(), Some(1), "failed requests are failures");
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let teardown = report["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["step"] == "teardown");
+    assert!(
+        teardown.is_some_and(|t| t["detail"].as_str().unwrap().contains("idle")),
+        "{report}"
+    );
+    assert!(env.live_vms().is_empty());
+    assert!(env.cycle_json().is_none());
+}

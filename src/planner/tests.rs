@@ -39,6 +39,7 @@ fn policy() -> Policy {
         registration_grace: Duration::from_secs(3 * 60),
         max_cycle_duration: Duration::from_secs(6 * 3600),
         hard_deadline: Duration::from_secs(24 * 3600),
+        intent_settle: Duration::ZERO,
     }
 }
 
@@ -931,12 +932,121 @@ fn free_vm_teardown_reasons_have_a_fixed_precedence() {
 }
 
 #[test]
-fn free_vm_with_jobs_unknown_waits() {
+fn free_vm_with_jobs_unknown_waits_then_idles_out() {
+    // Without Forgejo nothing can start, so the idle timeout still ends the VM: a teardown never
+    // needs Forgejo.
     let st = free_vm();
-    for now in [at(2 * MIN), at(MIN + IDLE), at(MIN + IDLE + HOUR)] {
-        let s = plan(&st, &obs(None, vec![]), &ctx(), now);
-        assert!(is_wait(&s), "{now:?}: {s:?}");
+    let s = plan(&st, &obs(None, vec![]), &ctx(), at(2 * MIN));
+    assert!(is_wait(&s), "{s:?}");
+    for now in [at(MIN + IDLE), at(MIN + IDLE + HOUR)] {
+        assert_eq!(
+            plan(&st, &obs(None, vec![]), &ctx(), now),
+            Step::Teardown {
+                reason: TeardownReason::Idle
+            },
+            "{now:?}"
+        );
     }
+}
+
+fn settling_policy() -> Policy {
+    Policy {
+        intent_settle: Duration::from_secs(60),
+        ..policy()
+    }
+}
+
+#[test]
+fn an_unanswered_post_is_looked_up_only_once_it_has_settled() {
+    let name = reg_name(40);
+    let st = state_with(Phase::Running, vec![intent(&name)]);
+    let p = settling_policy();
+    // A POST still in flight (slow answer, killed run) must land before absence means anything.
+    let early = decide(
+        Some(&st),
+        &obs(Some(vec![]), vec![]),
+        &ctx(),
+        &p,
+        at(REQUESTED + 59 * SEC),
+    );
+    assert!(is_wait(&early), "{early:?}");
+    let settled = decide(
+        Some(&st),
+        &obs(Some(vec![]), vec![]),
+        &ctx(),
+        &p,
+        at(REQUESTED + 60 * SEC),
+    );
+    assert_eq!(settled, Step::ResolveIntent { name: name.clone() });
+
+    let mut st = st;
+    st.phase = Phase::Destroyed;
+    let early = decide(
+        Some(&st),
+        &obs(None, vec![]),
+        &destroyed_ctx(),
+        &p,
+        at(REQUESTED + 30 * SEC),
+    );
+    assert!(is_wait(&early), "{early:?}");
+    let settled = decide(
+        Some(&st),
+        &obs(None, vec![]),
+        &destroyed_ctx(),
+        &p,
+        at(REQUESTED + 61 * SEC),
+    );
+    assert_eq!(settled, Step::ResolveIntent { name });
+}
+
+#[test]
+fn a_registration_that_cannot_be_cleaned_up_ends_the_vm_instead_of_holding_it() {
+    let r = reg(41, Launch::Done, Some(at(REQUESTED)));
+    let st = state_with(Phase::Running, vec![r.clone()]);
+    let o = obs(Some(vec![]), vec![seen(ours(41, RunnerStatus::Offline))]);
+    let mut c = ctx();
+    c.failed_deletes.insert(41);
+    c.cleanup_failures
+        .insert(r.name.clone(), MAX_CLEANUP_FAILURES - 1);
+    assert!(is_wait(&plan(&st, &o, &c, at(HOUR))));
+    c.cleanup_failures
+        .insert(r.name.clone(), MAX_CLEANUP_FAILURES);
+    assert_eq!(
+        plan(&st, &o, &c, at(HOUR)),
+        Step::Teardown {
+            reason: TeardownReason::CleanupFailing { name: r.name }
+        }
+    );
+}
+
+#[test]
+fn the_prefix_recorded_in_the_cycle_wins_over_a_changed_configuration() {
+    let mut st = state_with(
+        Phase::Running,
+        vec![reg(42, Launch::Done, Some(at(REQUESTED)))],
+    );
+    st.runner_prefix = PREFIX.into();
+    let changed = Policy {
+        runner_prefix: "renamed-".into(),
+        ..policy()
+    };
+    let o = obs(Some(vec![]), vec![seen(ours(42, RunnerStatus::Offline))]);
+    assert_eq!(
+        decide(Some(&st), &o, &ctx(), &changed, at(REQUESTED + GRACE)),
+        Step::Delete {
+            id: 42,
+            reason: DeleteReason::Unconsumed
+        }
+    );
+    // Not recorded (an older cycle.json): the configured prefix decides, and it does not match.
+    st.runner_prefix.clear();
+    assert!(is_wait(&decide(
+        Some(&st),
+        &o,
+        &ctx(),
+        &changed,
+        at(REQUESTED + GRACE)
+    )));
 }
 
 #[test]

@@ -122,7 +122,7 @@ impl Env {
             "--state-dir",
             self.state.to_str().unwrap(),
             "--http-timeout",
-            "5s",
+            "2s",
         ]);
         if sub == "run" {
             c.args([
