@@ -63,26 +63,64 @@ pub fn main() -> ExitCode {
 }
 
 /// Info by default; debug with `-v`; warnings only for dry-runs, whose product is the plan on
-/// stdout (their "deleted" would be a lie).
+/// stdout (their "deleted" would be a lie). `RUST_LOG`, when set, replaces all of that (on a
+/// default of warnings).
 fn init_logging(verbose: bool, dry_run: bool) {
     let mut b = env_logger::Builder::new();
-    b.filter_level(log::LevelFilter::Warn);
-    let ours = match (verbose, dry_run) {
-        (true, _) => log::LevelFilter::Debug,
-        (false, true) => log::LevelFilter::Warn,
-        (false, false) => log::LevelFilter::Info,
-    };
-    b.filter_module("ci_ephemeral_provisioner", ours);
-    if let Ok(spec) = std::env::var("RUST_LOG") {
-        b.parse_filters(&spec);
-    }
-    // The HTTP stack never logs below info, whatever RUST_LOG says: its debug output is where
-    // request and response details would appear.
-    for module in ["ureq", "ureq_proto", "rustls"] {
-        b.filter_module(module, log::LevelFilter::Info);
+    match std::env::var("RUST_LOG") {
+        Ok(spec) if !spec.trim().is_empty() => {
+            // Warnings and errors stay on unless RUST_LOG itself sets a lower default.
+            b.filter_level(log::LevelFilter::Warn);
+            b.parse_filters(&spec);
+        }
+        _ => {
+            b.filter_level(log::LevelFilter::Warn);
+            let ours = match (verbose, dry_run) {
+                (true, _) => log::LevelFilter::Debug,
+                (false, true) => log::LevelFilter::Warn,
+                (false, false) => log::LevelFilter::Info,
+            };
+            b.filter_module("ci_ephemeral_provisioner", ours);
+        }
     }
     b.target(env_logger::Target::Stderr);
-    let _ = b.try_init();
+    let inner = b.build();
+    let max = inner.filter();
+    if log::set_boxed_logger(Box::new(CappedLogger { inner })).is_ok() {
+        log::set_max_level(max);
+    }
+}
+
+/// Never lets the HTTP and TLS stack log below info, whatever `RUST_LOG` says (however
+/// specific): their debug and trace output is where request headers — the token — appear.
+struct CappedLogger {
+    inner: env_logger::Logger,
+}
+
+impl CappedLogger {
+    fn allowed(meta: &log::Metadata<'_>) -> bool {
+        let t = meta.target();
+        let http_stack = ["ureq", "ureq_proto", "rustls"]
+            .iter()
+            .any(|m| t == *m || t.starts_with(&format!("{m}::")));
+        !http_stack || meta.level() <= log::Level::Info
+    }
+}
+
+impl log::Log for CappedLogger {
+    fn enabled(&self, meta: &log::Metadata<'_>) -> bool {
+        Self::allowed(meta) && self.inner.enabled(meta)
+    }
+
+    fn log(&self, record: &log::Record<'_>) {
+        if Self::allowed(record.metadata()) {
+            self.inner.log(record);
+        }
+    }
+
+    fn flush(&self) {
+        self.inner.flush();
+    }
 }
 
 fn state_dir(arg: &Option<PathBuf>) -> PathBuf {
@@ -591,9 +629,21 @@ fn cmd_status(a: StatusArgs) -> Result<u8, Fatal> {
         Err(e) => (None, Some(format!("{e:#}"))),
     };
     let last_path = dir.join(LAST_RUN_FILE);
-    let last_run: Option<Value> = fs::read_to_string(&last_path)
-        .ok()
-        .and_then(|t| serde_json::from_str(&t).ok());
+    let (last_run, last_run_error): (Option<Value>, Option<String>) =
+        match fs::read_to_string(&last_path) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => (None, None),
+            Err(e) => (
+                None,
+                Some(format!("cannot read {}: {e}", last_path.display())),
+            ),
+            Ok(t) => match serde_json::from_str(&t) {
+                Ok(v) => (Some(v), None),
+                Err(e) => (
+                    None,
+                    Some(format!("{} is not JSON: {e}", last_path.display())),
+                ),
+            },
+        };
     let now = Timestamp::now();
     match a.local.output {
         OutputFormat::Json => {
@@ -603,6 +653,7 @@ fn cmd_status(a: StatusArgs) -> Result<u8, Fatal> {
                 "cycle": cycle,
                 "cycle_error": cycle_error,
                 "last_run": last_run,
+                "last_run_error": last_run_error,
             });
             println!("{}", serde_json::to_string_pretty(&doc).unwrap_or_default());
         }
@@ -640,16 +691,26 @@ fn cmd_status(a: StatusArgs) -> Result<u8, Fatal> {
                     }
                 }
             }
-            match &last_run {
-                None => println!("last run: none recorded"),
-                Some(r) => println!(
-                    "last run: {} {} at {}: {} (exit {})",
-                    r["command"].as_str().unwrap_or("?"),
-                    r["cycle_id"].as_str().unwrap_or("(no cycle)"),
-                    r["finished_at"].as_str().unwrap_or("?"),
-                    r["outcome"].as_str().unwrap_or("?"),
-                    r["exit_code"]
-                ),
+            match (&last_run, &last_run_error) {
+                (_, Some(e)) => println!("last run: UNREADABLE: {e}"),
+                (None, None) => println!("last run: none recorded"),
+                (Some(r), None) => {
+                    println!(
+                        "last run: {} {} at {}: {} (exit {})",
+                        r["command"].as_str().unwrap_or("?"),
+                        r["cycle_id"].as_str().unwrap_or("(no cycle)"),
+                        r["finished_at"].as_str().unwrap_or("?"),
+                        r["outcome"].as_str().unwrap_or("?"),
+                        r["exit_code"]
+                    );
+                    let failures = r["failures"].as_array().cloned().unwrap_or_default();
+                    for f in failures.iter().take(3) {
+                        println!("  error: {}", f.as_str().unwrap_or("?"));
+                    }
+                    if failures.len() > 3 {
+                        println!("  … {} more in {}", failures.len() - 3, last_path.display());
+                    }
+                }
             }
         }
     }

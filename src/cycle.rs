@@ -590,11 +590,10 @@ impl Driver<'_, '_> {
 
     fn register(&mut self, job_id: i64, job_handle: &str, now: Timestamp) -> Option<End> {
         // Intent first: the name is unique, so a lost answer can be found again.
+        // The cycle's own prefix: its registrations stay deletable by it whatever is configured now.
+        let prefix = self.cycle_prefix();
         let s = self.state.as_mut()?;
-        let name = format!(
-            "{}{}-{}",
-            self.cfg.policy.runner_prefix, s.cycle_id, s.next_seq
-        );
+        let name = format!("{prefix}{}-{}", s.cycle_id, s.next_seq);
         s.next_seq += 1;
         s.registrations.push(crate::state::Registration {
             name: name.clone(),
@@ -617,6 +616,10 @@ impl Driver<'_, '_> {
             Err(e) => {
                 let s = self.state.as_mut()?;
                 s.start_failures += 1;
+                if e.is_rejection() {
+                    // Forgejo answered and refused: nothing was created, nothing to look up.
+                    s.registrations.retain(|r| r.name != name);
+                }
                 if self.save().is_err() {
                     return Some(End::Done);
                 }

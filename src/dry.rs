@@ -96,6 +96,7 @@ pub struct FixtureForgejo {
 
 fn fixture_error(what: &str, detail: String) -> ApiError {
     ApiError {
+        status: None,
         request: format!("fixture {what}"),
         detail,
     }

@@ -37,6 +37,20 @@ pub struct ApiError {
     /// `GET https://forgejo.example/api/v1/admin/actions/runners/5`
     pub request: String,
     pub detail: String,
+    /// The HTTP status when Forgejo answered with an error status.
+    pub status: Option<u16>,
+}
+
+impl ApiError {
+    /// The request was refused outright (bad request, authentication, scope, unknown path,
+    /// validation), so it did nothing. Timeouts, rate limits, 5xx and transport errors may or
+    /// may not have had an effect.
+    pub fn is_rejection(&self) -> bool {
+        matches!(
+            self.status,
+            Some(400 | 401 | 403 | 404 | 405 | 413 | 415 | 422)
+        )
+    }
 }
 
 impl fmt::Display for ApiError {
@@ -229,6 +243,7 @@ impl HttpForgejo {
         self.requests += 1;
         let request = format!("{method} {url}");
         let err = |detail: String| ApiError {
+            status: None,
             request: request.clone(),
             detail,
         };
@@ -296,6 +311,7 @@ impl HttpForgejo {
             _ => String::new(),
         };
         ApiError {
+            status: Some(status),
             request,
             detail: format!("HTTP {status}: {message}{hint}"),
         }
@@ -352,6 +368,7 @@ fn is_forgejo_error(body: &str) -> bool {
 
 fn not_forgejo_404(request: String, body: &str) -> ApiError {
     ApiError {
+        status: None,
         request,
         detail: format!(
             "HTTP 404 without Forgejo's JSON error body ({}); not taken as \"gone\" (a proxy in the way, or the wrong --forgejo-url?)",
@@ -380,6 +397,7 @@ impl Forgejo for HttpForgejo {
             return Err(self.status_error(format!("GET {url}"), status, &body));
         }
         let jobs = parse_jobs(&body).map_err(|e| ApiError {
+            status: None,
             request: format!("GET {url}"),
             detail: e,
         })?;
@@ -397,15 +415,18 @@ impl Forgejo for HttpForgejo {
         match status {
             200 => {
                 let v: Value = serde_json::from_str(&body).map_err(|e| ApiError {
+                    status: None,
                     request: format!("GET {url}"),
                     detail: format!("response is not JSON: {e}: {}", snippet(&body)),
                 })?;
                 let r = Runner::from_json(&v).map_err(|e| ApiError {
+                    status: None,
                     request: format!("GET {url}"),
                     detail: e,
                 })?;
                 if r.id != id {
                     return Err(ApiError {
+                        status: None,
                         request: format!("GET {url}"),
                         detail: format!("Forgejo answered with runner {} instead of {id}", r.id),
                     });
@@ -444,6 +465,7 @@ impl Forgejo for HttpForgejo {
         }
         // The body holds the runner token: never put it in an error message.
         let v: Value = serde_json::from_str(&text).map_err(|_| ApiError {
+            status: None,
             request: request.clone(),
             detail: "response is not JSON".into(),
         })?;
@@ -457,6 +479,7 @@ impl Forgejo for HttpForgejo {
                 token: Secret::new(token.to_string()),
             }),
             _ => Err(ApiError {
+                status: None,
                 request,
                 detail: "response lacks id, uuid or token".into(),
             }),
@@ -470,6 +493,7 @@ impl Forgejo for HttpForgejo {
             return Err(self.status_error(format!("GET {url}"), status, &body));
         }
         let rows = parse_runner_page(&body).map_err(|e| ApiError {
+            status: None,
             request: format!("GET {url}"),
             detail: e,
         })?;

@@ -77,8 +77,8 @@ impl Launcher for CommandLauncher {
                 "--launch-command is not set; it names the program that starts a runner on the VM"
                     .into(),
             ),
-            Some(p) if !p.is_file() => Err(format!(
-                "--launch-command {} does not exist or is not a file",
+            Some(p) if crate::process::find_executable(p).is_none() => Err(format!(
+                "--launch-command {} is not an executable file (missing, or `chmod +x` it)",
                 p.display()
             )),
             Some(_) => Ok(()),

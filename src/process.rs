@@ -29,6 +29,21 @@ pub fn scrub_env(cmd: &mut Command) {
     }
 }
 
+/// Whether `program` names an executable file: a path as it is, a bare name looked up on PATH.
+pub fn find_executable(program: &std::path::Path) -> Option<PathBuf> {
+    use std::os::unix::fs::PermissionsExt;
+    let executable = |p: &std::path::Path| {
+        std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+    };
+    if program.components().count() > 1 || program.is_absolute() {
+        return executable(program).then(|| program.to_path_buf());
+    }
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .map(|dir| dir.join(program))
+        .find(|candidate| executable(candidate))
+}
+
 pub struct ChildSpec {
     pub program: PathBuf,
     pub args: Vec<OsString>,
@@ -108,14 +123,22 @@ fn redact(bytes: &[u8], secret: &str) -> Vec<u8> {
     out
 }
 
-/// Reads a pipe into a shared buffer, keeping at most `cap` bytes (the first ones when `keep_head`,
-/// else the last ones), and drains the rest so the child never blocks on a full pipe.
+/// What a reader thread has collected: the bytes kept, and whether some were dropped.
+#[derive(Default)]
+struct Captured {
+    bytes: Vec<u8>,
+    truncated: bool,
+}
+
+/// Reads a pipe into a shared buffer, keeping at most `cap` bytes (the first ones when
+/// `keep_head`, else the last ones), and drains the rest so the child never blocks on a full
+/// pipe.
 fn reader(
     mut pipe: impl Read + Send + 'static,
     cap: usize,
     keep_head: bool,
-) -> (Arc<Mutex<Vec<u8>>>, thread::JoinHandle<()>) {
-    let buf = Arc::new(Mutex::new(Vec::new()));
+) -> (Arc<Mutex<Captured>>, thread::JoinHandle<()>) {
+    let buf = Arc::new(Mutex::new(Captured::default()));
     let shared = Arc::clone(&buf);
     let handle = thread::spawn(move || {
         let mut chunk = [0u8; 8192];
@@ -123,15 +146,17 @@ fn reader(
             match pipe.read(&mut chunk) {
                 Ok(0) | Err(_) => break,
                 Ok(n) => {
-                    let Ok(mut b) = shared.lock() else { break };
+                    let Ok(mut c) = shared.lock() else { break };
                     if keep_head {
-                        let room = cap.saturating_sub(b.len());
-                        b.extend_from_slice(&chunk[..n.min(room)]);
+                        let room = cap.saturating_sub(c.bytes.len());
+                        c.bytes.extend_from_slice(&chunk[..n.min(room)]);
+                        c.truncated |= n > room;
                     } else {
-                        b.extend_from_slice(&chunk[..n]);
-                        if b.len() > cap {
-                            let excess = b.len() - cap;
-                            b.drain(..excess);
+                        c.bytes.extend_from_slice(&chunk[..n]);
+                        if c.bytes.len() > cap {
+                            let excess = c.bytes.len() - cap;
+                            c.bytes.drain(..excess);
+                            c.truncated = true;
                         }
                     }
                 }
@@ -141,10 +166,43 @@ fn reader(
     (buf, handle)
 }
 
-fn take(buf: &Arc<Mutex<Vec<u8>>>) -> Vec<u8> {
-    buf.lock()
-        .map(|mut b| std::mem::take(&mut *b))
-        .unwrap_or_default()
+/// The captured bytes with `secret` replaced, and with the partial line at a cut removed (a
+/// secret cut in half would no longer match, so it must not survive either).
+fn finish_capture(
+    buf: &Arc<Mutex<Captured>>,
+    secret: Option<&Secret>,
+    keep_head: bool,
+    cap: usize,
+) -> Vec<u8> {
+    let Ok(mut c) = buf.lock() else {
+        return Vec::new();
+    };
+    let mut bytes = std::mem::take(&mut c.bytes);
+    let mut truncated = c.truncated;
+    if let Some(secret) = secret {
+        bytes = redact(&bytes, secret.expose());
+    }
+    if bytes.len() > cap {
+        truncated = true;
+        if keep_head {
+            bytes.truncate(cap);
+        } else {
+            bytes.drain(..bytes.len() - cap);
+        }
+    }
+    if truncated {
+        if keep_head {
+            let end = bytes.iter().rposition(|b| *b == b'\n').map_or(0, |i| i + 1);
+            bytes.truncate(end);
+        } else {
+            let start = bytes
+                .iter()
+                .position(|b| *b == b'\n')
+                .map_or(bytes.len(), |i| i + 1);
+            bytes.drain(..start);
+        }
+    }
+    bytes
 }
 
 pub fn run_child(spec: &ChildSpec, stop: &StopFlag) -> std::io::Result<ChildResult> {
@@ -195,8 +253,10 @@ pub fn run_child(spec: &ChildSpec, stop: &StopFlag) -> std::io::Result<ChildResu
             "the child's output pipes were not set up",
         ));
     };
-    let (out_buf, out_thread) = reader(out, MAX_STDOUT, true);
-    let (err_buf, err_thread) = reader(err, STDERR_TAIL, false);
+    // Room beyond the caps, so a secret across the cut is still whole when it is redacted.
+    let slack = spec.stdin.as_ref().map_or(0, |s| s.expose().len());
+    let (out_buf, out_thread) = reader(out, MAX_STDOUT + slack, true);
+    let (err_buf, err_thread) = reader(err, STDERR_TAIL + slack, false);
 
     let started = Instant::now();
     let mut interrupted = false;
@@ -235,13 +295,9 @@ pub fn run_child(spec: &ChildSpec, stop: &StopFlag) -> std::io::Result<ChildResu
             spec.program.display()
         );
     }
-    let mut stdout = take(&out_buf);
-    let mut stderr = take(&err_buf);
-    if let Some(secret) = &spec.stdin {
-        // What the child echoed of its stdin never reaches our logs or reports.
-        stdout = redact(&stdout, secret.expose());
-        stderr = redact(&stderr, secret.expose());
-    }
+    // What the child echoed of its stdin never reaches our logs or reports.
+    let stdout = finish_capture(&out_buf, spec.stdin.as_ref(), true, MAX_STDOUT);
+    let stderr = finish_capture(&err_buf, spec.stdin.as_ref(), false, STDERR_TAIL);
     Ok(ChildResult {
         status,
         stdout,
@@ -264,6 +320,18 @@ mod tests {
             stdin: None,
             timeout: None,
         }
+    }
+
+    #[test]
+    fn executables_are_found_on_path_or_by_path() {
+        assert!(find_executable(std::path::Path::new("sh")).is_some());
+        assert!(find_executable(std::path::Path::new("/bin/sh")).is_some());
+        assert!(find_executable(std::path::Path::new("no-such-tool-ever")).is_none());
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("script");
+        std::fs::write(&f, "#!/bin/sh\n").unwrap();
+        assert!(find_executable(&f).is_none(), "not executable");
+        assert!(find_executable(dir.path()).is_none(), "a directory");
     }
 
     #[test]
@@ -311,6 +379,28 @@ mod tests {
     }
 
     #[test]
+    fn a_secret_cut_by_the_tail_limit_does_not_survive_in_part() {
+        let secret = "0123456789abcdef0123456789abcdef01234567";
+        // The secret, then filler so that the kept tail starts at various places in the secret.
+        for filler in [
+            STDERR_TAIL - 35,
+            STDERR_TAIL - 5,
+            STDERR_TAIL - 39,
+            STDERR_TAIL,
+        ] {
+            let mut spec = sh(&format!(
+                "read t; printf '%s' \"$t\" >&2; head -c {filler} /dev/zero | tr '\\0' x >&2; exit 3"
+            ));
+            spec.stdin = Some(Secret::new(secret.into()));
+            let r = run_child(&spec, &StopFlag::new()).unwrap();
+            let d = r.describe();
+            for cut in 0..secret.len() - 8 {
+                assert!(!d.contains(&secret[cut..cut + 8]), "filler {filler}: {d}");
+            }
+        }
+    }
+
+    #[test]
     fn nothing_is_started_once_a_stop_was_requested() {
         let stop = StopFlag::new();
         stop.raise();
@@ -324,10 +414,17 @@ mod tests {
 
     #[test]
     fn timeout_kills_the_group() {
-        let mut spec = sh("sleep 30 & sleep 30");
+        // A background grandchild with a command line nothing else on the machine has.
+        let mut spec = sh("sleep 30.4217 & sleep 30");
         spec.timeout = Some(Duration::from_millis(200));
         let r = run_child(&spec, &StopFlag::new()).unwrap();
         assert!(r.timed_out && !r.success());
+        std::thread::sleep(Duration::from_millis(100));
+        let left = Command::new("pgrep")
+            .args(["-f", "sleep 30.4217"])
+            .output()
+            .unwrap();
+        assert!(left.stdout.is_empty(), "the whole process group is killed");
     }
 
     #[test]

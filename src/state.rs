@@ -183,7 +183,9 @@ pub fn read_state_file(path: &Path) -> Result<Option<CycleState>> {
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(anyhow!("cannot read {}: {e}", path.display())),
     };
-    let fix = "fix or move the file by hand; it was left unchanged and nothing else was done";
+    let fix = "it was left unchanged and nothing else was done. Fix or move it by hand; the VM and \
+               runner registrations of that cycle may still exist: after moving the file, run \
+               `tofu destroy` in the module directory, then `ci-ephemeral-provisioner sweep`";
     if !meta.file_type().is_file() {
         return Err(anyhow!(
             "{} is not a regular file (a symlink or directory?); {fix}",

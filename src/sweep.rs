@@ -244,6 +244,7 @@ mod tests {
 
     fn err(detail: &str) -> ApiError {
         ApiError {
+            status: None,
             request: "scripted".into(),
             detail: detail.into(),
         }

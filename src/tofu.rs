@@ -137,6 +137,12 @@ impl CliTofu {
 
 impl Tofu for CliTofu {
     fn check_config(&self) -> Result<(), String> {
+        if crate::process::find_executable(&self.bin).is_none() {
+            return Err(format!(
+                "--tofu-bin {} is not an executable (nor found on PATH); install OpenTofu or point --tofu-bin at it (terraform works too)",
+                self.bin.display()
+            ));
+        }
         match &self.dir {
             None => Err("--tofu-dir is not set; it names the directory of the VM module".into()),
             Some(d) if !d.is_dir() => Err(format!(

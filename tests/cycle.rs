@@ -577,12 +577,21 @@ fn hard_deadline_tears_down_a_busy_vm_and_fails() {
         "--output",
         "json",
         "--hard-deadline",
-        "2s",
+        "3s",
         "--max-cycle-duration",
-        "1s",
+        "3s",
     ]);
     assert_eq!(out.code, Some(1), "{out:?}");
     assert!(out.stderr.contains("hard-deadline"), "{}", out.stderr);
+    let events = out.json()["events"].as_array().unwrap().clone();
+    let launched = events
+        .iter()
+        .position(|e| e["step"] == "launch_runner" && e["ok"] == true);
+    let teardown = events.iter().position(|e| e["step"] == "teardown");
+    assert!(
+        launched.is_some() && launched < teardown,
+        "a runner was up when the deadline hit: {events:?}"
+    );
     assert!(
         env.live_vms().is_empty(),
         "the VM is destroyed even with a runner up"
@@ -654,7 +663,12 @@ fn secrets_never_leak_into_output_files_or_children() {
     env.fake.add_job(&["debian"]);
     let mut c = env.cmd("run");
     c.args(["--output", "json", "-v"]);
-    c.env("RUST_LOG", "trace");
+    // Everything at trace, the HTTP stack included, however specifically asked for.
+    c.env(
+        "RUST_LOG",
+        "trace,ureq=trace,ureq_proto=trace,ureq_proto::util=trace,rustls=trace",
+    );
+    c.env("CREDENTIALS_DIRECTORY", env.tmp.path());
     let out = env.exec(c);
     assert_eq!(out.code, Some(0), "{out:?}");
     let mut haystacks = vec![
@@ -669,23 +683,60 @@ fn secrets_never_leak_into_output_files_or_children() {
             ));
         }
     }
-    // What the launch command saw in its environment and argv.
+    assert!(
+        out.stderr.contains("TRACE") || out.stderr.contains("DEBUG"),
+        "RUST_LOG took effect"
+    );
+    // What tofu got: the cycle id only in its environment, never on argv; nothing of ours.
+    let tofu_env = fs::read_to_string(env.vm.join("tofu-env.create")).unwrap();
+    let tofu_argv = fs::read_to_string(env.vm.join("tofu-argv.create")).unwrap();
+    let cycle_id = out.json()["cycle_id"].as_str().unwrap().to_string();
+    assert!(
+        tofu_env.contains(&format!("TF_VAR_cycle_id={cycle_id}")),
+        "{tofu_env}"
+    );
+    assert!(
+        tofu_env.contains("TF_IN_AUTOMATION=1") && tofu_env.contains("TF_INPUT=0"),
+        "{tofu_env}"
+    );
+    assert!(
+        !tofu_env.contains("CREDENTIALS_DIRECTORY")
+            && !tofu_env.contains("CI_EPHEMERAL_PROVISIONER_"),
+        "{tofu_env}"
+    );
+    assert!(
+        tofu_argv.contains("apply")
+            && tofu_argv.contains("-input=false")
+            && tofu_argv.contains("-auto-approve"),
+        "{tofu_argv}"
+    );
+    assert!(
+        !tofu_argv.contains(&cycle_id) && !tofu_argv.contains("-var"),
+        "{tofu_argv}"
+    );
+    // What the launch command and tofu saw in their environment and argv.
     for e in fs::read_dir(&env.vm).unwrap().filter_map(|e| e.ok()) {
         let name = e.file_name().to_string_lossy().into_owned();
-        if name.starts_with("launch-") {
+        if name.starts_with("launch-") || name.starts_with("tofu-") {
             haystacks.push((name, fs::read_to_string(e.path()).unwrap()));
         }
     }
     assert!(haystacks.len() > 5);
     for (name, text) in &haystacks {
-        assert!(!text.contains(API_TOKEN), "Forgejo token in {name}");
-        // Runner tokens are 40 hex digits; nothing we write or pass on contains one.
-        assert!(!has_hex40(text), "a runner token in {name}:\n{text}");
+        // Any 12 characters of it: a hex dump splits a header across lines.
+        for w in API_TOKEN.as_bytes().windows(12) {
+            let w = std::str::from_utf8(w).unwrap();
+            assert!(!text.contains(w), "Forgejo token (…{w}…) in {name}");
+        }
+        // Runner tokens are 40 hex digits; nothing we write or pass on contains 16 of them in a
+        // row (a hex dump shows 16 bytes per line).
+        assert!(!has_hex_run(text, 16), "a runner token in {name}:\n{text}");
         // tofu keeps sensitive outputs in its own state, the module source names the value, and
         // the launch command gets every output by design (e.g. an SSH key to reach the VM).
         if !name.contains("terraform.tfstate")
             && !name.ends_with(".tf")
             && !name.starts_with("launch-env")
+            && !name.starts_with("tofu-env")
         {
             assert!(
                 !text.contains("MODULE-SENSITIVE-VALUE"),
@@ -710,12 +761,12 @@ fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
     out
 }
 
-fn has_hex40(s: &str) -> bool {
+fn has_hex_run(s: &str, len: usize) -> bool {
     let mut run = 0;
     for c in s.chars() {
         if c.is_ascii_hexdigit() {
             run += 1;
-            if run >= 40 {
+            if run >= len {
                 return true;
             }
         } else {
@@ -1312,4 +1363,79 @@ fn an_idle_vm_goes_even_while_forgejo_cannot_be_asked_for_jobs() {
     );
     assert!(env.live_vms().is_empty());
     assert!(env.cycle_json().is_none());
+}
+
+#[test]
+fn a_live_dry_run_works_while_a_run_holds_the_lock() {
+    let env = Env::new();
+    env.fake.add_job(&["debian"]);
+    fs::create_dir_all(&env.state).unwrap();
+    let lock = fs::File::create(env.state.join("cycle.lock")).unwrap();
+    lock.lock().unwrap();
+    let out = env.run(&["--dry-run", "--output", "json"]);
+    assert_eq!(out.code, Some(0), "a dry-run never takes the lock: {out:?}");
+    assert_eq!(out.json()["actions"][0]["action"], "tofu_apply");
+    assert!(env.fake.requests().iter().all(|r| r.method == "GET"));
+}
+
+#[test]
+fn launch_command_and_tofu_binary_must_be_executable() {
+    let env = Env::new();
+    env.fake.add_job(&["debian"]);
+    let script = env.tmp.path().join("launch-not-executable.sh");
+    fs::write(&script, "#!/bin/sh\nexit 0\n").unwrap();
+    let mut c = env.cmd("run");
+    c.arg("--launch-command").arg(&script);
+    let out = env.exec(c);
+    assert_eq!(out.code, Some(2), "{out:?}");
+    assert!(out.stderr.contains("chmod +x"), "{out:?}");
+
+    let mut c = env.cmd("run");
+    c.args(["--tofu-bin", "no-such-tofu-anywhere"]);
+    let out = env.exec(c);
+    assert_eq!(out.code, Some(2), "{out:?}");
+    assert!(out.stderr.contains("--tofu-bin"), "{out:?}");
+    assert!(env.cycle_json().is_none(), "nothing started");
+    assert!(env.vm_log().is_empty());
+}
+
+#[test]
+fn a_refused_post_is_not_looked_up_as_if_it_might_exist() {
+    let env = Env::new();
+    env.fake.add_job(&["debian"]);
+    // A token that may read but not write: every POST is refused with 403.
+    let read_only = "9e8d7c6b5a4f3e2d1c0b9a8f7e6d5c4b3a2f1e0d";
+    env.fake.set_read_only_token(read_only);
+    let ro_file = env.tmp.path().join("read-only-token");
+    fs::write(&ro_file, read_only).unwrap();
+    fs::set_permissions(
+        &ro_file,
+        std::os::unix::fs::PermissionsExt::from_mode(0o600),
+    )
+    .unwrap();
+    let mut c = env.cmd("run");
+    c.args(["--output", "json"])
+        .arg("--token-file")
+        .arg(&ro_file);
+    let out = env.exec(c);
+    assert_eq!(out.code, Some(1), "{out:?}");
+    let report = out.json();
+    let failures = report["failures"].as_array().unwrap();
+    assert!(
+        failures
+            .iter()
+            .any(|f| f.as_str().unwrap().contains("write:admin")),
+        "the error names the missing scope: {report}"
+    );
+    // Refused means not created: no lookup by name (no runner list) before the next attempt.
+    let lists = env
+        .fake
+        .requests()
+        .iter()
+        .filter(|r| r.method == "GET" && r.path == "/api/v1/admin/actions/runners")
+        .count();
+    let sweep_pages = report["sweep"]["pages"].as_u64().unwrap_or(0) as usize;
+    assert_eq!(lists, sweep_pages, "only the sweep listed runners");
+    assert!(env.cycle_json().is_none());
+    assert!(env.live_vms().is_empty());
 }

@@ -211,3 +211,21 @@ fn fixture_requires_dry_run() {
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
 }
+
+#[test]
+fn a_changed_prefix_does_not_strand_the_cycles_own_registrations() {
+    // The cycle was started (and its registrations named) with `ephemeral-`; the operator has
+    // since switched to `pool2-`. The cycle still deletes its unconsumed registration and keeps
+    // naming new ones with its own prefix.
+    let (code, v, _) = plan("reuse-unconsumed.json", &["--runner-prefix", "pool2-"]);
+    assert_eq!(code, Some(0));
+    let a = actions(&v);
+    assert_eq!(
+        a[0],
+        json!({"action": "delete_runner", "runner_id": 514, "reason": "unconsumed"})
+    );
+    assert!(
+        a[1]["name"].as_str().unwrap().starts_with("ephemeral-"),
+        "{v}"
+    );
+}

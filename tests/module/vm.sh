@@ -5,6 +5,15 @@ set -eu
 : "${VM_DIR:?VM_DIR must be set by the test}"
 action=$1
 id=$2
+# What tofu passed on: its environment (ours, minus what must never reach it) and its argv.
+env | sort > "$VM_DIR/tofu-env.$action"
+p=$PPID
+while [ "$p" -gt 1 ]; do
+    case "$(cat /proc/$p/comm 2>/dev/null)" in
+    terraform|tofu) tr '\0' ' ' < /proc/$p/cmdline > "$VM_DIR/tofu-argv.$action"; break ;;
+    esac
+    p=$(awk '{print $4}' /proc/$p/stat 2>/dev/null || echo 1)
+done
 case "$action" in
 create)
     if [ -e "$VM_DIR/slow-apply" ]; then touch "$VM_DIR/applying"; sleep 30; fi

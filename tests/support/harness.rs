@@ -8,7 +8,8 @@ use std::time::{Duration, Instant};
 
 use super::fake_forgejo::FakeForgejo;
 
-pub const API_TOKEN: &str = "0123456789abcdef0123456789abcdef01234567";
+/// Random-looking, so that any 12 characters of it in a file or log are a leak.
+pub const API_TOKEN: &str = "7f3a9c1e5b2d8f4a6c0e9b3d7a1f5c2e8b4d6a0f";
 pub const BIN: &str = env!("CARGO_BIN_EXE_ci-ephemeral-provisioner");
 
 /// `tofu` when installed, else `terraform` (CLI-compatible).
