@@ -86,6 +86,19 @@ impl CliTofu {
             .map(|_| ())
     }
 
+    /// `init`, then `apply` or `destroy`, unattended.
+    fn change(&self, cycle_id: &str, verb: &str) -> Result<(), StepError> {
+        self.init(cycle_id)?;
+        let args = [
+            verb,
+            "-input=false",
+            "-auto-approve",
+            "-no-color",
+            LOCK_TIMEOUT,
+        ];
+        self.run(cycle_id, &args).map(|_| ())
+    }
+
     fn dir(&self) -> Result<&Path, StepError> {
         self.dir.as_deref().ok_or_else(|| {
             StepError::failed("--tofu-dir is not set; it names the directory of the VM module")
@@ -154,18 +167,7 @@ impl Tofu for CliTofu {
     }
 
     fn apply(&mut self, cycle_id: &str) -> Result<(), StepError> {
-        self.init(cycle_id)?;
-        self.run(
-            cycle_id,
-            &[
-                "apply",
-                "-input=false",
-                "-auto-approve",
-                "-no-color",
-                LOCK_TIMEOUT,
-            ],
-        )?;
-        Ok(())
+        self.change(cycle_id, "apply")
     }
 
     fn outputs(&mut self, cycle_id: &str) -> Result<Outputs, StepError> {
@@ -174,18 +176,7 @@ impl Tofu for CliTofu {
     }
 
     fn destroy(&mut self, cycle_id: &str) -> Result<(), StepError> {
-        self.init(cycle_id)?;
-        self.run(
-            cycle_id,
-            &[
-                "destroy",
-                "-input=false",
-                "-auto-approve",
-                "-no-color",
-                LOCK_TIMEOUT,
-            ],
-        )?;
-        Ok(())
+        self.change(cycle_id, "destroy")
     }
 }
 

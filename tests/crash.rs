@@ -6,21 +6,10 @@ mod support;
 
 use std::fs;
 use std::process::{Child, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use support::fake_forgejo::{Conn, Fault};
-use support::harness::Env;
-
-fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !cond() {
-        assert!(
-            start.elapsed() < Duration::from_secs(60),
-            "timed out waiting for {what}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
+use support::harness::{Env, wait_for};
 
 /// Direct children of `pid` (each leads its own process group).
 fn children(pid: u32) -> Vec<i32> {

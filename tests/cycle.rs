@@ -6,7 +6,7 @@ use std::fs;
 use std::time::Duration;
 
 use support::fake_forgejo::{Conn, Fault};
-use support::harness::{API_TOKEN, Env};
+use support::harness::{API_TOKEN, Env, wait_for};
 
 fn posts(env: &Env) -> usize {
     env.fake
@@ -627,14 +627,7 @@ fn sigterm_during_apply_forwards_sigint_and_the_next_run_converges() {
     c.stderr(std::process::Stdio::piped());
     let mut child = c.spawn().unwrap();
     // Wait until terraform runs the provisioner, then stop us the way systemd would.
-    let start = std::time::Instant::now();
-    while !env.vm.join("applying").exists() {
-        assert!(
-            start.elapsed() < Duration::from_secs(30),
-            "apply never started"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_for("the apply to start", || env.vm.join("applying").exists());
     unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
     let status = child.wait().unwrap();
     let mut stderr = String::new();
@@ -832,19 +825,12 @@ fn stranded_idle_runner_is_never_deleted_alive_the_vm_goes_and_then_it_does() {
     c.stdout(std::process::Stdio::piped());
     let child = c.spawn().unwrap();
     // Wait until the runner is up and idle, then cancel its job.
-    let start = std::time::Instant::now();
-    while !env
-        .fake
-        .runners()
-        .iter()
-        .any(|r| r.name.starts_with("ephemeral-") && r.status == "idle")
-    {
-        assert!(
-            start.elapsed() < Duration::from_secs(30),
-            "runner never connected"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_for("the runner to connect", || {
+        env.fake
+            .runners()
+            .iter()
+            .any(|r| r.name.starts_with("ephemeral-") && r.status == "idle")
+    });
     let runner = env.our_runners()[0];
     env.fake.set_job_status(job, "cancelled");
     let out = child.wait_with_output().unwrap();
@@ -891,14 +877,9 @@ fn sigterm_during_destroy_persists_and_the_next_run_converges() {
     c.stdout(std::process::Stdio::null());
     c.stderr(std::process::Stdio::piped());
     let mut child = c.spawn().unwrap();
-    let start = std::time::Instant::now();
-    while !env.vm.join("destroying").exists() {
-        assert!(
-            start.elapsed() < Duration::from_secs(30),
-            "destroy never started"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_for("the destroy to start", || {
+        env.vm.join("destroying").exists()
+    });
     unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
     let status = child.wait().unwrap();
     let mut stderr = String::new();
@@ -1154,11 +1135,9 @@ fn resuming_a_running_cycle_without_a_launch_command_is_a_configuration_error() 
     c.stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null());
     let mut child = c.spawn().unwrap();
-    let start = std::time::Instant::now();
-    while !env.fake.jobs().iter().any(|j| j.status == "running") {
-        assert!(start.elapsed() < Duration::from_secs(30));
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_for("the runner to take its job", || {
+        env.fake.jobs().iter().any(|j| j.status == "running")
+    });
     unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
     assert_eq!(child.wait().unwrap().code(), Some(1));
     assert_eq!(env.cycle_json().unwrap()["phase"], "running");
@@ -1230,16 +1209,12 @@ fn a_404_that_is_not_forgejos_does_not_forget_a_busy_runner() {
     c.stdout(std::process::Stdio::piped());
     c.stderr(std::process::Stdio::null());
     let child = c.spawn().unwrap();
-    let start = std::time::Instant::now();
-    while !env
-        .fake
-        .jobs()
-        .iter()
-        .any(|j| j.id == job && j.status == "running")
-    {
-        assert!(start.elapsed() < Duration::from_secs(30));
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_for("the runner to take its job", || {
+        env.fake
+            .jobs()
+            .iter()
+            .any(|j| j.id == job && j.status == "running")
+    });
     let runner = env.our_runners()[0];
     // A proxy's 404 page for the runner, twice.
     env.fake.inject(
@@ -1330,11 +1305,9 @@ fn an_idle_vm_goes_even_while_forgejo_cannot_be_asked_for_jobs() {
     c.stdout(std::process::Stdio::piped());
     c.stderr(std::process::Stdio::null());
     let child = c.spawn().unwrap();
-    let start = std::time::Instant::now();
-    while !env.fake.jobs().iter().all(|j| j.status == "success") {
-        assert!(start.elapsed() < Duration::from_secs(30));
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    wait_for("the job to finish", || {
+        env.fake.jobs().iter().all(|j| j.status == "success")
+    });
     // From now on Forgejo cannot be asked for jobs.
     env.fake
         .inject("GET", "/jobs", Fault::Status(503), usize::MAX);

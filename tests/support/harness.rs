@@ -28,6 +28,18 @@ pub fn tofu_bin() -> String {
     panic!("neither tofu nor terraform is on PATH; .ci/run installs terraform");
 }
 
+/// Polls `cond` until it holds (panics after 60 s, naming `what`).
+pub fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !cond() {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "timed out waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 pub struct Outcome {
     pub code: Option<i32>,
     pub stdout: String,
