@@ -406,11 +406,21 @@ fn finish(
     dir: Option<&Path>,
     output: OutputFormat,
 ) -> Result<u8, Fatal> {
-    if let End::Config(msg) = end {
-        return Err(usage(msg));
-    }
+    let config_error = match end {
+        End::Config(msg) => {
+            // Kept in last-run.json too: `status` must show why runs stopped doing anything.
+            report.fail(msg);
+            report.outcome = "configuration_error".into();
+            true
+        }
+        End::Done => false,
+    };
     report.finished_at = Some(Timestamp::now());
-    report.exit_code = if report.failures.is_empty() { 0 } else { 1 };
+    report.exit_code = match (config_error, report.failures.is_empty()) {
+        (true, _) => i32::from(EXIT_USAGE),
+        (false, true) => 0,
+        (false, false) => 1,
+    };
     if report.exit_code != 0 && (report.outcome.is_empty() || report.outcome == "cycle_finished") {
         report.outcome = format!(
             "{}_with_errors",

@@ -6,7 +6,7 @@ use std::time::Duration;
 use crate::forgejo::{Deleted, Forgejo};
 use crate::launch::{LaunchRequest, Launcher};
 use crate::model::may_delete;
-use crate::planner::{self, DeleteReason, Observation, Policy, RunContext, Step};
+use crate::planner::{self, DeleteReason, Observation, Policy, RunContext, Step, TeardownReason};
 use crate::report::{Report, Stopwatch};
 use crate::state::{CycleState, Launch, Phase, StateStore};
 use crate::sweep;
@@ -92,16 +92,11 @@ pub fn run(w: &mut World<'_>, cfg: &CycleConfig, report: &mut Report) -> End {
         outputs: None,
         progressed: false,
     };
-    if let Some(s) = &d.state {
-        if let Err(e) = d.w.tofu.check_config() {
-            return End::Config(format!("cycle {} is in progress but {e}", s.cycle_id));
-        }
-        // A cycle that may still launch runners needs the launch command too.
-        if matches!(s.phase, Phase::Applying | Phase::Running)
-            && let Err(e) = d.w.launcher.check_config()
-        {
-            return End::Config(format!("cycle {} is in progress but {e}", s.cycle_id));
-        }
+    // Nothing can be done for a cycle in progress without tofu, not even its teardown.
+    if let Some(s) = &d.state
+        && let Err(e) = d.w.tofu.check_config()
+    {
+        return End::Config(format!("cycle {} is in progress but {e}", s.cycle_id));
     }
     d.drive()
 }
@@ -310,21 +305,13 @@ impl Driver<'_, '_> {
                 }
                 self.save().err().map(|_| End::Done)
             }
-            Step::Register { job_id, job_handle } => self.register(job_id, &job_handle, now),
-            Step::Teardown { reason } => {
-                let text = reason.describe();
-                if reason.is_failure() {
-                    self.report.fail(format!("tearing down: {text}"));
-                } else {
-                    log::info!("tearing down: {text}");
-                }
-                if let Some(s) = &mut self.state {
-                    s.phase = Phase::TearingDown;
-                    s.teardown_reason = Some(text.clone());
-                }
-                self.report.event("teardown", !reason.is_failure(), text);
-                self.save().err().map(|_| End::Done)
-            }
+            Step::Register { job_id, job_handle } => match self.w.launcher.check_config() {
+                Ok(()) => self.register(job_id, &job_handle, now),
+                // The launch command went away mid-cycle: no runner can start, so the VM goes
+                // (a cycle must never outlive its configuration).
+                Err(e) => self.teardown(TeardownReason::LaunchUnusable { problem: e }),
+            },
+            Step::Teardown { reason } => self.teardown(reason),
             Step::Destroy => self.destroy(),
             Step::Sweep => {
                 let sw = Stopwatch::start();
@@ -356,6 +343,21 @@ impl Driver<'_, '_> {
             }
             Step::Idle | Step::Wait { .. } | Step::GiveUp { .. } | Step::Finish => None,
         }
+    }
+
+    fn teardown(&mut self, reason: TeardownReason) -> Option<End> {
+        let text = reason.describe();
+        if reason.is_failure() {
+            self.report.fail(format!("tearing down: {text}"));
+        } else {
+            log::info!("tearing down: {text}");
+        }
+        if let Some(s) = &mut self.state {
+            s.phase = Phase::TearingDown;
+            s.teardown_reason = Some(text.clone());
+        }
+        self.report.event("teardown", !reason.is_failure(), text);
+        self.save().err().map(|_| End::Done)
     }
 
     fn start_cycle(&mut self, now: Timestamp) -> Option<End> {
@@ -744,6 +746,9 @@ impl Driver<'_, '_> {
                 s.destroyed_at = Some(self.w.clock.now());
                 s.last_error = None;
                 self.ctx.destroyed_this_run = true;
+                // What failed before the destroy gets one more try after it, in this run.
+                self.ctx.failed_deletes.clear();
+                self.ctx.failed_intents.clear();
                 if self.save().is_err() {
                     return Some(End::Done);
                 }

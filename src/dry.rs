@@ -241,10 +241,12 @@ impl Forgejo for DryForgejo {
     fn list_runners_page(&mut self, page: u32, limit: u32) -> Result<RunnerPage, ApiError> {
         let r = self.inner.list_runners_page(page, limit);
         let mut p = self.count(r)?;
-        let before = p.rows.len();
         p.rows.retain(|r| !self.deleted.contains(&r.id));
+        // Every page must report the same count (as Forgejo does): the planned deletions of
+        // existing registrations (positive ids; planned ones are negative) come off all of them.
+        let gone = self.deleted.iter().filter(|id| **id > 0).count() as u64;
         if let Some(t) = p.total.as_mut() {
-            *t = t.saturating_sub((before - p.rows.len()) as u64);
+            *t = t.saturating_sub(gone);
         }
         Ok(p)
     }

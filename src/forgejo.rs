@@ -358,12 +358,13 @@ fn transport_hint(e: &ureq::Error) -> String {
     }
 }
 
-/// A 404 means "gone" only when Forgejo itself said so: its error body is a JSON object with a
-/// string `message`. A proxy's or load balancer's 404 page proves nothing about the runner.
+/// A 404 means "gone" only when Forgejo itself said so: its error body (`APIError`) is a JSON
+/// object with a string `message` and a `url`. A proxy's or gateway's 404 proves nothing about
+/// the runner.
 fn is_forgejo_error(body: &str) -> bool {
-    serde_json::from_str::<Value>(body)
-        .ok()
-        .is_some_and(|v| v.get("message").is_some_and(Value::is_string))
+    serde_json::from_str::<Value>(body).ok().is_some_and(|v| {
+        v.get("message").is_some_and(Value::is_string) && v.get("url").is_some_and(Value::is_string)
+    })
 }
 
 fn not_forgejo_404(request: String, body: &str) -> ApiError {
@@ -557,7 +558,11 @@ mod tests {
     #[test]
     fn only_forgejos_own_404_means_gone() {
         assert!(is_forgejo_error(
-            r#"{"message":"runner with ID 5: resource does not exist","url":"x"}"#
+            r#"{"message":"runner with ID 5: resource does not exist","url":"https://f.example/api/swagger"}"#
+        ));
+        // A gateway's JSON 404 (Kong's, say) is not Forgejo's.
+        assert!(!is_forgejo_error(
+            r#"{"message":"no Route matched with those values"}"#
         ));
         assert!(!is_forgejo_error("<html><body>404 Not Found</body></html>"));
         assert!(!is_forgejo_error(""));

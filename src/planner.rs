@@ -115,6 +115,8 @@ pub enum TeardownReason {
     /// A registration could not be deleted (or looked up) `MAX_CLEANUP_FAILURES` times; the
     /// VM goes, the registration stays in cycle.json until Forgejo confirms it gone.
     CleanupFailing { name: String },
+    /// The launch command cannot be run (unset, missing, not executable) while a job waits.
+    LaunchUnusable { problem: String },
 }
 
 impl TeardownReason {
@@ -133,6 +135,9 @@ impl TeardownReason {
                 "runner {runner_id} stays idle although its job is gone; destroying the VM stops it"
             ),
             TeardownReason::ApplyFailed => "tofu apply failed".into(),
+            TeardownReason::LaunchUnusable { problem } => {
+                format!("no runner can be started: {problem}")
+            }
             TeardownReason::CleanupFailing { name } => format!(
                 "registration {name} could not be cleaned up {MAX_CLEANUP_FAILURES} times; the VM goes, the registration is retried after the destroy"
             ),
@@ -143,7 +148,10 @@ impl TeardownReason {
     pub fn is_failure(&self) -> bool {
         matches!(
             self,
-            TeardownReason::HardDeadline | TeardownReason::BrokenVm | TeardownReason::ApplyFailed
+            TeardownReason::HardDeadline
+                | TeardownReason::BrokenVm
+                | TeardownReason::ApplyFailed
+                | TeardownReason::LaunchUnusable { .. }
         )
     }
 }
@@ -463,6 +471,8 @@ fn decide_destroyed(
     }
     let mut failed: Vec<String> = Vec::new();
     let mut waiting_on: Vec<String> = Vec::new();
+    // Unanswered POSTs wait out their own (finite) settle time, not the offline bound.
+    let mut settling: Vec<String> = Vec::new();
     for reg in &state.registrations {
         let Some(id) = reg.id else {
             if ctx.failed_intents.contains(&reg.name) {
@@ -470,7 +480,7 @@ fn decide_destroyed(
                 continue;
             }
             if now.since(reg.requested_at) < policy.intent_settle {
-                waiting_on.push(format!("{} (POST unanswered, settling)", reg.name));
+                settling.push(reg.name.clone());
                 continue;
             }
             return Step::ResolveIntent {
@@ -518,6 +528,14 @@ fn decide_destroyed(
             why: format!(
                 "VM destroyed; waiting until {} goes offline",
                 waiting_on.join(", ")
+            ),
+        };
+    }
+    if !settling.is_empty() {
+        return Step::Wait {
+            why: format!(
+                "VM destroyed; waiting until the unanswered POST of {} has settled, then looking it up",
+                settling.join(", ")
             ),
         };
     }

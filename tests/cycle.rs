@@ -1126,44 +1126,67 @@ fn a_proxy_in_the_environment_never_carries_the_token_off_loopback() {
 }
 
 #[test]
-fn resuming_a_running_cycle_without_a_launch_command_is_a_configuration_error() {
+fn a_running_cycle_whose_launch_command_went_away_is_torn_down() {
     let env = Env::new();
     env.fake.add_job(&["debian"]);
-    env.set_launch_mode("take");
-    // Leave a running cycle behind (SIGTERM while its runner works).
+    // A first run does its job and then waits on a free VM; it is stopped there.
     let mut c = env.cmd("run");
+    c.args(["--idle-timeout", "1h"]);
     c.stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null());
     let mut child = c.spawn().unwrap();
-    wait_for("the runner to take its job", || {
-        env.fake.jobs().iter().any(|j| j.status == "running")
+    wait_for("the first job to finish", || {
+        env.fake.jobs().iter().all(|j| j.status == "success")
     });
     unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
     assert_eq!(child.wait().unwrap().code(), Some(1));
     assert_eq!(env.cycle_json().unwrap()["phase"], "running");
-    env.fake.clear_requests();
 
+    // A new job, and the launch command is no longer configured: the cycle must not live on.
+    env.fake.add_job(&["debian"]);
     let mut c = std::process::Command::new(support::harness::BIN);
     c.env_clear()
         .env("PATH", std::env::var_os("PATH").unwrap())
-        .env("VM_DIR", &env.vm);
+        .env("VM_DIR", &env.vm)
+        .env("FAKE_FORGEJO_URL", env.fake.url());
     c.args([
         "run",
         "--forgejo-url",
         &env.fake.url(),
         "--labels",
         "debian",
-        "--tofu-bin",
-        &env.tofu,
     ]);
+    c.args(["--tofu-bin", &env.tofu, "--poll-interval", "100ms"]);
     c.arg("--token-file").arg(&env.token_file);
     c.arg("--state-dir").arg(&env.state);
     c.arg("--tofu-dir").arg(&env.module);
     let out = env.exec(c);
-    assert_eq!(out.code, Some(2), "{out:?}");
+    assert_eq!(out.code, Some(1), "{out:?}");
     assert!(out.stderr.contains("--launch-command"), "{out:?}");
-    assert!(env.fake.requests().is_empty(), "nothing was done");
-    assert_eq!(env.cycle_json().unwrap()["phase"], "running");
+    assert!(env.live_vms().is_empty(), "the VM went");
+    assert!(env.cycle_json().is_none());
+    assert!(env.our_runners().is_empty());
+    assert_eq!(posts(&env), 1, "no registration without a launch command");
+}
+
+#[test]
+fn a_configuration_error_is_kept_in_last_run_json() {
+    let env = Env::new();
+    env.fake.add_job(&["debian"]);
+    let mut c = env.cmd("run");
+    c.args(["--tofu-dir", "/nonexistent/module"]);
+    let out = env.exec(c);
+    assert_eq!(out.code, Some(2), "{out:?}");
+    let last: serde_json::Value =
+        serde_json::from_str(&fs::read_to_string(env.state.join("last-run.json")).unwrap())
+            .unwrap();
+    assert_eq!(last["exit_code"], 2);
+    assert!(
+        last["failures"][0].as_str().unwrap().contains("--tofu-dir"),
+        "{last}"
+    );
+    let status = env.exec(env.cmd("status"));
+    assert!(status.stdout.contains("--tofu-dir"), "{status:?}");
 }
 
 #[test]

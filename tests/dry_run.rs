@@ -229,3 +229,45 @@ fn a_changed_prefix_does_not_strand_the_cycles_own_registrations() {
         "{v}"
     );
 }
+
+#[test]
+fn planned_deletions_keep_every_page_count_equal() {
+    // A teardown with an unanswered POST and enough runners for two list pages: the plan deletes
+    // registration 5 (page 1), then looks the lost POST up; the listing must still be complete.
+    let tmp = tempfile::tempdir().unwrap();
+    let fixture = tmp.path().join("two-pages.json");
+    let runner = |id: i64, name: &str, status: &str| {
+        json!({"id": id, "uuid": format!("u-{id}"), "owner_id": 0, "repo_id": 0, "name": name,
+               "status": status, "version": "", "labels": null, "description": "", "ephemeral": true})
+    };
+    let mut runners = vec![runner(5, "ephemeral-20261014t150000z-5c1d-1", "offline")];
+    for i in 0..59 {
+        runners.push(runner(100 + i, &format!("static-{i}"), "idle"));
+    }
+    let reg = |id: serde_json::Value, seq: u32| {
+        json!({"name": format!("ephemeral-20261014t150000z-5c1d-{seq}"), "id": id, "uuid": null,
+               "job_id": 1, "job_handle": "h", "requested_at": "2026-10-14T15:10:00.000Z",
+               "launch": "pending", "launched_at": null, "job_gone_since": null})
+    };
+    let world = json!({
+        "cycle": {"version": 1, "cycle_id": "20261014t150000z-5c1d", "runner_prefix": "ephemeral-",
+                  "started_at": "2026-10-14T15:00:00.000Z", "phase": "tearing_down",
+                  "vm_ready_at": "2026-10-14T15:01:00.000Z", "free_since": null, "jobs_started": 1,
+                  "next_seq": 3, "start_failures": 1, "registrations": [reg(json!(5), 1), reg(json!(null), 2)],
+                  "teardown_reason": "idle", "destroyed_at": null, "last_error": null, "outputs": {}},
+        "runners": runners,
+        "jobs": null,
+        "now": "2026-10-14T15:30:00Z"
+    });
+    std::fs::write(&fixture, world.to_string()).unwrap();
+    let out = Command::new(BIN)
+        .args(["run", "--dry-run", "--fixture"])
+        .arg(&fixture)
+        .args(["--labels", "debian"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{stdout}");
+    assert!(stdout.contains("then: cycle_finished"), "{stdout}");
+    assert!(!stdout.contains("error"), "{stdout}");
+}

@@ -1749,3 +1749,24 @@ fn sweep_is_never_returned_without_a_destroy_in_this_run() {
         assert_ne!(decide(None, o, &ctx(), &policy(), at(0)), Step::Sweep);
     }
 }
+
+#[test]
+fn a_settling_post_after_the_destroy_waits_past_the_offline_bound() {
+    // A long --http-timeout: the POST settles 4 minutes after it was sent, later than the
+    // 2 minute bound for runners to go offline after the destroy. That is no reason to give up.
+    let name = reg_name(43);
+    let mut st = state_with(Phase::Destroyed, vec![intent(&name)]);
+    st.destroyed_at = Some(at(REQUESTED + 5 * SEC));
+    let p = Policy {
+        intent_settle: Duration::from_secs(240),
+        ..policy()
+    };
+    let now = at(REQUESTED + 5 * SEC + AFTER_DESTROY + SEC);
+    let s = decide(Some(&st), &obs(None, vec![]), &destroyed_ctx(), &p, now);
+    assert!(is_wait(&s), "{s:?}");
+    let settled = at(REQUESTED + 240 * SEC);
+    assert_eq!(
+        decide(Some(&st), &obs(None, vec![]), &destroyed_ctx(), &p, settled),
+        Step::ResolveIntent { name }
+    );
+}
