@@ -63,13 +63,7 @@ fn converge(env: &Env, max: usize) {
             "no convergence after {max} runs; last: {out:?}"
         );
     }
-    assert!(env.cycle_json().is_none(), "cycle.json left");
-    assert!(env.live_vms().is_empty(), "leaked VM: {}", env.vm_log());
-    assert!(
-        env.our_runners().is_empty(),
-        "leaked registrations: {:?}",
-        env.fake.runners()
-    );
+    env.assert_at_rest();
 }
 
 #[test]

@@ -72,12 +72,7 @@ fn full_cycle_runs_every_waiting_job_and_ends_with_nothing() {
             .all(|j| env.fake.jobs().iter().any(|x| x.id == *j))
     );
     assert_eq!(posts(&env), 2, "one registration per waiting job");
-    assert!(
-        env.our_runners().is_empty(),
-        "every registration consumed itself"
-    );
-    assert!(env.cycle_json().is_none(), "no cycle.json at rest");
-    assert!(env.live_vms().is_empty(), "no VM at rest: {}", env.vm_log());
+    env.assert_at_rest();
     let log = env.vm_log();
     assert_eq!(
         log.matches("create ").count(),
@@ -256,9 +251,7 @@ fn unconsumed_registration_is_deleted_before_it_is_forgotten() {
         .map(|e| e["reason"].as_str().unwrap())
         .collect();
     assert_eq!(reasons, vec!["unconsumed", "unconsumed"], "{report}");
-    assert!(env.our_runners().is_empty());
-    assert!(env.cycle_json().is_none());
-    assert!(env.live_vms().is_empty());
+    env.assert_at_rest();
 }
 
 #[test]
@@ -277,9 +270,7 @@ fn failing_launch_three_times_tears_down_and_fails() {
         .count();
     assert_eq!(failed_launches, 3, "{report}");
     assert_eq!(deletes(&env).len(), 3, "each failed registration deleted");
-    assert!(env.our_runners().is_empty());
-    assert!(env.live_vms().is_empty());
-    assert!(env.cycle_json().is_none());
+    env.assert_at_rest();
     assert!(out.stderr.contains("presumed broken"), "{}", out.stderr);
 }
 
@@ -644,9 +635,7 @@ fn sigterm_during_apply_forwards_sigint_and_the_next_run_converges() {
     env.fault("slow-apply", false);
     let out = env.run(&[]);
     assert_eq!(out.code, Some(0), "{out:?}");
-    assert!(env.cycle_json().is_none());
-    assert!(env.live_vms().is_empty(), "{}", env.vm_log());
-    assert!(env.our_runners().is_empty());
+    env.assert_at_rest();
 }
 
 #[test]
@@ -899,9 +888,7 @@ fn sigterm_during_destroy_persists_and_the_next_run_converges() {
     env.fault("slow-destroy", false);
     let out = env.run(&[]);
     assert_eq!(out.code, Some(0), "{out:?}");
-    assert!(env.cycle_json().is_none());
-    assert!(env.live_vms().is_empty());
-    assert!(env.our_runners().is_empty());
+    env.assert_at_rest();
 }
 
 #[test]
@@ -1163,9 +1150,7 @@ fn a_running_cycle_whose_launch_command_went_away_is_torn_down() {
     let out = env.exec(c);
     assert_eq!(out.code, Some(1), "{out:?}");
     assert!(out.stderr.contains("--launch-command"), "{out:?}");
-    assert!(env.live_vms().is_empty(), "the VM went");
-    assert!(env.cycle_json().is_none());
-    assert!(env.our_runners().is_empty());
+    env.assert_at_rest();
     assert_eq!(posts(&env), 1, "no registration without a launch command");
 }
 

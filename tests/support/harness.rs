@@ -234,6 +234,21 @@ impl Env {
             .map(|t| serde_json::from_str(&t).expect("cycle.json is JSON"))
     }
 
+    /// The end state of every cycle: no cycle.json, no VM, no registration with our prefix.
+    pub fn assert_at_rest(&self) {
+        assert!(
+            self.cycle_json().is_none(),
+            "cycle.json left: {:?}",
+            self.cycle_json()
+        );
+        assert!(self.live_vms().is_empty(), "leaked VM: {}", self.vm_log());
+        assert!(
+            self.our_runners().is_empty(),
+            "leaked registrations: {:?}",
+            self.fake.runners()
+        );
+    }
+
     /// Registrations with our prefix that Forgejo still has.
     pub fn our_runners(&self) -> Vec<i64> {
         self.fake
