@@ -42,12 +42,16 @@ fn usage(msg: impl Into<String>) -> Fatal {
 
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
-    let (verbose, dry_run) = match &cli.command {
-        Command::Run(a) => (a.common.local.verbose, a.common.dry_run),
-        Command::Sweep(a) => (a.common.local.verbose, a.common.dry_run),
-        Command::Status(a) => (a.local.verbose, false),
+    let (verbose, dry_run, sub) = match &cli.command {
+        Command::Run(a) => (a.common.local.verbose, a.common.dry_run, "run"),
+        Command::Sweep(a) => (a.common.local.verbose, a.common.dry_run, "sweep"),
+        Command::Status(a) => (a.local.verbose, false, "status"),
     };
     init_logging(verbose, dry_run);
+    log::debug!(
+        "ci-ephemeral-provisioner {} ({sub})",
+        env!("CARGO_PKG_VERSION")
+    );
     let result = match cli.command {
         Command::Run(a) => cmd_run(a),
         Command::Sweep(a) => cmd_sweep(a),
@@ -84,11 +88,90 @@ fn init_logging(verbose: bool, dry_run: bool) {
         }
     }
     b.target(env_logger::Target::Stderr);
+    if stderr_is_journal() {
+        // journald stamps every line itself, and reads the priority from a `<N>` prefix
+        // (sd-daemon(3)), so `journalctl -p err` finds failures.
+        b.format(|buf, record| {
+            use std::io::Write;
+            let p = priority(record.level());
+            let target = record.target();
+            let text = if target.starts_with("ci_ephemeral_provisioner") {
+                record.args().to_string()
+            } else {
+                format!("{target}: {}", record.args())
+            };
+            // Every line of a multi-line message (tofu's stderr) keeps the priority.
+            writeln!(buf, "<{p}>{}", text.replace('\n', &format!("\n<{p}>")))
+        });
+    }
     let inner = b.build();
     let max = inner.filter();
     if log::set_boxed_logger(Box::new(CappedLogger { inner })).is_ok() {
         log::set_max_level(max);
     }
+}
+
+/// The syslog priority of a log level (sd-daemon(3) prefixes).
+pub fn priority(level: log::Level) -> u8 {
+    match level {
+        log::Level::Error => 3,
+        log::Level::Warn => 4,
+        log::Level::Info => 6,
+        log::Level::Debug | log::Level::Trace => 7,
+    }
+}
+
+/// `JOURNAL_STREAM` names our stderr (`<device>:<inode>`): systemd connected it to journald.
+/// A child that merely inherited the variable with stderr redirected elsewhere keeps the normal
+/// format.
+fn stderr_is_journal() -> bool {
+    use std::os::fd::AsFd;
+    use std::os::unix::fs::MetadataExt;
+    let Some(stream) = std::env::var_os("JOURNAL_STREAM") else {
+        return false;
+    };
+    let Some((dev, ino)) = stream.to_str().and_then(|s| s.split_once(':')) else {
+        return false;
+    };
+    let meta = std::io::stderr()
+        .as_fd()
+        .try_clone_to_owned()
+        .map(fs::File::from)
+        .and_then(|f| f.metadata());
+    match (meta, dev.parse::<u64>(), ino.parse::<u64>()) {
+        (Ok(m), Ok(d), Ok(i)) => m.dev() == d && m.ino() == i,
+        _ => false,
+    }
+}
+
+/// The effective configuration at debug level: every flag as parsed (defaults filled in), the
+/// state directory, and the token only as `<redacted>`.
+fn log_config(args: &dyn std::fmt::Debug, token: Option<&Secret>, dir: Option<&Path>) {
+    if !log::log_enabled!(log::Level::Debug) {
+        return;
+    }
+    log::debug!("effective configuration: {args:?}");
+    log::debug!(
+        "state directory: {}; Forgejo token: {}",
+        dir.map_or_else(|| "(none: dry-run)".into(), |d| d.display().to_string()),
+        match token {
+            Some(t) => format!("{t:?} (redacted)"),
+            None => "(not read)".into(),
+        }
+    );
+}
+
+/// `--metrics-file` must be a `.prom` file: node_exporter's textfile collector reads no other.
+fn check_metrics_file(common: &ForgejoArgs) -> Result<(), Fatal> {
+    if let Some(p) = &common.metrics_file
+        && p.extension().and_then(|e| e.to_str()) != Some("prom")
+    {
+        return Err(usage(format!(
+            "--metrics-file {} must end in .prom: node_exporter's textfile collector reads only *.prom files",
+            p.display()
+        )));
+    }
+    Ok(())
 }
 
 /// Never lets the HTTP and TLS stack log below info, whatever `RUST_LOG` says (however
@@ -360,17 +443,20 @@ fn cmd_run(a: RunArgs) -> Result<u8, Fatal> {
             crate::time::format_duration(a.max_cycle_duration)
         )));
     }
+    check_metrics_file(&a.common)?;
     let policy = policy(&a, &labels);
 
     if a.common.dry_run {
+        log_config(&a, None, None);
         return dry_run(&a, policy, labels);
     }
 
     let (url, scope) = forgejo_target(&a.common)?;
     let token = read_token(&a.common.token_file)?;
+    let dir = state_dir(&a.common.local.state_dir);
+    log_config(&a, Some(&token), Some(&dir));
     let mut forgejo = http_forgejo(&a.common, &url, scope, &token, &policy.label_names)?;
     drop(token);
-    let dir = state_dir(&a.common.local.state_dir);
     let _lock = take_lock(&dir)?;
     let stop = StopFlag::install().map_err(|e| Fatal(EXIT_FAILED, format!("{e:#}")))?;
 
@@ -388,6 +474,8 @@ fn cmd_run(a: RunArgs) -> Result<u8, Fatal> {
     let mut clock = RealClock { stop };
     let cfg = cycle_config(&a, policy, labels, url);
     let mut report = Report::new("run", false, Timestamp::now());
+    report.set_audit(events_file(&dir, &a.common));
+    announce_run(&dir, a.common.metrics_file.as_deref(), report.started_at);
     let mut world = World {
         forgejo: &mut forgejo,
         tofu: &mut tofu,
@@ -396,15 +484,82 @@ fn cmd_run(a: RunArgs) -> Result<u8, Fatal> {
         clock: &mut clock,
     };
     let end = cycle::run(&mut world, &cfg, &mut report);
-    finish(report, end, Some(&dir), a.common.local.output)
+    finish(
+        report,
+        end,
+        Some(&dir),
+        a.common.local.output,
+        a.common.metrics_file.as_deref(),
+    )
 }
 
-/// Sets the exit status, keeps the report as last-run.json, prints it.
+fn events_file(dir: &Path, common: &ForgejoArgs) -> Box<crate::audit::EventsFile> {
+    Box::new(crate::audit::EventsFile {
+        dir: dir.to_path_buf(),
+        max_bytes: common.events_max_bytes,
+    })
+}
+
+/// The metrics file at the start of a run: the counters so far, and that a run is in progress.
+/// A failure here is only logged: the write at the end of the run reports it.
+fn announce_run(dir: &Path, metrics_file: Option<&Path>, started: Timestamp) {
+    let Some(path) = metrics_file else {
+        return;
+    };
+    let counters = crate::metrics::load(dir).unwrap_or_default();
+    let cycle = read_state_file(&dir.join(crate::state::STATE_FILE));
+    let text = crate::metrics::render(&counters, &cycle_view(&cycle), Some(started));
+    if let Err(e) = crate::metrics::write_textfile(path, &text) {
+        log::warn!("--metrics-file: {e:#}");
+    }
+}
+
+fn cycle_view(
+    cycle: &anyhow::Result<Option<crate::state::CycleState>>,
+) -> crate::metrics::CycleView<'_> {
+    match cycle {
+        Ok(None) => crate::metrics::CycleView::None,
+        Ok(Some(s)) => crate::metrics::CycleView::Active(s),
+        Err(_) => crate::metrics::CycleView::Unreadable,
+    }
+}
+
+/// Adds the run to counters.json and writes the metrics file. A failure to write either is a
+/// failure of the run (exit 1), reported like any other.
+fn record_run(dir: &Path, metrics_file: Option<&Path>, report: &mut Report) {
+    let before = match crate::metrics::load(dir) {
+        Ok(c) => c,
+        Err(e) => {
+            log::warn!("{e:#}; the counters start again from zero");
+            crate::metrics::Counters::default()
+        }
+    };
+    let mut counters = before.clone();
+    counters.record(report);
+    if let Some(path) = metrics_file {
+        let cycle = read_state_file(&dir.join(crate::state::STATE_FILE));
+        let text = crate::metrics::render(&counters, &cycle_view(&cycle), None);
+        if let Err(e) = crate::metrics::write_textfile(path, &text) {
+            report.fail(format!("--metrics-file: {e:#}"));
+            report.settle(report.exit_code == i32::from(EXIT_USAGE));
+            counters = before.clone();
+            counters.record(report);
+        }
+    }
+    if let Err(e) = crate::metrics::save(dir, &counters) {
+        report.fail(format!("{e:#}"));
+        report.settle(report.exit_code == i32::from(EXIT_USAGE));
+    }
+}
+
+/// Sets the exit status, records the run (counters, metrics file), keeps the report as
+/// last-run.json, prints it.
 fn finish(
     mut report: Report,
     end: End,
     dir: Option<&Path>,
     output: OutputFormat,
+    metrics_file: Option<&Path>,
 ) -> Result<u8, Fatal> {
     let config_error = match end {
         End::Config(msg) => {
@@ -415,21 +570,13 @@ fn finish(
         }
         End::Done => false,
     };
-    report.finished_at = Some(Timestamp::now());
-    report.exit_code = match (config_error, report.failures.is_empty()) {
-        (true, _) => i32::from(EXIT_USAGE),
-        (false, true) => 0,
-        (false, false) => 1,
-    };
-    if report.exit_code != 0 && (report.outcome.is_empty() || report.outcome == "cycle_finished") {
-        report.outcome = format!(
-            "{}_with_errors",
-            if report.outcome.is_empty() {
-                "run"
-            } else {
-                &report.outcome
-            }
-        );
+    let end_at = Timestamp::now();
+    report.finished_at = Some(end_at);
+    report.duration_ms = end_at.since(report.started_at).as_millis() as u64;
+    report.settle(config_error);
+    report.flush_audit();
+    if let Some(dir) = dir {
+        record_run(dir, metrics_file, &mut report);
     }
     if let Some(dir) = dir {
         let path = dir.join(LAST_RUN_FILE);
@@ -553,7 +700,9 @@ fn cmd_sweep(a: SweepArgs) -> Result<u8, Fatal> {
     let c = &a.common;
     check_prefix(&c.runner_prefix)?;
     check_fixture(c)?;
+    check_metrics_file(c)?;
     if c.dry_run {
+        log_config(&a, None, None);
         let plan: Plan = Plan::default();
         let inner: Box<dyn Forgejo> = match &c.fixture {
             Some(path) => {
@@ -592,19 +741,59 @@ fn cmd_sweep(a: SweepArgs) -> Result<u8, Fatal> {
     }
     let (url, scope) = forgejo_target(c)?;
     let token = read_token(&c.token_file)?;
+    let dir = state_dir(&c.local.state_dir);
+    log_config(&a, Some(&token), Some(&dir));
     let mut forgejo = http_forgejo(c, &url, scope, &token, &[])?;
     drop(token);
-    let dir = state_dir(&c.local.state_dir);
     let _lock = take_lock(&dir)?;
-    refuse_if_cycle(&dir)?;
     let mut report = Report::new("sweep", false, Timestamp::now());
-    let sw = sweep::sweep(&mut forgejo, &c.runner_prefix, c.sweep_max_deletions);
+    report.set_audit(events_file(&dir, c));
+    announce_run(&dir, c.metrics_file.as_deref(), report.started_at);
+    if let Err(Fatal(_, msg)) = refuse_if_cycle(&dir) {
+        // Past the lock: kept in last-run.json, counted in the metrics, exit 1.
+        report.fail(msg);
+        report.outcome = "refused".into();
+        return finish(
+            report,
+            End::Done,
+            Some(&dir),
+            c.local.output,
+            c.metrics_file.as_deref(),
+        );
+    }
+    // No cycle.json: no VM can exist. The last destroy that succeeded is named as well.
+    let last_destroy = crate::metrics::load(&dir)
+        .ok()
+        .and_then(|k| k.last_destroy_ok);
+    let evidence = match &last_destroy {
+        Some(d) => format!(
+            "offline, name has our prefix, no cycle in progress (no cycle.json); last successful tofu destroy: cycle {} at {}",
+            d.cycle_id.as_deref().unwrap_or("?"),
+            d.at.map(|t| t.to_string()).unwrap_or_else(|| "?".into())
+        ),
+        None => "offline, name has our prefix, no cycle in progress (no cycle.json)".into(),
+    };
+    let last_destroyed = last_destroy.and_then(|d| d.cycle_id);
+    let sw = sweep::sweep_with(
+        &mut forgejo,
+        &c.runner_prefix,
+        c.sweep_max_deletions,
+        &mut |r, result| {
+            report.sweep_deletion(r, result, last_destroyed.as_deref(), &evidence);
+        },
+    );
     for failure in sweep::sweep_failures(&sw) {
         report.fail(failure);
     }
     report.outcome = "swept".into();
     report.sweep = Some(sw);
-    finish(report, End::Done, Some(&dir), c.local.output)
+    finish(
+        report,
+        End::Done,
+        Some(&dir),
+        c.local.output,
+        c.metrics_file.as_deref(),
+    )
 }
 
 fn refuse_if_cycle(dir: &Path) -> Result<(), Fatal> {
@@ -623,106 +812,23 @@ fn refuse_if_cycle(dir: &Path) -> Result<(), Fatal> {
     }
 }
 
-/// The name a value has in cycle.json (`running`, `tearing_down`, `done`).
-fn wire_name<T: serde::Serialize>(v: &T) -> String {
-    serde_json::to_value(v)
-        .ok()
-        .and_then(|v| v.as_str().map(str::to_string))
-        .unwrap_or_default()
-}
-
 fn cmd_status(a: StatusArgs) -> Result<u8, Fatal> {
     let dir = state_dir(&a.local.state_dir);
-    let cycle_path = dir.join(crate::state::STATE_FILE);
-    let (cycle, cycle_error) = match read_state_file(&cycle_path) {
-        Ok(c) => (c, None),
-        Err(e) => (None, Some(format!("{e:#}"))),
+    let limits = crate::status::Limits {
+        max_success_age: a.max_success_age,
+        max_cycle_duration: a.max_cycle_duration,
     };
-    let last_path = dir.join(LAST_RUN_FILE);
-    let (last_run, last_run_error): (Option<Value>, Option<String>) =
-        match fs::read_to_string(&last_path) {
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => (None, None),
-            Err(e) => (
-                None,
-                Some(format!("cannot read {}: {e}", last_path.display())),
-            ),
-            Ok(t) => match serde_json::from_str(&t) {
-                Ok(v) => (Some(v), None),
-                Err(e) => (
-                    None,
-                    Some(format!("{} is not JSON: {e}", last_path.display())),
-                ),
-            },
-        };
-    let now = Timestamp::now();
+    let doc = crate::status::gather(&dir, &limits, Timestamp::now());
     match a.local.output {
         OutputFormat::Json => {
-            let doc = json!({
-                "state_dir": dir.display().to_string(),
-                "cycle_id": cycle.as_ref().map(|c| c.cycle_id.clone()),
-                "cycle": cycle,
-                "cycle_error": cycle_error,
-                "last_run": last_run,
-                "last_run_error": last_run_error,
-            });
             println!("{}", serde_json::to_string_pretty(&doc).unwrap_or_default());
         }
-        OutputFormat::Text => {
-            println!("state directory: {}", dir.display());
-            match (&cycle, &cycle_error) {
-                (_, Some(e)) => println!("cycle: UNREADABLE: {e}"),
-                (None, None) => println!("cycle: none (at rest: no VM, no registration)"),
-                (Some(c), None) => {
-                    println!(
-                        "cycle: {} phase {}, started {} ({} ago), {} job(s) started",
-                        c.cycle_id,
-                        wire_name(&c.phase),
-                        c.started_at,
-                        crate::time::format_duration(Duration::from_secs(
-                            now.since(c.started_at).as_secs()
-                        )),
-                        c.jobs_started
-                    );
-                    for r in &c.registrations {
-                        println!(
-                            "  registration {} id {} job {} launch {}",
-                            r.name,
-                            r.id.map(|i| i.to_string())
-                                .unwrap_or_else(|| "unknown (POST unanswered)".into()),
-                            r.job_id,
-                            wire_name(&r.launch)
-                        );
-                    }
-                    if let Some(reason) = &c.teardown_reason {
-                        println!("  teardown: {reason}");
-                    }
-                    if let Some(e) = &c.last_error {
-                        println!("  last error: {e}");
-                    }
-                }
-            }
-            match (&last_run, &last_run_error) {
-                (_, Some(e)) => println!("last run: UNREADABLE: {e}"),
-                (None, None) => println!("last run: none recorded"),
-                (Some(r), None) => {
-                    println!(
-                        "last run: {} {} at {}: {} (exit {})",
-                        r["command"].as_str().unwrap_or("?"),
-                        r["cycle_id"].as_str().unwrap_or("(no cycle)"),
-                        r["finished_at"].as_str().unwrap_or("?"),
-                        r["outcome"].as_str().unwrap_or("?"),
-                        r["exit_code"]
-                    );
-                    let failures = r["failures"].as_array().cloned().unwrap_or_default();
-                    for f in failures.iter().take(3) {
-                        println!("  error: {}", f.as_str().unwrap_or("?"));
-                    }
-                    if failures.len() > 3 {
-                        println!("  … {} more in {}", failures.len() - 3, last_path.display());
-                    }
-                }
-            }
-        }
+        OutputFormat::Text => println!("{}", crate::status::text(&doc)),
     }
-    Ok(EXIT_OK)
+    let healthy = doc["healthy"].as_bool().unwrap_or(false);
+    Ok(if a.check && !healthy {
+        EXIT_FAILED
+    } else {
+        EXIT_OK
+    })
 }

@@ -109,6 +109,21 @@ pub struct ForgejoArgs {
     )]
     pub fixture: Option<PathBuf>,
 
+    /// The audit trail <state-dir>/events.jsonl is rotated to events.jsonl.1 past this size
+    /// (so it takes at most twice this). Written as 10MiB, 512KiB or bytes; at least 16KiB.
+    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_EVENTS_MAX_BYTES", default_value = "10MiB", value_parser = crate::audit::parse_bytes, value_name = "SIZE")]
+    pub events_max_bytes: u64,
+
+    /// Prometheus text file written (atomically, mode 0644) at the end of every run and sweep,
+    /// for node_exporter's textfile collector, e.g.
+    /// /var/lib/prometheus/node-exporter/ci-ephemeral-provisioner.prom. Must end in .prom.
+    #[arg(
+        long,
+        env = "CI_EPHEMERAL_PROVISIONER_METRICS_FILE",
+        value_name = "PATH"
+    )]
+    pub metrics_file: Option<PathBuf>,
+
     #[command(flatten)]
     pub local: LocalArgs,
 }
@@ -192,6 +207,21 @@ pub struct SweepArgs {
 #[derive(Debug, Args)]
 #[command(args_override_self = true)]
 pub struct StatusArgs {
+    /// Exit 1 when there is a warning (a health check): no success within --max-success-age,
+    /// none since runs began (or no run at all), the last destroy failed, a cycle older than
+    /// --max-cycle-duration, an unreadable state file.
+    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_CHECK")]
+    pub check: bool,
+
+    /// Warn when the last successful run ended longer ago than this.
+    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_MAX_SUCCESS_AGE", default_value = "1h", value_parser = parse_duration, value_name = "DURATION")]
+    pub max_success_age: Duration,
+
+    /// Warn when the cycle in progress started longer ago than this (the `run` flag of the same
+    /// name and variable).
+    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_MAX_CYCLE_DURATION", default_value = "6h", value_parser = parse_duration, value_name = "DURATION")]
+    pub max_cycle_duration: Duration,
+
     #[command(flatten)]
     pub local: LocalArgs,
 }

@@ -1,13 +1,14 @@
 //! The imperative shell around the planner: observe, decide, act, persist; repeat until the
 //! cycle ends, the run fails, or (dry-run) the cycle would wait on the outside world.
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use crate::forgejo::{Deleted, Forgejo};
 use crate::launch::{LaunchRequest, Launcher};
 use crate::model::may_delete;
 use crate::planner::{self, DeleteReason, Observation, Policy, RunContext, Step, TeardownReason};
-use crate::report::{Report, Stopwatch};
+use crate::report::{ALREADY_GONE, DELETED, Report, Stopwatch};
 use crate::state::{CycleState, Launch, Phase, StateStore};
 use crate::sweep;
 use crate::time::Timestamp;
@@ -71,6 +72,8 @@ struct Driver<'w, 'a> {
     outputs: Option<Outputs>,
     /// cycle.json was written since the step counter was last reset: the run is progressing.
     progressed: bool,
+    /// The status each registration had when last observed (the evidence of a deletion).
+    seen: BTreeMap<i64, String>,
 }
 
 pub fn run(w: &mut World<'_>, cfg: &CycleConfig, report: &mut Report) -> End {
@@ -91,6 +94,7 @@ pub fn run(w: &mut World<'_>, cfg: &CycleConfig, report: &mut Report) -> End {
         ctx: RunContext::default(),
         outputs: None,
         progressed: false,
+        seen: BTreeMap::new(),
     };
     // Nothing can be done for a cycle in progress without tofu, not even its teardown.
     if let Some(s) = &d.state
@@ -103,6 +107,8 @@ pub fn run(w: &mut World<'_>, cfg: &CycleConfig, report: &mut Report) -> End {
 
 impl Driver<'_, '_> {
     fn save(&mut self) -> Result<(), ()> {
+        // What was done so far is in the audit trail before the state that follows from it.
+        self.report.flush_audit();
         let Some(state) = &self.state else {
             return Ok(());
         };
@@ -149,6 +155,9 @@ impl Driver<'_, '_> {
         for id in ids {
             match self.w.forgejo.get_runner(id) {
                 Ok(r) => {
+                    if let Some(r) = &r {
+                        self.seen.insert(id, r.status.as_str().to_string());
+                    }
                     obs.runners.insert(id, r);
                 }
                 Err(e) => {
@@ -315,10 +324,32 @@ impl Driver<'_, '_> {
             Step::Destroy => self.destroy(),
             Step::Sweep => {
                 let sw = Stopwatch::start();
-                let report = sweep::sweep(
+                // The sweep runs only after this run's destroy succeeded: that is its evidence.
+                let destroyed = self.state.as_ref().map(|s| {
+                    (
+                        s.cycle_id.clone(),
+                        s.destroyed_at.map(|t| t.to_string()).unwrap_or_default(),
+                    )
+                });
+                let evidence = match &destroyed {
+                    Some((id, at)) => format!(
+                        "offline, name has our prefix, and tofu destroy of cycle {id} succeeded at {at}"
+                    ),
+                    None => "offline and name has our prefix, after a destroy".into(),
+                };
+                let audit = &mut *self.report;
+                let report = sweep::sweep_with(
                     self.w.forgejo,
                     &self.cfg.policy.runner_prefix,
                     self.cfg.sweep_max_deletions,
+                    &mut |r, result| {
+                        audit.sweep_deletion(
+                            r,
+                            result,
+                            destroyed.as_ref().map(|d| d.0.as_str()),
+                            &evidence,
+                        );
+                    },
                 );
                 let failures = sweep::sweep_failures(&report);
                 let ok = failures.is_empty();
@@ -457,8 +488,8 @@ impl Driver<'_, '_> {
         match self.w.forgejo.delete_runner(id, reason.as_str()) {
             Ok(outcome) => {
                 let detail = match outcome {
-                    Deleted::Now => "deleted",
-                    Deleted::AlreadyGone => "already gone (404)",
+                    Deleted::Now => DELETED,
+                    Deleted::AlreadyGone => ALREADY_GONE,
                 };
                 log::info!(
                     "registration {id} ({}) {detail}: {}",
@@ -470,6 +501,7 @@ impl Driver<'_, '_> {
                 e.runner_id = Some(id);
                 e.runner_name = name;
                 e.reason = Some(reason.as_str().into());
+                e.status = self.seen.get(&id).cloned();
                 e.duration_ms = sw.ms();
                 self.save().err().map(|_| End::Done)
             }
@@ -486,6 +518,7 @@ impl Driver<'_, '_> {
                 ev.runner_id = Some(id);
                 ev.runner_name = name;
                 ev.reason = Some(reason.as_str().into());
+                ev.status = self.seen.get(&id).cloned();
                 None
             }
         }
@@ -565,6 +598,7 @@ impl Driver<'_, '_> {
                     e.runner_id = Some(r.id);
                     e.runner_name = Some(name.to_string());
                     e.reason = Some(DeleteReason::LostRegistration.as_str().into());
+                    e.status = Some(r.status.as_str().to_string());
                 }
                 Err(e) => {
                     all_gone = false;

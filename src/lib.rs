@@ -4,11 +4,13 @@
 //! `cycle::Clock`, chosen once in `app`.
 
 pub mod app;
+pub mod audit;
 pub mod cli;
 pub mod cycle;
 pub mod dry;
 pub mod forgejo;
 pub mod launch;
+pub mod metrics;
 pub mod model;
 pub mod planner;
 pub mod process;
@@ -16,6 +18,7 @@ pub mod report;
 pub mod secret;
 pub mod signals;
 pub mod state;
+pub mod status;
 pub mod sweep;
 pub mod time;
 pub mod tofu;

@@ -1,10 +1,42 @@
 //! The run report: every side effect with its outcome, every failure, the exit status.
 
+use std::collections::BTreeMap;
+use std::fmt;
 use std::time::Instant;
 
 use serde::Serialize;
+use serde_json::{Value, json};
 
+use crate::forgejo::Deleted;
 use crate::time::Timestamp;
+
+/// The detail of a `delete_runner` event whose DELETE Forgejo answered 404: gone, but not by us.
+pub const ALREADY_GONE: &str = "already gone (404)";
+/// The detail of a `delete_runner` event whose DELETE Forgejo answered 204.
+pub const DELETED: &str = "deleted";
+/// Details longer than this are cut in the audit trail (tofu's stderr can be long).
+pub const MAX_AUDIT_DETAIL: usize = 2048;
+
+/// Where side effects and failures are appended as they happen (the audit trail). Chosen once in
+/// `app`: a file for real runs, none for dry-runs.
+pub trait AuditSink {
+    /// Appends one record; the error names the file and what failed.
+    fn append(&mut self, record: &Value) -> Result<(), String>;
+}
+
+/// The report's audit sink, if any (never serialized).
+#[derive(Default)]
+pub struct Audit(Option<Box<dyn AuditSink>>);
+
+impl fmt::Debug for Audit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(if self.0.is_some() {
+            "Audit(on)"
+        } else {
+            "Audit(off)"
+        })
+    }
+}
 
 #[derive(Clone, Debug, Serialize)]
 pub struct Event {
@@ -18,6 +50,15 @@ pub struct Event {
     pub runner_name: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
+    /// For deletions: the status Forgejo reported just before (the evidence it was deletable).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub status: Option<String>,
+    /// For sweep deletions: the cycle whose `tofu destroy` succeeded before the sweep.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub destroyed_cycle_id: Option<String>,
+    /// Why the deletion was allowed, in words.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub evidence: Option<String>,
     pub detail: String,
     pub duration_ms: u64,
 }
@@ -49,7 +90,99 @@ pub struct SweepReport {
     pub error: Option<String>,
 }
 
-#[derive(Clone, Debug, Serialize)]
+/// What a run did, counted from its events (the sweep's own counts are in `SweepReport`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Summary {
+    pub vm_applied: u32,
+    pub apply_failed: u32,
+    pub vm_destroyed: u32,
+    pub destroy_failed: u32,
+    pub registered: u32,
+    pub register_failed: u32,
+    pub launched: u32,
+    pub launch_failed: u32,
+    /// Registrations deleted (Forgejo answered 204), by reason.
+    pub deleted: BTreeMap<String, u32>,
+    /// DELETEs answered 404: someone (or the runner itself) removed them first.
+    pub already_gone: u32,
+    pub delete_failed: u32,
+}
+
+impl Summary {
+    pub fn of(events: &[Event]) -> Summary {
+        let mut s = Summary::default();
+        for e in events {
+            let slot = match (e.step.as_str(), e.ok) {
+                ("tofu_apply", true) => &mut s.vm_applied,
+                ("tofu_apply", false) => &mut s.apply_failed,
+                ("tofu_destroy", true) => &mut s.vm_destroyed,
+                ("tofu_destroy", false) => &mut s.destroy_failed,
+                ("register_runner", true) => &mut s.registered,
+                ("register_runner", false) => &mut s.register_failed,
+                ("launch_runner", true) => &mut s.launched,
+                ("launch_runner", false) => &mut s.launch_failed,
+                ("delete_runner", false) => &mut s.delete_failed,
+                ("delete_runner", true) if e.detail == ALREADY_GONE => &mut s.already_gone,
+                ("delete_runner", true) => s
+                    .deleted
+                    .entry(e.reason.clone().unwrap_or_else(|| "unknown".into()))
+                    .or_default(),
+                _ => continue,
+            };
+            *slot += 1;
+        }
+        s
+    }
+
+    /// One line: `VM applied; 2 registered, 2 launched; deleted 1 unconsumed; VM destroyed`.
+    pub fn line(&self) -> String {
+        let mut parts: Vec<String> = Vec::new();
+        let n = |count: u32, what: &str| format!("{count} {what}");
+        if self.vm_applied > 0 {
+            parts.push("VM applied".into());
+        }
+        if self.apply_failed > 0 {
+            parts.push(n(self.apply_failed, "apply failed"));
+        }
+        let mut regs = Vec::new();
+        for (count, what) in [
+            (self.registered, "registered"),
+            (self.register_failed, "registration failed"),
+            (self.launched, "launched"),
+            (self.launch_failed, "launch failed"),
+        ] {
+            if count > 0 {
+                regs.push(n(count, what));
+            }
+        }
+        if !regs.is_empty() {
+            parts.push(regs.join(", "));
+        }
+        if !self.deleted.is_empty() {
+            let by: Vec<String> = self.deleted.iter().map(|(r, c)| n(*c, r)).collect();
+            parts.push(format!("deleted {}", by.join(", ")));
+        }
+        if self.already_gone > 0 {
+            parts.push(n(self.already_gone, "already gone"));
+        }
+        if self.delete_failed > 0 {
+            parts.push(n(self.delete_failed, "deletion(s) failed"));
+        }
+        if self.vm_destroyed > 0 {
+            parts.push("VM destroyed".into());
+        }
+        if self.destroy_failed > 0 {
+            parts.push(n(self.destroy_failed, "destroy failed"));
+        }
+        if parts.is_empty() {
+            "no side effect".into()
+        } else {
+            parts.join("; ")
+        }
+    }
+}
+
+#[derive(Debug, Serialize)]
 pub struct Report {
     pub command: String,
     pub version: &'static str,
@@ -66,6 +199,15 @@ pub struct Report {
     /// Failures not listed again: repeats of a listed one, or past `MAX_FAILURES`.
     pub failures_not_listed: u64,
     pub sweep: Option<SweepReport>,
+    /// From start to end of the run.
+    pub duration_ms: u64,
+    /// Counted from `events` when the run ends.
+    pub summary: Summary,
+    #[serde(skip)]
+    audit: Audit,
+    /// Events already appended to the audit trail.
+    #[serde(skip)]
+    audited: usize,
 }
 
 /// A run that keeps failing the same way (Forgejo down for hours) must not grow its report
@@ -87,22 +229,113 @@ impl Report {
             failures: Vec::new(),
             failures_not_listed: 0,
             sweep: None,
+            duration_ms: 0,
+            summary: Summary::default(),
+            audit: Audit::default(),
+            audited: 0,
         }
     }
 
-    /// Records a failure: logged at error level, kept in the report, and it makes the exit
-    /// status 1.
+    /// From now on every event and failure is also appended to `sink` as it happens.
+    pub fn set_audit(&mut self, sink: Box<dyn AuditSink>) {
+        self.audit = Audit(Some(sink));
+    }
+
+    /// Records a failure: logged at error level, kept in the report (and the audit trail), and
+    /// it makes the exit status 1.
     pub fn fail(&mut self, message: impl Into<String>) {
         let message = message.into();
+        self.flush_audit();
+        if self.keep_failure(message.clone()) {
+            let record = json!({
+                "at": Timestamp::now(),
+                "cycle_id": self.cycle_id,
+                "kind": "failure",
+                "detail": cut(&message, MAX_AUDIT_DETAIL),
+            });
+            self.append(&record);
+        }
+    }
+
+    /// Logs and keeps a failure; false for a repeat (or past `MAX_FAILURES`), which is only
+    /// counted.
+    fn keep_failure(&mut self, message: String) -> bool {
         log::error!("{message}");
         if self.failures.len() >= MAX_FAILURES || self.failures.contains(&message) {
             self.failures_not_listed += 1;
+            false
         } else {
             self.failures.push(message);
+            true
         }
     }
 
+    fn append(&mut self, record: &Value) {
+        let Some(sink) = self.audit.0.as_mut() else {
+            return;
+        };
+        if let Err(e) = sink.append(record) {
+            // Not audited itself (that is what just failed), but logged and kept.
+            self.keep_failure(format!("audit trail: {e}"));
+        }
+    }
+
+    /// Appends the events not yet in the audit trail. Each event is complete once the next one
+    /// starts; the driver also flushes before every write of cycle.json, and `finish` at the end.
+    pub fn flush_audit(&mut self) {
+        while self.audited < self.events.len() {
+            let record = audit_record(self.cycle_id.as_deref(), &self.events[self.audited]);
+            self.audited += 1;
+            self.append(&record);
+        }
+    }
+
+    /// One registration the sweep deleted (or tried to): an event with the evidence that made it
+    /// deletable, appended to the audit trail at once.
+    pub fn sweep_deletion(
+        &mut self,
+        r: &SweptRunner,
+        result: Result<Deleted, String>,
+        destroyed_cycle_id: Option<&str>,
+        evidence: &str,
+    ) {
+        let (ok, detail) = match result {
+            Ok(Deleted::Now) => (true, DELETED.to_string()),
+            Ok(Deleted::AlreadyGone) => (true, ALREADY_GONE.to_string()),
+            Err(e) => (false, e),
+        };
+        let e = self.event("delete_runner", ok, detail);
+        e.runner_id = Some(r.runner_id);
+        e.runner_name.clone_from(&r.name);
+        e.reason = Some("sweep".into());
+        e.status = Some(r.status.clone());
+        e.destroyed_cycle_id = destroyed_cycle_id.map(str::to_string);
+        e.evidence = Some(evidence.to_string());
+        self.flush_audit();
+    }
+
+    /// Sets the exit status and the outcome from the failures; `config_error` is exit 2.
+    pub fn settle(&mut self, config_error: bool) {
+        self.exit_code = match (config_error, self.failures.is_empty()) {
+            (true, _) => 2,
+            (false, true) => 0,
+            (false, false) => 1,
+        };
+        if self.exit_code != 0 && (self.outcome.is_empty() || self.outcome == "cycle_finished") {
+            self.outcome = format!(
+                "{}_with_errors",
+                if self.outcome.is_empty() {
+                    "run"
+                } else {
+                    &self.outcome
+                }
+            );
+        }
+        self.summary = Summary::of(&self.events);
+    }
+
     pub fn event(&mut self, step: &str, ok: bool, detail: impl Into<String>) -> &mut Event {
+        self.flush_audit();
         self.events.push(Event {
             at: Timestamp::now(),
             step: step.into(),
@@ -110,6 +343,9 @@ impl Report {
             runner_id: None,
             runner_name: None,
             reason: None,
+            status: None,
+            destroyed_cycle_id: None,
+            evidence: None,
             detail: detail.into(),
             duration_ms: 0,
         });
@@ -119,26 +355,16 @@ impl Report {
     /// A short human summary.
     pub fn text(&self) -> String {
         let mut out = format!(
-            "{} {}: {} (exit {})",
+            "{} {}: {} (exit {}, {})",
             self.command,
             self.cycle_id.as_deref().unwrap_or("(no cycle)"),
             self.outcome,
-            self.exit_code
+            self.exit_code,
+            seconds(self.duration_ms)
         );
+        out.push_str(&format!("\n  {}", self.summary.line()));
         for e in &self.events {
-            out.push_str(&format!(
-                "\n  {} {}{}{} {}",
-                if e.ok { "ok  " } else { "FAIL" },
-                e.step,
-                e.runner_id
-                    .map(|i| format!(" runner {i}"))
-                    .unwrap_or_default(),
-                e.reason
-                    .as_ref()
-                    .map(|r| format!(" ({r})"))
-                    .unwrap_or_default(),
-                e.detail
-            ));
+            out.push_str(&format!("\n  {}", event_line(e)));
         }
         if let Some(s) = &self.sweep {
             out.push_str(&format!(
@@ -165,6 +391,70 @@ impl Report {
         }
         out
     }
+}
+
+/// `1.25s`
+pub fn seconds(ms: u64) -> String {
+    format!("{}.{:02}s", ms / 1000, (ms % 1000) / 10)
+}
+
+/// `ok    0.10s delete_runner runner 3 ephemeral-x-1 (unconsumed, seen offline): deleted`
+pub fn event_line(e: &Event) -> String {
+    let mut why: Vec<String> = Vec::new();
+    if let Some(r) = &e.reason {
+        why.push(r.clone());
+    }
+    if let Some(s) = &e.status {
+        why.push(format!("seen {s}"));
+    }
+    if let Some(c) = &e.destroyed_cycle_id {
+        why.push(format!("after the destroy of {c}"));
+    }
+    format!(
+        "{} {:>6} {}{}{}{}: {}",
+        if e.ok { "ok  " } else { "FAIL" },
+        seconds(e.duration_ms),
+        e.step,
+        e.runner_id
+            .map(|i| format!(" runner {i}"))
+            .unwrap_or_default(),
+        e.runner_name
+            .as_ref()
+            .map(|n| format!(" {n}"))
+            .unwrap_or_default(),
+        if why.is_empty() {
+            String::new()
+        } else {
+            format!(" ({})", why.join(", "))
+        },
+        e.detail
+    )
+}
+
+/// The audit record of an event: the event with the cycle id and `name` (the registration's).
+pub fn audit_record(cycle_id: Option<&str>, e: &Event) -> Value {
+    let mut v = serde_json::to_value(e).unwrap_or_else(|_| json!({}));
+    if let Some(o) = v.as_object_mut() {
+        o.insert("cycle_id".into(), json!(cycle_id));
+        o.insert("kind".into(), json!("side_effect"));
+        if let Some(name) = o.remove("runner_name") {
+            o.insert("name".into(), name);
+        }
+        o.insert("detail".into(), json!(cut(&e.detail, MAX_AUDIT_DETAIL)));
+    }
+    v
+}
+
+/// At most `max` bytes of `s`, cut at a character boundary, marked when cut.
+pub fn cut(s: &str, max: usize) -> String {
+    if s.len() <= max {
+        return s.to_string();
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}… ({} bytes cut)", &s[..end], s.len() - end)
 }
 
 /// Measures a step for its event.

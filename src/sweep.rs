@@ -136,6 +136,19 @@ fn swept(r: &Runner) -> SweptRunner {
 /// Runs the sweep. Failures are in the report (`error`, `failed`); the caller decides what they
 /// mean for the exit status.
 pub fn sweep(forgejo: &mut dyn Forgejo, prefix: &str, cap: usize) -> SweepReport {
+    sweep_with(forgejo, prefix, cap, &mut |_, _| {})
+}
+
+/// What one DELETE of the sweep did: gone (204 or 404), or the error.
+pub type DeleteResult = Result<Deleted, String>;
+
+/// `sweep`, telling `on_delete` about each DELETE as soon as Forgejo answered (the audit trail).
+pub fn sweep_with(
+    forgejo: &mut dyn Forgejo,
+    prefix: &str,
+    cap: usize,
+    on_delete: &mut dyn FnMut(&SweptRunner, DeleteResult),
+) -> SweepReport {
     let mut report = SweepReport::default();
     let listing = match list_all(forgejo) {
         Ok(l) => l,
@@ -174,11 +187,16 @@ pub fn sweep(forgejo: &mut dyn Forgejo, prefix: &str, cap: usize) -> SweepReport
                     r.id,
                     r.name.as_deref().unwrap_or("?")
                 );
+                on_delete(&swept(r), Ok(Deleted::Now));
                 report.deleted.push(swept(r));
             }
-            Ok(Deleted::AlreadyGone) => report.already_gone.push(r.id),
+            Ok(Deleted::AlreadyGone) => {
+                on_delete(&swept(r), Ok(Deleted::AlreadyGone));
+                report.already_gone.push(r.id);
+            }
             Err(e) => {
                 log::error!("sweep: {e}");
+                on_delete(&swept(r), Err(e.to_string()));
                 report.failed.push(swept(r));
             }
         }

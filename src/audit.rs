@@ -1,0 +1,207 @@
+//! The audit trail: `events.jsonl` in the state directory, one JSON object per line per side
+//! effect and per failure, appended as they happen. Bounded: past `--events-max-bytes` the file
+//! is renamed to `events.jsonl.1` (replacing the previous one) and a new one is started, so the
+//! trail never takes more than twice that.
+
+use std::fs;
+use std::io::{self, Read, Seek, SeekFrom, Write};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+
+use crate::report::AuditSink;
+
+pub const EVENTS_FILE: &str = "events.jsonl";
+pub const EVENTS_ROTATED: &str = "events.jsonl.1";
+pub const DEFAULT_MAX_BYTES: u64 = 10 * 1024 * 1024;
+/// Smaller than this could not hold a few records (a record's detail is cut at 2 KiB).
+pub const MIN_MAX_BYTES: u64 = 16 * 1024;
+
+/// Appends to `<dir>/events.jsonl`, rotating past `max_bytes`.
+pub struct EventsFile {
+    pub dir: PathBuf,
+    pub max_bytes: u64,
+}
+
+/// Pure: whether a file of `current` bytes must be rotated before a line of `line` bytes.
+pub fn must_rotate(current: u64, line: u64, max_bytes: u64) -> bool {
+    current > 0 && current.saturating_add(line) > max_bytes
+}
+
+impl EventsFile {
+    pub fn path(&self) -> PathBuf {
+        self.dir.join(EVENTS_FILE)
+    }
+
+    fn try_append(&self, line: &[u8]) -> io::Result<()> {
+        let path = self.path();
+        let current = match fs::metadata(&path) {
+            Ok(m) => m.len(),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => 0,
+            Err(e) => return Err(e),
+        };
+        if must_rotate(current, line.len() as u64, self.max_bytes) {
+            fs::rename(&path, self.dir.join(EVENTS_ROTATED))?;
+        }
+        let mut f = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .mode(0o600)
+            .open(&path)?;
+        // One write of a whole line (O_APPEND): a crash leaves at most a cut last line, which
+        // readers skip.
+        f.write_all(line)?;
+        f.sync_data()
+    }
+}
+
+impl AuditSink for EventsFile {
+    fn append(&mut self, record: &Value) -> Result<(), String> {
+        let mut line = serde_json::to_vec(record).map_err(|e| format!("cannot encode: {e}"))?;
+        line.push(b'\n');
+        self.try_append(&line).map_err(|e| {
+            format!(
+                "cannot append to {} (rotated to {} past --events-max-bytes {}): {e}",
+                self.path().display(),
+                EVENTS_ROTATED,
+                self.max_bytes
+            )
+        })
+    }
+}
+
+/// Parses `--events-max-bytes`: `10MiB`, `512KiB`, `1GiB` or plain bytes.
+pub fn parse_bytes(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let (digits, unit) = t.split_at(t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len()));
+    let mult: u64 = match unit.trim() {
+        "" | "B" => 1,
+        "K" | "KiB" => 1024,
+        "M" | "MiB" => 1024 * 1024,
+        "G" | "GiB" => 1024 * 1024 * 1024,
+        _ => return Err(format!("{s:?} is not a size like 10MiB, 512KiB or 1048576")),
+    };
+    let n: u64 = digits
+        .parse()
+        .map_err(|_| format!("{s:?} is not a size like 10MiB, 512KiB or 1048576"))?;
+    let bytes = n
+        .checked_mul(mult)
+        .ok_or_else(|| format!("{s:?} is too large"))?;
+    if bytes < MIN_MAX_BYTES {
+        return Err(format!(
+            "{s:?} is below the minimum of {} KiB",
+            MIN_MAX_BYTES / 1024
+        ));
+    }
+    Ok(bytes)
+}
+
+/// The last `n` records of the trail (the rotated file too when the current one has fewer),
+/// oldest first. Lines that are not JSON objects (a line cut by a crash) are skipped.
+pub fn tail(dir: &Path, n: usize) -> Result<Vec<Value>, String> {
+    let mut out = tail_of(&dir.join(EVENTS_FILE), n)?;
+    if out.len() < n {
+        let mut older = tail_of(&dir.join(EVENTS_ROTATED), n - out.len())?;
+        older.append(&mut out);
+        out = older;
+    }
+    Ok(out)
+}
+
+/// Reads at most the last 256 KiB of `path` (records are a few hundred bytes).
+fn tail_of(path: &Path, n: usize) -> Result<Vec<Value>, String> {
+    const WINDOW: u64 = 256 * 1024;
+    let mut f = match fs::File::open(path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(format!("cannot read {}: {e}", path.display())),
+    };
+    let mut text = String::new();
+    let read = f
+        .metadata()
+        .and_then(|m| {
+            let start = m.len().saturating_sub(WINDOW);
+            f.seek(SeekFrom::Start(start))?;
+            let mut bytes = Vec::new();
+            f.read_to_end(&mut bytes)?;
+            text = String::from_utf8_lossy(&bytes).into_owned();
+            Ok(start)
+        })
+        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    let mut lines: Vec<&str> = text.lines().collect();
+    if read > 0 && !lines.is_empty() {
+        lines.remove(0); // began mid-line
+    }
+    let records: Vec<Value> = lines
+        .iter()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(Value::is_object)
+        .collect();
+    Ok(records[records.len().saturating_sub(n)..].to_vec())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn rotation_only_past_the_bound_and_never_of_an_empty_file() {
+        assert!(!must_rotate(0, 10_000, 100));
+        assert!(!must_rotate(90, 10, 100));
+        assert!(must_rotate(91, 10, 100));
+    }
+
+    #[test]
+    fn sizes_parse_with_binary_units_and_a_minimum() {
+        assert_eq!(parse_bytes("10MiB").unwrap(), 10 * 1024 * 1024);
+        assert_eq!(parse_bytes("64KiB").unwrap(), 64 * 1024);
+        assert_eq!(parse_bytes("1G").unwrap(), 1024 * 1024 * 1024);
+        assert_eq!(parse_bytes("20000").unwrap(), 20_000);
+        assert!(parse_bytes("1KiB").is_err(), "below the minimum");
+        assert!(parse_bytes("ten").is_err());
+        assert!(parse_bytes("10 parsecs").is_err());
+        assert!(parse_bytes("99999999999999999999GiB").is_err());
+    }
+
+    #[test]
+    fn appends_rotates_and_tails_across_both_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut f = EventsFile {
+            dir: dir.path().to_path_buf(),
+            max_bytes: MIN_MAX_BYTES,
+        };
+        for i in 0..400 {
+            f.append(&json!({"i": i, "pad": "x".repeat(60)})).unwrap();
+        }
+        let cur = fs::metadata(dir.path().join(EVENTS_FILE)).unwrap().len();
+        let old = fs::metadata(dir.path().join(EVENTS_ROTATED)).unwrap().len();
+        assert!(cur <= MIN_MAX_BYTES && old <= MIN_MAX_BYTES, "{cur} {old}");
+        let last = tail(dir.path(), 10).unwrap();
+        let ids: Vec<i64> = last.iter().map(|v| v["i"].as_i64().unwrap()).collect();
+        assert_eq!(ids, (390..400).collect::<Vec<_>>());
+        // Nothing lost at the rotation: the current file continues where the rotated one ends.
+        let first_current = tail_of(&dir.path().join(EVENTS_FILE), 1000).unwrap()[0]["i"]
+            .as_i64()
+            .unwrap();
+        let last_rotated = tail_of(&dir.path().join(EVENTS_ROTATED), 1).unwrap()[0]["i"]
+            .as_i64()
+            .unwrap();
+        assert_eq!(last_rotated + 1, first_current);
+        // A current file with fewer than n records is completed from the rotated one.
+        fs::write(dir.path().join(EVENTS_FILE), "{\"i\": 1000}\n{\"i\": 10").unwrap();
+        let rotated: Vec<i64> = tail_of(&dir.path().join(EVENTS_ROTATED), 2)
+            .unwrap()
+            .iter()
+            .map(|v| v["i"].as_i64().unwrap())
+            .collect();
+        let last = tail(dir.path(), 3).unwrap();
+        let ids: Vec<i64> = last.iter().map(|v| v["i"].as_i64().unwrap()).collect();
+        assert_eq!(
+            ids,
+            vec![rotated[0], rotated[1], 1000],
+            "the cut last line is skipped"
+        );
+    }
+}

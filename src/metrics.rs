@@ -1,0 +1,490 @@
+//! What monitoring sees: counters that accumulate across runs (`counters.json` in the state
+//! directory, written by every `run` and `sweep` past the lock) and the Prometheus text file for
+//! node_exporter's textfile collector (`--metrics-file`), rendered from them.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::fs;
+use std::io::{self, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+
+use anyhow::{Context, Result, anyhow};
+use serde::{Deserialize, Serialize};
+
+use crate::planner::DeleteReason;
+use crate::report::Report;
+use crate::state::{CycleState, write_atomic};
+use crate::time::Timestamp;
+
+pub const COUNTERS_FILE: &str = "counters.json";
+const COUNTERS_VERSION: u32 = 1;
+pub const PREFIX: &str = "ci_ephemeral_provisioner";
+
+const DELETE_REASONS: [DeleteReason; 6] = [
+    DeleteReason::Unconsumed,
+    DeleteReason::LaunchFailed,
+    DeleteReason::LaunchCutOff,
+    DeleteReason::Teardown,
+    DeleteReason::LostRegistration,
+    DeleteReason::Sweep,
+];
+
+/// The last successful `tofu destroy`: the evidence a standalone sweep names.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DestroyRecord {
+    pub cycle_id: Option<String>,
+    pub at: Option<Timestamp>,
+}
+
+/// Everything the metrics and `status --check` need from past runs.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Counters {
+    pub version: u32,
+    pub first_run_at: Option<Timestamp>,
+    pub last_run_at: Option<Timestamp>,
+    pub last_run_command: String,
+    pub last_run_exit_code: i32,
+    pub last_run_duration_ms: u64,
+    /// The end of the last run that exited 0 (an idle tick counts).
+    pub last_success_at: Option<Timestamp>,
+    /// Runs by `command` then exit code.
+    pub runs: BTreeMap<String, BTreeMap<String, u64>>,
+    /// Registrations deleted (204), by reason.
+    pub deleted: BTreeMap<String, u64>,
+    pub destroy_failures: u64,
+    /// The last `tofu destroy` attempted failed (cleared by a successful one).
+    pub destroy_failing: bool,
+    pub last_destroy_error: Option<String>,
+    pub last_destroy_ok: Option<DestroyRecord>,
+    pub sweep_deletions: u64,
+    /// Sweeps that failed (listing error or any failed DELETE).
+    pub sweep_failures: u64,
+    pub sweep_left_over_cap: u64,
+}
+
+impl Default for Counters {
+    fn default() -> Counters {
+        Counters {
+            version: COUNTERS_VERSION,
+            first_run_at: None,
+            last_run_at: None,
+            last_run_command: String::new(),
+            last_run_exit_code: 0,
+            last_run_duration_ms: 0,
+            last_success_at: None,
+            runs: BTreeMap::new(),
+            deleted: BTreeMap::new(),
+            destroy_failures: 0,
+            destroy_failing: false,
+            last_destroy_error: None,
+            last_destroy_ok: None,
+            sweep_deletions: 0,
+            sweep_failures: 0,
+            sweep_left_over_cap: 0,
+        }
+    }
+}
+
+impl Counters {
+    /// Pure: adds a finished run (its exit code set) to the counters.
+    pub fn record(&mut self, report: &Report) {
+        let end = report.finished_at.unwrap_or(report.started_at);
+        self.first_run_at.get_or_insert(report.started_at);
+        self.last_run_at = Some(end);
+        self.last_run_command.clone_from(&report.command);
+        self.last_run_exit_code = report.exit_code;
+        self.last_run_duration_ms = report.duration_ms;
+        if report.exit_code == 0 {
+            self.last_success_at = Some(end);
+        }
+        *self
+            .runs
+            .entry(report.command.clone())
+            .or_default()
+            .entry(report.exit_code.to_string())
+            .or_default() += 1;
+        for (reason, n) in &report.summary.deleted {
+            *self.deleted.entry(reason.clone()).or_default() += u64::from(*n);
+        }
+        // The last destroy of the run decides whether destroys are failing.
+        for e in report.events.iter().filter(|e| e.step == "tofu_destroy") {
+            if e.ok {
+                self.destroy_failing = false;
+                self.last_destroy_error = None;
+                self.last_destroy_ok = Some(DestroyRecord {
+                    cycle_id: report.cycle_id.clone(),
+                    at: Some(e.at),
+                });
+            } else {
+                self.destroy_failures += 1;
+                self.destroy_failing = true;
+                self.last_destroy_error = Some(e.detail.clone());
+            }
+        }
+        if let Some(s) = &report.sweep {
+            self.sweep_deletions += s.deleted.len() as u64;
+            self.sweep_left_over_cap = s.left_over_cap as u64;
+            if s.error.is_some() || !s.failed.is_empty() {
+                self.sweep_failures += 1;
+            }
+        }
+    }
+}
+
+/// Reads `counters.json`; missing is a fresh start. A broken file is an error naming it.
+pub fn load(dir: &Path) -> Result<Counters> {
+    let path = dir.join(COUNTERS_FILE);
+    let text = match fs::read_to_string(&path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Counters::default()),
+        Err(e) => return Err(anyhow!("cannot read {}: {e}", path.display())),
+    };
+    let c: Counters = serde_json::from_str(&text)
+        .with_context(|| format!("{} is not valid counters JSON", path.display()))?;
+    if c.version != COUNTERS_VERSION {
+        return Err(anyhow!(
+            "{} has version {}, this build knows {COUNTERS_VERSION}",
+            path.display(),
+            c.version
+        ));
+    }
+    Ok(c)
+}
+
+pub fn save(dir: &Path, c: &Counters) -> Result<()> {
+    let mut bytes = serde_json::to_vec_pretty(c).context("cannot encode counters.json")?;
+    bytes.push(b'\n');
+    write_atomic(&dir.join(COUNTERS_FILE), &bytes)
+}
+
+/// What the metrics say about the cycle in progress.
+pub enum CycleView<'a> {
+    None,
+    Active(&'a CycleState),
+    /// cycle.json exists but cannot be read: a cycle may be in progress.
+    Unreadable,
+}
+
+fn secs(t: Timestamp) -> String {
+    format!("{}.{:03}", t.0.div_euclid(1000), t.0.rem_euclid(1000))
+}
+
+fn escape(v: &str) -> String {
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+struct Out(String);
+
+impl Out {
+    fn family(&mut self, name: &str, kind: &str, help: &str) {
+        let _ = writeln!(self.0, "# HELP {PREFIX}_{name} {help}");
+        let _ = writeln!(self.0, "# TYPE {PREFIX}_{name} {kind}");
+    }
+
+    fn sample(&mut self, name: &str, labels: &[(&str, &str)], value: impl std::fmt::Display) {
+        let l: Vec<String> = labels
+            .iter()
+            .map(|(k, v)| format!("{k}=\"{}\"", escape(v)))
+            .collect();
+        let l = if l.is_empty() {
+            String::new()
+        } else {
+            format!("{{{}}}", l.join(","))
+        };
+        let _ = writeln!(self.0, "{PREFIX}_{name}{l} {value}");
+    }
+
+    fn one(&mut self, name: &str, kind: &str, help: &str, value: impl std::fmt::Display) {
+        self.family(name, kind, help);
+        self.sample(name, &[], value);
+    }
+}
+
+/// Pure: the Prometheus text exposition of the counters and the cycle in progress. `running`:
+/// the start of the run that is writing the file at its beginning (a cycle can keep one run
+/// going for hours; without this the file would look stale all that time).
+pub fn render(c: &Counters, cycle: &CycleView<'_>, running: Option<Timestamp>) -> String {
+    let mut o = Out(String::new());
+    o.family(
+        "build_info",
+        "gauge",
+        "Version of the binary that wrote this file (always 1).",
+    );
+    o.sample("build_info", &[("version", env!("CARGO_PKG_VERSION"))], 1);
+    o.one(
+        "last_run_timestamp_seconds",
+        "gauge",
+        "Unix time the last run or sweep ended.",
+        c.last_run_at.map(secs).unwrap_or_else(|| "0".into()),
+    );
+    o.one(
+        "last_success_timestamp_seconds",
+        "gauge",
+        "Unix time the last run or sweep that exited 0 ended (an idle tick counts); 0 if none did.",
+        c.last_success_at.map(secs).unwrap_or_else(|| "0".into()),
+    );
+    o.one(
+        "last_run_exit_code",
+        "gauge",
+        "Exit status of the last run or sweep (0 ok, 1 a step failed, 2 configuration error).",
+        c.last_run_exit_code,
+    );
+    o.one(
+        "last_run_duration_seconds",
+        "gauge",
+        "How long the last run or sweep took.",
+        format!(
+            "{}.{:03}",
+            c.last_run_duration_ms / 1000,
+            c.last_run_duration_ms % 1000
+        ),
+    );
+    o.one(
+        "run_in_progress",
+        "gauge",
+        "1 from the start of a run or sweep until it ends (a cycle keeps its run going for hours).",
+        u8::from(running.is_some()),
+    );
+    o.family(
+        "run_start_timestamp_seconds",
+        "gauge",
+        "Unix time the run in progress started (no sample when none is).",
+    );
+    if let Some(t) = running {
+        o.sample("run_start_timestamp_seconds", &[], secs(t));
+    }
+    o.family(
+        "runs_total",
+        "counter",
+        "Runs and sweeps that got past the lock, by command and exit status.",
+    );
+    for (command, by_code) in &c.runs {
+        for (code, n) in by_code {
+            o.sample(
+                "runs_total",
+                &[("command", command), ("exit_code", code)],
+                n,
+            );
+        }
+    }
+    let (active, started, jobs) = match cycle {
+        CycleView::None => (0, None, 0),
+        CycleView::Active(s) => (1, Some(s.started_at), s.jobs_started),
+        CycleView::Unreadable => (1, None, 0),
+    };
+    o.one(
+        "cycle_active",
+        "gauge",
+        "1 while a cycle is in progress (cycle.json exists: a VM or registration may exist).",
+        active,
+    );
+    o.family(
+        "cycle_start_timestamp_seconds",
+        "gauge",
+        "Unix time the cycle in progress started (no sample when none is).",
+    );
+    if let Some(t) = started {
+        o.sample("cycle_start_timestamp_seconds", &[], secs(t));
+    }
+    o.one(
+        "cycle_jobs_started",
+        "gauge",
+        "Runners started in the cycle in progress (0 when none is).",
+        jobs,
+    );
+    o.family(
+        "registrations_deleted_total",
+        "counter",
+        "Runner registrations deleted (Forgejo answered 204), by reason.",
+    );
+    let mut reasons: BTreeMap<&str, u64> = DELETE_REASONS.iter().map(|r| (r.as_str(), 0)).collect();
+    for (r, n) in &c.deleted {
+        reasons.insert(r, *n);
+    }
+    for (r, n) in reasons {
+        o.sample("registrations_deleted_total", &[("reason", r)], n);
+    }
+    o.one(
+        "destroy_failures_total",
+        "counter",
+        "tofu destroy runs that failed.",
+        c.destroy_failures,
+    );
+    o.one(
+        "destroy_failing",
+        "gauge",
+        "1 when the last tofu destroy failed (the VM may still exist; no sweep until one succeeds).",
+        u8::from(c.destroy_failing),
+    );
+    o.one(
+        "sweep_deletions_total",
+        "counter",
+        "Offline registrations with our prefix deleted by sweeps.",
+        c.sweep_deletions,
+    );
+    o.one(
+        "sweep_failures_total",
+        "counter",
+        "Sweeps that failed: the listing failed or a DELETE failed.",
+        c.sweep_failures,
+    );
+    o.one(
+        "sweep_left_over_cap",
+        "gauge",
+        "Deletable registrations the last sweep left for the next because of --sweep-max-deletions.",
+        c.sweep_left_over_cap,
+    );
+    o.0
+}
+
+/// Writes the text file atomically (temp file in the same directory, then rename), mode 0644 so
+/// node_exporter can read it. The temp name does not end in `.prom`, so the collector never
+/// reads a half-written file.
+pub fn write_textfile(path: &Path, text: &str) -> Result<()> {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    let mut tmp = tempfile::Builder::new()
+        .prefix(".ci-ephemeral-provisioner-")
+        .suffix(".tmp")
+        .tempfile_in(dir)
+        .with_context(|| {
+            format!(
+                "cannot create a temporary file in {} for --metrics-file (does the directory exist and is it writable?)",
+                dir.display()
+            )
+        })?;
+    tmp.write_all(text.as_bytes())
+        .and_then(|()| {
+            tmp.as_file()
+                .set_permissions(fs::Permissions::from_mode(0o644))
+        })
+        .and_then(|()| tmp.as_file().sync_all())
+        .with_context(|| format!("cannot write a temporary file in {}", dir.display()))?;
+    tmp.persist(path).map_err(|e| {
+        anyhow!(
+            "cannot rename a temporary file onto {}: {}",
+            path.display(),
+            e.error
+        )
+    })?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::report::SweepReport;
+
+    fn report(exit: i32, at_ms: i64) -> Report {
+        let mut r = Report::new("run", false, Timestamp(at_ms));
+        r.exit_code = exit;
+        r.finished_at = Some(Timestamp(at_ms + 1500));
+        r.duration_ms = 1500;
+        r
+    }
+
+    #[test]
+    fn success_is_exit_zero_and_counters_accumulate() {
+        let mut c = Counters::default();
+        c.record(&report(0, 1_000_000));
+        assert_eq!(c.last_success_at, Some(Timestamp(1_001_500)));
+        c.record(&report(1, 2_000_000));
+        assert_eq!(
+            c.last_success_at,
+            Some(Timestamp(1_001_500)),
+            "a failure keeps it"
+        );
+        assert_eq!(c.last_run_at, Some(Timestamp(2_001_500)));
+        assert_eq!(c.last_run_exit_code, 1);
+        assert_eq!(c.first_run_at, Some(Timestamp(1_000_000)));
+        assert_eq!(c.runs["run"]["0"], 1);
+        assert_eq!(c.runs["run"]["1"], 1);
+    }
+
+    #[test]
+    fn destroys_and_sweeps_are_counted() {
+        let mut c = Counters::default();
+        let mut r = report(1, 1_000);
+        r.event("tofu_destroy", false, "boom");
+        r.sweep = Some(SweepReport {
+            error: Some("listing failed".into()),
+            ..SweepReport::default()
+        });
+        r.settle(false);
+        c.record(&r);
+        assert!(c.destroy_failing);
+        assert_eq!((c.destroy_failures, c.sweep_failures), (1, 1));
+        let mut r = report(0, 2_000);
+        r.cycle_id = Some("c1".into());
+        r.event("tofu_destroy", true, "VM destroyed");
+        let e = r.event("delete_runner", true, crate::report::DELETED);
+        e.reason = Some("sweep".into());
+        let e = r.event("delete_runner", true, crate::report::ALREADY_GONE);
+        e.reason = Some("sweep".into());
+        r.settle(false);
+        c.record(&r);
+        assert!(!c.destroy_failing, "a successful destroy clears it");
+        assert_eq!(c.destroy_failures, 1);
+        assert_eq!(c.deleted["sweep"], 1, "a 404 is not a deletion");
+        assert_eq!(
+            c.last_destroy_ok
+                .as_ref()
+                .and_then(|d| d.cycle_id.as_deref()),
+            Some("c1")
+        );
+    }
+
+    #[test]
+    fn render_follows_the_exposition_format() {
+        let mut c = Counters::default();
+        c.record(&report(0, 1_764_414_300_123));
+        let text = render(&c, &CycleView::None, None);
+        assert!(text.contains(
+            "\nci_ephemeral_provisioner_last_success_timestamp_seconds 1764414301.623\n"
+        ));
+        assert!(
+            text.contains("\nci_ephemeral_provisioner_last_run_timestamp_seconds 1764414301.623\n")
+        );
+        assert!(text.contains(
+            "ci_ephemeral_provisioner_registrations_deleted_total{reason=\"unconsumed\"} 0"
+        ));
+        assert!(text.contains("ci_ephemeral_provisioner_cycle_active 0"));
+        assert!(!text.contains("\nci_ephemeral_provisioner_cycle_start_timestamp_seconds "));
+        assert!(text.contains("\nci_ephemeral_provisioner_run_in_progress 0\n"));
+        let running = render(&c, &CycleView::None, Some(Timestamp(2_000)));
+        assert!(running.contains("\nci_ephemeral_provisioner_run_in_progress 1\n"));
+        assert!(running.contains("\nci_ephemeral_provisioner_run_start_timestamp_seconds 2.000\n"));
+        // Every sample belongs to a family declared (HELP then TYPE) before it; counters end in
+        // _total; nothing is declared twice.
+        let mut declared: Vec<String> = Vec::new();
+        let mut lines = text.lines().peekable();
+        while let Some(l) = lines.next() {
+            if let Some(rest) = l.strip_prefix("# HELP ") {
+                let name = rest.split(' ').next().unwrap().to_string();
+                let ty = lines.next().unwrap();
+                assert!(ty.starts_with(&format!("# TYPE {name} ")), "{ty}");
+                if ty.ends_with(" counter") {
+                    assert!(name.ends_with("_total"), "{name}");
+                }
+                assert!(!declared.contains(&name), "{name} twice");
+                declared.push(name);
+            } else {
+                let name = l.split(['{', ' ']).next().unwrap();
+                assert_eq!(declared.last().map(String::as_str), Some(name), "{l}");
+            }
+        }
+    }
+
+    #[test]
+    fn negative_and_zero_timestamps_render_as_numbers() {
+        assert_eq!(secs(Timestamp(0)), "0.000");
+        assert_eq!(secs(Timestamp(1_500)), "1.500");
+        assert_eq!(escape("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");
+    }
+}

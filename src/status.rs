@@ -1,0 +1,478 @@
+//! `status`: the cycle in progress, the last run, the last events, and the warnings that make
+//! `status --check` fail (a health check). Read-only: takes no lock, writes nothing.
+
+use std::fs;
+use std::path::Path;
+use std::time::Duration;
+
+use serde_json::{Value, json};
+
+use crate::audit;
+use crate::metrics::{self, Counters};
+use crate::state::{CycleState, STATE_FILE, read_state_file};
+use crate::time::{Timestamp, format_duration};
+
+pub const EVENTS_SHOWN: usize = 10;
+
+/// What the health check looks at, gathered from the state directory.
+#[derive(Debug, Default)]
+pub struct Facts {
+    /// The first run known; `None` when no run was ever recorded.
+    pub runs_began: Option<Timestamp>,
+    pub last_success: Option<Timestamp>,
+    /// Why the last destroy failed, when it did.
+    pub destroy_failing: Option<String>,
+    /// The cycle in progress: id and start.
+    pub cycle: Option<(String, Timestamp)>,
+    /// Files that could not be read.
+    pub unreadable: Vec<String>,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    pub max_success_age: Duration,
+    pub max_cycle_duration: Duration,
+}
+
+fn age(now: Timestamp, t: Timestamp) -> Duration {
+    Duration::from_secs(now.since(t).as_secs())
+}
+
+/// Pure: the warnings, empty when healthy.
+pub fn warnings(f: &Facts, l: &Limits, now: Timestamp) -> Vec<String> {
+    let mut w: Vec<String> = f.unreadable.clone();
+    match (f.runs_began, f.last_success) {
+        (None, None) => w.push("no run recorded yet: is the timer running?".into()),
+        (Some(began), None) => w.push(format!(
+            "no successful run since runs began ({began}, {} ago)",
+            format_duration(age(now, began))
+        )),
+        (_, Some(ok)) if now.since(ok) > l.max_success_age => w.push(format!(
+            "last success {ok} ({} ago) is older than --max-success-age {}",
+            format_duration(age(now, ok)),
+            format_duration(l.max_success_age)
+        )),
+        _ => {}
+    }
+    if let Some(e) = &f.destroy_failing {
+        w.push(format!(
+            "the last tofu destroy failed (the VM may still exist; no sweep until a destroy succeeds): {e}"
+        ));
+    }
+    if let Some((id, started)) = &f.cycle
+        && now.since(*started) > l.max_cycle_duration
+    {
+        w.push(format!(
+            "cycle {id} started {started} ({} ago), longer than --max-cycle-duration {}",
+            format_duration(age(now, *started)),
+            format_duration(l.max_cycle_duration)
+        ));
+    }
+    w
+}
+
+/// Pure: the facts from what the files held.
+pub fn facts(
+    counters: Option<&Counters>,
+    last_run: Option<&Value>,
+    cycle: Option<&CycleState>,
+    unreadable: Vec<String>,
+) -> Facts {
+    let ts = |v: &Value| v.as_str().and_then(|s| Timestamp::parse_rfc3339(s).ok());
+    let mut f = Facts {
+        unreadable,
+        ..Facts::default()
+    };
+    if let Some(c) = counters {
+        f.runs_began = c.first_run_at;
+        f.last_success = c.last_success_at;
+        if c.destroy_failing {
+            f.destroy_failing = Some(
+                c.last_destroy_error
+                    .clone()
+                    .unwrap_or_else(|| "(no detail)".into()),
+            );
+        }
+    }
+    if let Some(r) = last_run {
+        let started = ts(&r["started_at"]);
+        f.runs_began = match (f.runs_began, started) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        if r["exit_code"].as_i64() == Some(0)
+            && let Some(end) = ts(&r["finished_at"])
+        {
+            f.last_success = Some(f.last_success.map_or(end, |s| s.max(end)));
+        }
+    }
+    if let Some(c) = cycle {
+        f.cycle = Some((c.cycle_id.clone(), c.started_at));
+        if f.destroy_failing.is_none()
+            && let Some(e) = c
+                .last_error
+                .as_ref()
+                .filter(|e| e.contains("destroy failed"))
+        {
+            f.destroy_failing = Some(e.clone());
+        }
+    }
+    f
+}
+
+/// Everything `status` shows, as one JSON document (the text form is rendered from it).
+pub fn gather(dir: &Path, limits: &Limits, now: Timestamp) -> Value {
+    let mut unreadable = Vec::new();
+    let cycle_path = dir.join(STATE_FILE);
+    let (cycle, cycle_error) = match read_state_file(&cycle_path) {
+        Ok(c) => (c, None),
+        Err(e) => {
+            unreadable.push(format!("cycle.json is unreadable: {e:#}"));
+            (None, Some(format!("{e:#}")))
+        }
+    };
+    let last_path = dir.join(crate::app::LAST_RUN_FILE);
+    let (last_run, last_run_error): (Option<Value>, Option<String>) =
+        match fs::read_to_string(&last_path) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => (None, None),
+            Err(e) => (
+                None,
+                Some(format!("cannot read {}: {e}", last_path.display())),
+            ),
+            Ok(t) => match serde_json::from_str(&t) {
+                Ok(v) => (Some(v), None),
+                Err(e) => (
+                    None,
+                    Some(format!("{} is not JSON: {e}", last_path.display())),
+                ),
+            },
+        };
+    if let Some(e) = &last_run_error {
+        unreadable.push(e.clone());
+    }
+    let (counters, counters_error) = match metrics::load(dir) {
+        Ok(c) if c == Counters::default() => (None, None),
+        Ok(c) => (Some(c), None),
+        Err(e) => {
+            unreadable.push(format!("{e:#}"));
+            (None, Some(format!("{e:#}")))
+        }
+    };
+    let (events, events_error) = match audit::tail(dir, EVENTS_SHOWN) {
+        Ok(e) => (e, None),
+        Err(e) => (Vec::new(), Some(e)),
+    };
+    let f = facts(
+        counters.as_ref(),
+        last_run.as_ref(),
+        cycle.as_ref(),
+        unreadable,
+    );
+    let warnings = warnings(&f, limits, now);
+    let secs_since = |t: Option<Timestamp>| t.map(|t| now.since(t).as_secs());
+    let last_run_end = last_run
+        .as_ref()
+        .and_then(|r| r["finished_at"].as_str())
+        .and_then(|s| Timestamp::parse_rfc3339(s).ok());
+    json!({
+        "state_dir": dir.display().to_string(),
+        "healthy": warnings.is_empty(),
+        "warnings": warnings,
+        "cycle_id": cycle.as_ref().map(|c| c.cycle_id.clone()),
+        "cycle": cycle,
+        "cycle_age_seconds": secs_since(cycle.as_ref().map(|c| c.started_at)),
+        "cycle_error": cycle_error,
+        "last_run": last_run,
+        "last_run_age_seconds": secs_since(last_run_end),
+        "last_run_error": last_run_error,
+        "last_success_at": f.last_success,
+        "last_success_age_seconds": secs_since(f.last_success),
+        "counters_error": counters_error,
+        "events": events,
+        "events_error": events_error,
+    })
+}
+
+fn ago(secs: &Value) -> String {
+    secs.as_u64()
+        .map(|s| format!("{} ago", format_duration(Duration::from_secs(s))))
+        .unwrap_or_else(|| "?".into())
+}
+
+/// Pure: the human-readable status.
+pub fn text(doc: &Value) -> String {
+    let mut o: Vec<String> = Vec::new();
+    let s = |v: &Value| v.as_str().unwrap_or("?").to_string();
+    o.push(format!("state directory: {}", s(&doc["state_dir"])));
+    let warnings = doc["warnings"].as_array().cloned().unwrap_or_default();
+    if warnings.is_empty() {
+        o.push("health: ok".into());
+    } else {
+        o.push(format!("health: {} WARNING(S)", warnings.len()));
+        for w in &warnings {
+            o.push(format!("  WARNING: {}", s(w)));
+        }
+    }
+    let c = &doc["cycle"];
+    if let Some(e) = doc["cycle_error"].as_str() {
+        o.push(format!("cycle: UNREADABLE: {e}"));
+    } else if c.is_null() {
+        o.push("cycle: none (at rest: no VM, no registration)".into());
+    } else {
+        o.push(format!(
+            "cycle: {} phase {}, started {} ({}), {} job(s) started",
+            s(&c["cycle_id"]),
+            s(&c["phase"]),
+            s(&c["started_at"]),
+            ago(&doc["cycle_age_seconds"]),
+            c["jobs_started"]
+        ));
+        for r in c["registrations"].as_array().into_iter().flatten() {
+            o.push(format!(
+                "  registration {} id {} job {} launch {}",
+                s(&r["name"]),
+                if r["id"].is_null() {
+                    "unknown (POST unanswered)".into()
+                } else {
+                    r["id"].to_string()
+                },
+                r["job_id"],
+                s(&r["launch"])
+            ));
+        }
+        if let Some(outputs) = c["outputs"].as_object().filter(|o| !o.is_empty()) {
+            let kv: Vec<String> = outputs
+                .iter()
+                .map(|(k, v)| {
+                    format!(
+                        "{k}={}",
+                        v.as_str().map_or_else(|| v.to_string(), str::to_string)
+                    )
+                })
+                .collect();
+            o.push(format!("  VM outputs: {}", kv.join(" ")));
+        }
+        if let Some(reason) = c["teardown_reason"].as_str() {
+            o.push(format!("  teardown: {reason}"));
+        }
+        if let Some(e) = c["last_error"].as_str() {
+            o.push(format!("  last error: {e}"));
+        }
+    }
+    let r = &doc["last_run"];
+    if let Some(e) = doc["last_run_error"].as_str() {
+        o.push(format!("last run: UNREADABLE: {e}"));
+    } else if r.is_null() {
+        o.push("last run: none recorded".into());
+    } else {
+        o.push(format!(
+            "last run: {} {} at {} ({}): {} (exit {})",
+            s(&r["command"]),
+            r["cycle_id"].as_str().unwrap_or("(no cycle)"),
+            s(&r["finished_at"]),
+            ago(&doc["last_run_age_seconds"]),
+            s(&r["outcome"]),
+            r["exit_code"]
+        ));
+        if let Some(line) = r["summary"]
+            .is_object()
+            .then(|| summary_line(&r["summary"]))
+        {
+            o.push(format!("  {line}"));
+        }
+        let failures = r["failures"].as_array().cloned().unwrap_or_default();
+        for f in failures.iter().take(3) {
+            o.push(format!("  error: {}", s(f)));
+        }
+        if failures.len() > 3 {
+            o.push(format!("  … {} more in last-run.json", failures.len() - 3));
+        }
+    }
+    match doc["last_success_at"].as_str() {
+        Some(t) => o.push(format!(
+            "last success: {t} ({})",
+            ago(&doc["last_success_age_seconds"])
+        )),
+        None => o.push("last success: none recorded".into()),
+    }
+    if let Some(e) = doc["events_error"].as_str() {
+        o.push(format!("events: UNREADABLE: {e}"));
+    }
+    let events = doc["events"].as_array().cloned().unwrap_or_default();
+    if events.is_empty() {
+        o.push("recent events: none".into());
+    } else {
+        o.push(format!("recent events (last {}):", events.len()));
+        for e in &events {
+            o.push(format!("  {}", event_text(e)));
+        }
+    }
+    o.join("\n")
+}
+
+fn summary_line(v: &Value) -> String {
+    match serde_json::from_value::<SummaryView>(v.clone()) {
+        Ok(s) => s.line(),
+        Err(_) => v.to_string(),
+    }
+}
+
+/// The summary as last-run.json holds it.
+#[derive(serde::Deserialize)]
+struct SummaryView {
+    #[serde(default)]
+    vm_applied: u32,
+    #[serde(default)]
+    apply_failed: u32,
+    #[serde(default)]
+    vm_destroyed: u32,
+    #[serde(default)]
+    destroy_failed: u32,
+    #[serde(default)]
+    registered: u32,
+    #[serde(default)]
+    register_failed: u32,
+    #[serde(default)]
+    launched: u32,
+    #[serde(default)]
+    launch_failed: u32,
+    #[serde(default)]
+    deleted: std::collections::BTreeMap<String, u32>,
+    #[serde(default)]
+    already_gone: u32,
+    #[serde(default)]
+    delete_failed: u32,
+}
+
+impl SummaryView {
+    fn line(self) -> String {
+        crate::report::Summary {
+            vm_applied: self.vm_applied,
+            apply_failed: self.apply_failed,
+            vm_destroyed: self.vm_destroyed,
+            destroy_failed: self.destroy_failed,
+            registered: self.registered,
+            register_failed: self.register_failed,
+            launched: self.launched,
+            launch_failed: self.launch_failed,
+            deleted: self.deleted,
+            already_gone: self.already_gone,
+            delete_failed: self.delete_failed,
+        }
+        .line()
+    }
+}
+
+/// One audit record on one line.
+pub fn event_text(e: &Value) -> String {
+    let s = |k: &str| e[k].as_str().map(str::to_string);
+    let mut line = format!(
+        "{} {}",
+        s("at").unwrap_or_else(|| "?".into()),
+        s("cycle_id").unwrap_or_else(|| "-".into())
+    );
+    if s("kind").as_deref() == Some("failure") {
+        line.push_str(&format!(" FAIL {}", s("detail").unwrap_or_default()));
+        return line;
+    }
+    line.push_str(if e["ok"].as_bool() == Some(true) {
+        " ok   "
+    } else {
+        " FAIL "
+    });
+    line.push_str(&s("step").unwrap_or_else(|| "?".into()));
+    if let Some(id) = e["runner_id"].as_i64() {
+        line.push_str(&format!(" runner {id}"));
+    }
+    if let Some(n) = s("name") {
+        line.push_str(&format!(" {n}"));
+    }
+    let why: Vec<String> = [
+        s("reason"),
+        s("status").map(|st| format!("seen {st}")),
+        s("destroyed_cycle_id").map(|c| format!("after the destroy of {c}")),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    if !why.is_empty() {
+        line.push_str(&format!(" ({})", why.join(", ")));
+    }
+    line.push_str(&format!(": {}", s("detail").unwrap_or_default()));
+    line
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const H: u64 = 3600;
+    fn limits() -> Limits {
+        Limits {
+            max_success_age: Duration::from_secs(H),
+            max_cycle_duration: Duration::from_secs(6 * H),
+        }
+    }
+    fn t(secs: i64) -> Timestamp {
+        Timestamp(secs * 1000)
+    }
+
+    #[test]
+    fn healthy_when_a_recent_success_and_no_old_cycle() {
+        let f = Facts {
+            runs_began: Some(t(0)),
+            last_success: Some(t(10_000)),
+            cycle: Some(("c".into(), t(10_000))),
+            ..Facts::default()
+        };
+        assert!(warnings(&f, &limits(), t(10_000 + H as i64)).is_empty());
+    }
+
+    #[test]
+    fn each_condition_warns() {
+        let now = t(100_000);
+        let w = warnings(&Facts::default(), &limits(), now);
+        assert!(w[0].contains("no run recorded"), "{w:?}");
+        let f = Facts {
+            runs_began: Some(t(1)),
+            ..Facts::default()
+        };
+        assert!(warnings(&f, &limits(), now)[0].contains("no successful run since"));
+        let f = Facts {
+            runs_began: Some(t(1)),
+            last_success: Some(t(100_000 - H as i64 - 1)),
+            ..Facts::default()
+        };
+        assert!(warnings(&f, &limits(), now)[0].contains("--max-success-age 1h"));
+        let f = Facts {
+            runs_began: Some(t(1)),
+            last_success: Some(now),
+            destroy_failing: Some("tofu exited 1".into()),
+            cycle: Some(("c7".into(), t(100_000 - 6 * H as i64 - 1))),
+            unreadable: vec!["cycle.json is unreadable".into()],
+        };
+        let w = warnings(&f, &limits(), now);
+        assert_eq!(w.len(), 3, "{w:?}");
+        assert!(w[1].contains("destroy failed") && w[1].contains("tofu exited 1"));
+        assert!(w[2].contains("cycle c7") && w[2].contains("--max-cycle-duration 6h"));
+    }
+
+    #[test]
+    fn facts_fall_back_to_last_run_and_cycle_json() {
+        let last = json!({"started_at": "2026-11-29T10:00:00Z", "finished_at": "2026-11-29T10:00:05Z", "exit_code": 0});
+        let mut cycle = CycleState::new("c1".into(), t(5));
+        cycle.last_error = Some("tofu destroy failed: boom".into());
+        let f = facts(None, Some(&last), Some(&cycle), vec![]);
+        assert_eq!(
+            f.last_success,
+            Some(Timestamp::parse_rfc3339("2026-11-29T10:00:05Z").unwrap())
+        );
+        assert!(f.runs_began.is_some());
+        assert_eq!(
+            f.destroy_failing.as_deref(),
+            Some("tofu destroy failed: boom")
+        );
+        let failed = json!({"started_at": "2026-11-29T10:00:00Z", "finished_at": "2026-11-29T10:00:05Z", "exit_code": 1});
+        assert_eq!(facts(None, Some(&failed), None, vec![]).last_success, None);
+    }
+}
