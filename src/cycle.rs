@@ -484,6 +484,12 @@ impl Driver<'_, '_> {
             .as_ref()
             .and_then(|s| s.registration(id))
             .map(|r| r.name.clone());
+        let mut intent = Report::draft("delete_runner", "");
+        intent.runner_id = Some(id);
+        intent.runner_name.clone_from(&name);
+        intent.reason = Some(reason.as_str().into());
+        intent.status = self.seen.get(&id).cloned();
+        self.report.intend_deletion(&intent);
         let sw = Stopwatch::start();
         match self.w.forgejo.delete_runner(id, reason.as_str()) {
             Ok(outcome) => {
@@ -584,6 +590,12 @@ impl Driver<'_, '_> {
                 ));
                 continue;
             }
+            let mut intent = Report::draft("delete_runner", "");
+            intent.runner_id = Some(r.id);
+            intent.runner_name = Some(name.to_string());
+            intent.reason = Some(DeleteReason::LostRegistration.as_str().into());
+            intent.status = Some(r.status.as_str().to_string());
+            self.report.intend_deletion(&intent);
             match self
                 .w
                 .forgejo

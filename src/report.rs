@@ -290,27 +290,68 @@ impl Report {
         }
     }
 
-    /// One registration the sweep deleted (or tried to): an event with the evidence that made it
-    /// deletable, appended to the audit trail at once.
+    /// Appended to the audit trail (only) just before a DELETE is sent, with the evidence: a
+    /// crash between the DELETE and its event still leaves the deletion findable.
+    pub fn intend_deletion(&mut self, intent: &Event) {
+        self.flush_audit();
+        let mut record = audit_record(self.cycle_id.as_deref(), intent);
+        if let Some(o) = record.as_object_mut() {
+            o.insert("kind".into(), json!("intent"));
+            for k in ["ok", "detail", "duration_ms"] {
+                o.remove(k);
+            }
+        }
+        self.append(&record);
+    }
+
+    /// An event not (yet) in the report, e.g. the description of a deletion about to happen.
+    pub fn draft(step: &str, detail: &str) -> Event {
+        Event {
+            at: Timestamp::now(),
+            step: step.into(),
+            ok: true,
+            runner_id: None,
+            runner_name: None,
+            reason: None,
+            status: None,
+            destroyed_cycle_id: None,
+            evidence: None,
+            detail: detail.into(),
+            duration_ms: 0,
+        }
+    }
+
+    /// One registration the sweep is about to delete (`result` `None`: its intent) or deleted
+    /// (or tried to): with the evidence that made it deletable, appended to the audit trail at
+    /// once.
     pub fn sweep_deletion(
         &mut self,
         r: &SweptRunner,
-        result: Result<Deleted, String>,
+        result: Option<Result<Deleted, String>>,
         destroyed_cycle_id: Option<&str>,
         evidence: &str,
     ) {
+        let fill = |e: &mut Event| {
+            e.runner_id = Some(r.runner_id);
+            e.runner_name.clone_from(&r.name);
+            e.reason = Some("sweep".into());
+            e.status = Some(r.status.clone());
+            e.destroyed_cycle_id = destroyed_cycle_id.map(str::to_string);
+            e.evidence = Some(evidence.to_string());
+        };
+        let Some(result) = result else {
+            let mut intent = Report::draft("delete_runner", "");
+            fill(&mut intent);
+            self.intend_deletion(&intent);
+            return;
+        };
         let (ok, detail) = match result {
             Ok(Deleted::Now) => (true, DELETED.to_string()),
             Ok(Deleted::AlreadyGone) => (true, ALREADY_GONE.to_string()),
             Err(e) => (false, e),
         };
         let e = self.event("delete_runner", ok, detail);
-        e.runner_id = Some(r.runner_id);
-        e.runner_name.clone_from(&r.name);
-        e.reason = Some("sweep".into());
-        e.status = Some(r.status.clone());
-        e.destroyed_cycle_id = destroyed_cycle_id.map(str::to_string);
-        e.evidence = Some(evidence.to_string());
+        fill(e);
         self.flush_audit();
     }
 
@@ -336,19 +377,10 @@ impl Report {
 
     pub fn event(&mut self, step: &str, ok: bool, detail: impl Into<String>) -> &mut Event {
         self.flush_audit();
-        self.events.push(Event {
-            at: Timestamp::now(),
-            step: step.into(),
-            ok,
-            runner_id: None,
-            runner_name: None,
-            reason: None,
-            status: None,
-            destroyed_cycle_id: None,
-            evidence: None,
-            detail: detail.into(),
-            duration_ms: 0,
-        });
+        let mut e = Report::draft(step, "");
+        e.ok = ok;
+        e.detail = detail.into();
+        self.events.push(e);
         self.events.last_mut().expect("just pushed")
     }
 
@@ -467,5 +499,149 @@ impl Stopwatch {
 
     pub fn ms(&self) -> u64 {
         u64::try_from(self.0.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::RefCell;
+    use std::rc::Rc;
+
+    use super::*;
+
+    /// Collects records; fails every append when `broken`.
+    #[derive(Clone, Default)]
+    struct Sink {
+        records: Rc<RefCell<Vec<Value>>>,
+        broken: bool,
+    }
+
+    impl AuditSink for Sink {
+        fn append(&mut self, record: &Value) -> Result<(), String> {
+            if self.broken {
+                return Err("disk full".into());
+            }
+            self.records.borrow_mut().push(record.clone());
+            Ok(())
+        }
+    }
+
+    fn deletion(r: &mut Report, reason: &str, detail: &str, ok: bool) {
+        let e = r.event("delete_runner", ok, detail);
+        e.runner_id = Some(514);
+        e.runner_name = Some("ephemeral-c1-1".into());
+        e.reason = Some(reason.into());
+        e.status = Some("offline".into());
+    }
+
+    #[test]
+    fn the_summary_counts_deletions_by_reason_and_a_404_apart() {
+        let mut r = Report::new("run", false, Timestamp(0));
+        r.event("tofu_apply", true, "VM ready");
+        r.event("register_runner", true, "");
+        r.event("launch_runner", false, "exit 3");
+        deletion(&mut r, "unconsumed", DELETED, true);
+        deletion(&mut r, "sweep", DELETED, true);
+        deletion(&mut r, "sweep", DELETED, true);
+        deletion(&mut r, "sweep", ALREADY_GONE, true);
+        deletion(&mut r, "teardown", "HTTP 500", false);
+        r.event("tofu_destroy", true, "VM destroyed");
+        let s = Summary::of(&r.events);
+        assert_eq!(s.deleted.get("sweep"), Some(&2));
+        assert_eq!(s.deleted.get("unconsumed"), Some(&1));
+        assert_eq!(s.deleted.get("teardown"), None);
+        assert_eq!((s.already_gone, s.delete_failed), (1, 1));
+        assert_eq!(
+            s.line(),
+            "VM applied; 1 registered, 1 launch failed; deleted 2 sweep, 1 unconsumed; 1 already gone; 1 deletion(s) failed; VM destroyed"
+        );
+        assert_eq!(Summary::default().line(), "no side effect");
+    }
+
+    #[test]
+    fn text_names_the_outcome_duration_and_each_deletions_evidence() {
+        let mut r = Report::new("run", false, Timestamp(0));
+        r.cycle_id = Some("c1".into());
+        r.outcome = "cycle_finished".into();
+        r.duration_ms = 12_345;
+        deletion(&mut r, "sweep", DELETED, true);
+        r.events[0].destroyed_cycle_id = Some("c1".into());
+        r.events[0].duration_ms = 70;
+        r.settle(false);
+        let text = r.text();
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines[0], "run c1: cycle_finished (exit 0, 12.34s)");
+        assert_eq!(lines[1], "  deleted 1 sweep");
+        assert_eq!(
+            lines[2],
+            "  ok    0.07s delete_runner runner 514 ephemeral-c1-1 (sweep, seen offline, after the destroy of c1): deleted"
+        );
+    }
+
+    #[test]
+    fn settle_sets_the_exit_status_from_failures_and_configuration_errors() {
+        let mut r = Report::new("run", false, Timestamp(0));
+        r.outcome = "cycle_finished".into();
+        r.settle(false);
+        assert_eq!((r.exit_code, r.outcome.as_str()), (0, "cycle_finished"));
+        r.fail("boom");
+        r.settle(false);
+        assert_eq!(
+            (r.exit_code, r.outcome.as_str()),
+            (1, "cycle_finished_with_errors")
+        );
+        r.settle(true);
+        assert_eq!(r.exit_code, 2);
+    }
+
+    #[test]
+    fn the_audit_gets_events_in_order_failures_once_and_names_not_runner_names() {
+        let sink = Sink::default();
+        let mut r = Report::new("run", false, Timestamp(0));
+        r.set_audit(Box::new(sink.clone()));
+        r.cycle_id = Some("c1".into());
+        deletion(&mut r, "unconsumed", DELETED, true);
+        assert!(
+            sink.records.borrow().is_empty(),
+            "an event is complete (and appended) only once the next one starts or on a flush"
+        );
+        r.fail("HTTP 500");
+        r.fail("HTTP 500");
+        r.event("tofu_destroy", false, "x".repeat(3 * MAX_AUDIT_DETAIL));
+        r.flush_audit();
+        r.flush_audit();
+        let recs = sink.records.borrow();
+        assert_eq!(recs.len(), 3, "{recs:?}");
+        assert_eq!(recs[0]["kind"], "side_effect");
+        assert_eq!(recs[0]["cycle_id"], "c1");
+        assert_eq!(recs[0]["name"], "ephemeral-c1-1");
+        assert_eq!(recs[0]["status"], "offline");
+        assert!(recs[0].get("runner_name").is_none());
+        assert_eq!(recs[1]["kind"], "failure");
+        assert_eq!(recs[1]["detail"], "HTTP 500");
+        assert!(recs[2]["detail"].as_str().unwrap().len() < MAX_AUDIT_DETAIL + 40);
+        assert_eq!(r.failures_not_listed, 1);
+    }
+
+    #[test]
+    fn an_audit_that_cannot_be_written_is_a_failure_of_the_run() {
+        let mut r = Report::new("run", false, Timestamp(0));
+        r.set_audit(Box::new(Sink {
+            broken: true,
+            ..Sink::default()
+        }));
+        r.event("tofu_apply", true, "VM ready");
+        r.flush_audit();
+        r.event("tofu_destroy", true, "VM destroyed");
+        r.flush_audit();
+        assert_eq!(r.failures, vec!["audit trail: disk full".to_string()]);
+        r.settle(false);
+        assert_eq!(r.exit_code, 1);
+    }
+
+    #[test]
+    fn cut_keeps_characters_whole() {
+        assert_eq!(cut("abc", 3), "abc");
+        assert_eq!(cut("äöü", 3), "ä… (4 bytes cut)");
     }
 }

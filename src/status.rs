@@ -375,10 +375,10 @@ pub fn event_text(e: &Value) -> String {
         line.push_str(&format!(" FAIL {}", s("detail").unwrap_or_default()));
         return line;
     }
-    line.push_str(if e["ok"].as_bool() == Some(true) {
-        " ok   "
-    } else {
-        " FAIL "
+    line.push_str(match (s("kind").as_deref(), e["ok"].as_bool()) {
+        (Some("intent"), _) => " about to ",
+        (_, Some(true)) => " ok   ",
+        _ => " FAIL ",
     });
     line.push_str(&s("step").unwrap_or_else(|| "?".into()));
     if let Some(id) = e["runner_id"].as_i64() {

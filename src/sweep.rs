@@ -142,12 +142,13 @@ pub fn sweep(forgejo: &mut dyn Forgejo, prefix: &str, cap: usize) -> SweepReport
 /// What one DELETE of the sweep did: gone (204 or 404), or the error.
 pub type DeleteResult = Result<Deleted, String>;
 
-/// `sweep`, telling `on_delete` about each DELETE as soon as Forgejo answered (the audit trail).
+/// `sweep`, telling `on_delete` about each DELETE just before it is sent (`None`) and as soon as
+/// Forgejo answered (the audit trail).
 pub fn sweep_with(
     forgejo: &mut dyn Forgejo,
     prefix: &str,
     cap: usize,
-    on_delete: &mut dyn FnMut(&SweptRunner, DeleteResult),
+    on_delete: &mut dyn FnMut(&SweptRunner, Option<DeleteResult>),
 ) -> SweepReport {
     let mut report = SweepReport::default();
     let listing = match list_all(forgejo) {
@@ -180,6 +181,7 @@ pub fn sweep_with(
         );
     }
     for r in &sel.delete {
+        on_delete(&swept(r), None);
         match forgejo.delete_runner(r.id, DeleteReason::Sweep.as_str()) {
             Ok(Deleted::Now) => {
                 log::info!(
@@ -187,16 +189,16 @@ pub fn sweep_with(
                     r.id,
                     r.name.as_deref().unwrap_or("?")
                 );
-                on_delete(&swept(r), Ok(Deleted::Now));
+                on_delete(&swept(r), Some(Ok(Deleted::Now)));
                 report.deleted.push(swept(r));
             }
             Ok(Deleted::AlreadyGone) => {
-                on_delete(&swept(r), Ok(Deleted::AlreadyGone));
+                on_delete(&swept(r), Some(Ok(Deleted::AlreadyGone)));
                 report.already_gone.push(r.id);
             }
             Err(e) => {
                 log::error!("sweep: {e}");
-                on_delete(&swept(r), Err(e.to_string()));
+                on_delete(&swept(r), Some(Err(e.to_string())));
                 report.failed.push(swept(r));
             }
         }

@@ -208,10 +208,22 @@ fn a_cycle_leaves_a_report_an_audit_trail_metrics_and_a_status() {
     let deleted = env.fake.deleted_ids();
     assert_eq!(deleted.len(), 3, "one unconsumed, two swept: {deleted:?}");
     for id in deleted {
-        let rec = trail
-            .iter()
-            .find(|e| e["step"] == "delete_runner" && e["runner_id"] == id)
-            .unwrap_or_else(|| panic!("deletion of {id} not in the audit trail: {trail:?}"));
+        let find = |kind: &str| {
+            trail
+                .iter()
+                .position(|e| {
+                    e["step"] == "delete_runner" && e["runner_id"] == id && e["kind"] == kind
+                })
+                .unwrap_or_else(|| panic!("no {kind} of deleting {id} in the trail: {trail:?}"))
+        };
+        // The intent (with the same evidence) is written before the DELETE is sent, so a crash
+        // right after it still leaves the deletion in the trail.
+        let (intent, done) = (find("intent"), find("side_effect"));
+        assert!(intent < done);
+        let rec = &trail[done];
+        for k in ["name", "status", "reason", "destroyed_cycle_id", "evidence"] {
+            assert_eq!(trail[intent][k], rec[k], "{k}");
+        }
         assert_eq!(rec["ok"], true);
         assert_eq!(rec["status"], "offline", "{rec}");
         assert!(
@@ -438,7 +450,7 @@ fn a_failed_destroy_is_counted_warned_about_and_cleared_by_the_next_success() {
     assert_eq!(out.code, Some(0), "{out:?}");
     let rec = events(&env, "events.jsonl")
         .into_iter()
-        .find(|e| e["runner_id"] == stale)
+        .find(|e| e["runner_id"] == stale && e["kind"] == "side_effect")
         .expect("the sweep's deletion is in the trail");
     assert_eq!(rec["reason"], "sweep");
     assert_eq!(rec["status"], "offline");
