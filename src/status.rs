@@ -472,6 +472,16 @@ mod tests {
             f.destroy_failing.as_deref(),
             Some("tofu destroy failed: boom")
         );
+        // counters.json alone says the last destroy failed (cycle.json gone or unreadable).
+        let counters = Counters {
+            first_run_at: Some(t(1)),
+            destroy_failing: true,
+            last_destroy_error: Some("tofu exited 1".into()),
+            ..Counters::default()
+        };
+        let f = facts(Some(&counters), None, None, vec![]);
+        assert_eq!(f.destroy_failing.as_deref(), Some("tofu exited 1"));
+        assert_eq!(f.runs_began, Some(t(1)));
         let failed = json!({"started_at": "2026-11-29T10:00:00Z", "finished_at": "2026-11-29T10:00:05Z", "exit_code": 1});
         assert_eq!(facts(None, Some(&failed), None, vec![]).last_success, None);
     }
