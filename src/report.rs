@@ -459,7 +459,8 @@ pub fn event_line(e: &Event) -> String {
         } else {
             format!(" ({})", why.join(", "))
         },
-        e.detail
+        // The whole detail is in the JSON form and the audit trail; the error lines repeat it.
+        cut(&e.detail, 300)
     )
 }
 

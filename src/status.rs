@@ -13,6 +13,8 @@ use crate::state::{CycleState, STATE_FILE, read_state_file};
 use crate::time::{Timestamp, format_duration};
 
 pub const EVENTS_SHOWN: usize = 10;
+/// Longer details are cut in the text form (the JSON form and the files have them whole).
+const TEXT_DETAIL: usize = 300;
 
 /// What the health check looks at, gathered from the state directory.
 #[derive(Debug, Default)]
@@ -372,7 +374,10 @@ pub fn event_text(e: &Value) -> String {
         s("cycle_id").unwrap_or_else(|| "-".into())
     );
     if s("kind").as_deref() == Some("failure") {
-        line.push_str(&format!(" FAIL {}", s("detail").unwrap_or_default()));
+        line.push_str(&format!(
+            " FAIL {}",
+            crate::report::cut(&s("detail").unwrap_or_default(), TEXT_DETAIL)
+        ));
         return line;
     }
     line.push_str(match (s("kind").as_deref(), e["ok"].as_bool()) {
@@ -398,7 +403,9 @@ pub fn event_text(e: &Value) -> String {
     if !why.is_empty() {
         line.push_str(&format!(" ({})", why.join(", ")));
     }
-    line.push_str(&format!(": {}", s("detail").unwrap_or_default()));
+    if let Some(d) = s("detail").filter(|d| !d.is_empty()) {
+        line.push_str(&format!(": {}", crate::report::cut(&d, TEXT_DETAIL)));
+    }
     line
 }
 
