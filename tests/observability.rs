@@ -551,6 +551,22 @@ fn only_runs_past_the_lock_write_metrics() {
     fs::remove_file(&prom).unwrap();
     assert_eq!(status(&env, &["--check"]).code, Some(0));
     assert!(!prom.exists(), "status never writes the metrics");
+
+    // A metrics file that cannot be written is a failure of the run, named in its report.
+    let mut c = env.cmd("run");
+    let missing = env.tmp.path().join("no-such-dir/ci.prom");
+    c.args(["--metrics-file", missing.to_str().unwrap()]);
+    let out = env.exec(c);
+    assert_eq!(out.code, Some(1), "{out:?}");
+    let last = last_run(&env);
+    assert_eq!(last["exit_code"], 1);
+    assert!(
+        last["failures"][0]
+            .as_str()
+            .unwrap()
+            .contains("--metrics-file"),
+        "{last}"
+    );
 }
 
 /// Runs the binary with stderr in a file of our own, so a test can say whether
