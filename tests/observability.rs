@@ -671,3 +671,74 @@ fn a_run_in_progress_shows_in_the_metrics_file_until_it_ends() {
     assert_eq!(metric(&m, "cycle_active"), 1.0, "cycle.json is kept");
     assert_eq!(last_run(&env)["outcome"], "interrupted");
 }
+
+/// Direct children of `pid` (each leads its own process group).
+fn children(pid: u32) -> Vec<i32> {
+    let mut out = Vec::new();
+    for e in fs::read_dir("/proc").unwrap().filter_map(|e| e.ok()) {
+        let Ok(stat) = fs::read_to_string(e.path().join("stat")) else {
+            continue;
+        };
+        let Some((_, rest)) = stat.rsplit_once(") ") else {
+            continue;
+        };
+        let fields: Vec<&str> = rest.split_whitespace().collect();
+        if fields.get(1).and_then(|p| p.parse::<u32>().ok()) == Some(pid)
+            && let Ok(child) = e.file_name().to_string_lossy().parse::<i32>()
+        {
+            out.push(child);
+        }
+    }
+    out
+}
+
+#[test]
+fn what_cycle_json_remembers_is_already_in_the_audit_trail_when_killed() {
+    let env = Env::new();
+    env.fake.add_job(&["debian"]);
+    env.set_launch_mode("hang");
+    let mut c = env.cmd("run");
+    c.stdout(Stdio::null()).stderr(Stdio::null());
+    let mut child = c.spawn().unwrap();
+    // The launch command runs (and hangs): the registration is in cycle.json.
+    support::harness::wait_for("the launch", || {
+        fs::read_dir(&env.vm).unwrap().any(|e| {
+            e.unwrap()
+                .file_name()
+                .to_string_lossy()
+                .starts_with("launch-env.")
+        })
+    });
+    let kids = children(child.id());
+    unsafe { libc::kill(child.id() as i32, libc::SIGKILL) };
+    for k in kids {
+        unsafe { libc::kill(-k, libc::SIGKILL) };
+    }
+    let _ = child.wait();
+    let cycle = env.cycle_json().expect("cycle.json kept");
+    let id = cycle["registrations"][0]["id"]
+        .as_i64()
+        .expect("registered");
+    let trail = events(&env, "events.jsonl");
+    for step in ["start_cycle", "tofu_apply", "register_runner"] {
+        assert!(
+            trail.iter().any(|e| e["step"] == step
+                && e["cycle_id"] == cycle["cycle_id"]
+                && (step != "register_runner" || e["runner_id"] == id)),
+            "{step} not in the trail after SIGKILL: {trail:?}"
+        );
+    }
+    // The next run converges; the report and the trail say what it cleaned up.
+    env.set_launch_mode("one-job");
+    let out = env.run(&["--output", "json"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    env.assert_at_rest();
+    let trail = events(&env, "events.jsonl");
+    assert!(
+        trail.iter().any(|e| e["kind"] == "side_effect"
+            && e["step"] == "delete_runner"
+            && e["runner_id"] == id
+            && e["reason"] == "launch_cut_off"),
+        "{trail:?}"
+    );
+}
