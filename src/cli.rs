@@ -36,7 +36,8 @@ pub enum Command {
     Run(RunArgs),
     /// Delete offline registrations with the runner prefix; refused while a cycle is in progress.
     Sweep(SweepArgs),
-    /// Show the cycle in progress and the last run's outcome. Read-only: takes no lock.
+    /// Show the cycle in progress, the last run, the last events and any warning (with --check:
+    /// exit 1 on a warning, a health check). Read-only: takes no lock.
     Status(StatusArgs),
 }
 
@@ -229,7 +230,8 @@ pub struct StatusArgs {
 /// Flags every subcommand has: where the state lives, how to print, how much to log.
 #[derive(Debug, Args)]
 pub struct LocalArgs {
-    /// Directory of cycle.json, cycle.lock and last-run.json [default: $STATE_DIRECTORY, else
+    /// Directory of cycle.json, cycle.lock, last-run.json, events.jsonl and counters.json
+    /// [default: $STATE_DIRECTORY, else
     /// /var/lib/ci-ephemeral-provisioner].
     #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_STATE_DIR", value_name = "DIR")]
     pub state_dir: Option<PathBuf>,
