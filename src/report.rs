@@ -101,6 +101,8 @@ pub struct Summary {
     pub register_failed: u32,
     pub launched: u32,
     pub launch_failed: u32,
+    /// Registrations that ran their job and were removed by Forgejo (404 on GET).
+    pub consumed: u32,
     /// Registrations deleted (Forgejo answered 204), by reason.
     pub deleted: BTreeMap<String, u32>,
     /// DELETEs answered 404: someone (or the runner itself) removed them first.
@@ -121,6 +123,7 @@ impl Summary {
                 ("register_runner", false) => &mut s.register_failed,
                 ("launch_runner", true) => &mut s.launched,
                 ("launch_runner", false) => &mut s.launch_failed,
+                ("forget_runner", true) => &mut s.consumed,
                 ("delete_runner", false) => &mut s.delete_failed,
                 ("delete_runner", true) if e.detail == ALREADY_GONE => &mut s.already_gone,
                 ("delete_runner", true) => s
@@ -150,6 +153,7 @@ impl Summary {
             (self.register_failed, "registration failed"),
             (self.launched, "launched"),
             (self.launch_failed, "launch failed"),
+            (self.consumed, "consumed"),
         ] {
             if count > 0 {
                 regs.push(n(count, what));
@@ -541,6 +545,7 @@ mod tests {
         r.event("tofu_apply", true, "VM ready");
         r.event("register_runner", true, "");
         r.event("launch_runner", false, "exit 3");
+        r.event("forget_runner", true, "404");
         deletion(&mut r, "unconsumed", DELETED, true);
         deletion(&mut r, "sweep", DELETED, true);
         deletion(&mut r, "sweep", DELETED, true);
@@ -554,7 +559,7 @@ mod tests {
         assert_eq!((s.already_gone, s.delete_failed), (1, 1));
         assert_eq!(
             s.line(),
-            "VM applied; 1 registered, 1 launch failed; deleted 2 sweep, 1 unconsumed; 1 already gone; 1 deletion(s) failed; VM destroyed"
+            "VM applied; 1 registered, 1 launch failed, 1 consumed; deleted 2 sweep, 1 unconsumed; 1 already gone; 1 deletion(s) failed; VM destroyed"
         );
         assert_eq!(Summary::default().line(), "no side effect");
     }

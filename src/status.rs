@@ -339,6 +339,8 @@ struct SummaryView {
     #[serde(default)]
     launch_failed: u32,
     #[serde(default)]
+    consumed: u32,
+    #[serde(default)]
     deleted: std::collections::BTreeMap<String, u32>,
     #[serde(default)]
     already_gone: u32,
@@ -357,6 +359,7 @@ impl SummaryView {
             register_failed: self.register_failed,
             launched: self.launched,
             launch_failed: self.launch_failed,
+            consumed: self.consumed,
             deleted: self.deleted,
             already_gone: self.already_gone,
             delete_failed: self.delete_failed,
