@@ -600,9 +600,7 @@ fn launched() -> Result<(), String> {
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    let as_launch = args
-        .first()
-        .is_some_and(|a| a.ends_with("bench-launch"));
+    let as_launch = args.first().is_some_and(|a| a.ends_with("bench-launch"));
     let result = if as_launch {
         launched()
     } else if args.get(1).map(String::as_str) == Some("serve") {
