@@ -2,8 +2,9 @@
 """Writes a dry-run fixture for bench/run: fixture.py teardown|busy RUNNERS JOBS > fixture.json
 
 Both: a running cycle whose VM has been free since 15:10 ("now" is 15:30), RUNNERS
-registrations (a fifth of them offline with the prefix, spread evenly; the rest live ones with
-the prefix, other pools' offline ones, and names that only contain the prefix) and JOBS jobs.
+registrations (a fifth of them offline with the prefix, spread evenly; of the rest one in ten a
+live one with the prefix, the others other pools' and names that only contain the prefix) and
+JOBS jobs, as bench-forgejo builds them.
 
 teardown: the jobs want a `gpu` label we do not have, so the idle timeout tears the VM down and
           the sweep lists every registration: plan = tofu_destroy + RUNNERS/5 delete_runner.
@@ -25,12 +26,14 @@ for i in range(n):
         name, status = f"{prefix}20261014t101500z-3f2a-{rid}", "offline"
     else:
         other += 1
-        name, status = [
-            (f"{prefix}20261014t120000z-9a1b-{rid}", "idle"),
-            (f"{prefix}20261014t120000z-9a1b-{rid}", "active"),
-            (f"static-builder-{rid}", "offline"),
-            (f"my-{prefix}{rid}", "offline"),
-        ][other % 4]
+        if other % 20 in (0, 1):
+            name, status = f"{prefix}20261014t120000z-9a1b-{rid}", ["idle", "active"][other % 20]
+        else:
+            name, status = [
+                (f"static-builder-{rid}", "offline"),
+                (f"my-{prefix}{rid}", "offline"),
+                (f"pool-b-{rid}", "idle"),
+            ][other % 3]
     runners.append({
         "id": rid, "uuid": f"00000000-0000-4000-8000-{rid:012}", "owner_id": 0, "repo_id": 0,
         "name": name, "status": status, "version": "v11.1.2", "labels": ["debian", "docker"],

@@ -7,7 +7,7 @@
 //! TCP connection that carried one. Control endpoints under `/_bench/` are not counted.
 //!
 //! ```text
-//! bench-forgejo serve --token T [--runners N --stale S --prefix P] [--pickup JOBS] [--port-file F]
+//! bench-forgejo serve --token T [--runners N --stale S --prefix P --no-live-ours] [--pickup JOBS] [--port-file F]
 //! bench-launch   (the same binary under that name: the launch command of the pickup benchmark)
 //! ```
 //!
@@ -23,7 +23,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 const API: &str = "/api/v1/admin/actions/runners";
-const USAGE: &str = "usage: bench-forgejo serve --token TOKEN [--runners N] [--stale S] [--prefix P] [--pickup JOBS] [--port-file FILE]";
+const USAGE: &str = "usage: bench-forgejo serve --token TOKEN [--runners N] [--stale S] [--prefix P] [--no-live-ours] [--pickup JOBS] [--port-file FILE]";
 
 fn now_ns() -> u128 {
     SystemTime::now()
@@ -78,8 +78,8 @@ struct World {
     counts: Counts,
     pickup: Option<Pickup>,
     base: String,
-    /// The population, for `/_bench/restore`: (registrations, stale, prefix).
-    population: (u64, u64, String),
+    /// The population, for `/_bench/restore`: (registrations, stale, prefix, live ones of ours).
+    population: (u64, u64, String, bool),
 }
 
 impl World {
@@ -107,9 +107,10 @@ fn runner_json(id: i64, name: &str, status: &str) -> String {
     )
 }
 
-/// `n` registrations, `stale` of them offline with the prefix, spread evenly; the others are
-/// live ones with the prefix, other pools' offline ones, and one that only contains the prefix.
-fn population(n: u64, stale: u64, prefix: &str) -> Vec<Row> {
+/// `n` registrations, `stale` of them offline with the prefix, spread evenly; of the others one
+/// in ten is a live one with the prefix, the rest are other pools' (offline and idle) and names
+/// that only contain the prefix.
+fn population(n: u64, stale: u64, prefix: &str, live_ours: bool) -> Vec<Row> {
     let mut rows = Vec::with_capacity(n as usize);
     let mut other = 0u64;
     for i in 0..n {
@@ -119,11 +120,12 @@ fn population(n: u64, stale: u64, prefix: &str) -> Vec<Row> {
             (format!("{prefix}20261014t101500z-3f2a-{id}"), "offline")
         } else {
             other += 1;
-            match other % 4 {
-                0 => (format!("{prefix}20261014t120000z-9a1b-{id}"), "idle"),
-                1 => (format!("{prefix}20261014t120000z-9a1b-{id}"), "active"),
-                2 => (format!("static-builder-{id}"), "offline"),
-                _ => (format!("my-{prefix}{id}"), "offline"),
+            match (if live_ours { other % 20 } else { 2 }, other % 3) {
+                (0, _) => (format!("{prefix}20261014t120000z-9a1b-{id}"), "idle"),
+                (1, _) => (format!("{prefix}20261014t120000z-9a1b-{id}"), "active"),
+                (_, 0) => (format!("static-builder-{id}"), "offline"),
+                (_, 1) => (format!("my-{prefix}{id}"), "offline"),
+                _ => (format!("pool-b-{id}"), "idle"),
             }
         };
         rows.push(Row {
@@ -331,8 +333,10 @@ fn control_request(w: &mut World, what: &str, query: &str) -> Reply {
     match what {
         "stats" => {
             let c = &w.counts;
+            let ours = format!("\"name\":\"{}", w.population.2);
+            let ours = w.rows.iter().filter(|r| r.json.contains(&ours)).count();
             let mut body = format!(
-                "{{\"requests\":{},\"connections\":{},\"lists\":{},\"jobs\":{},\"gets\":{},\"deletes\":{},\"deleted\":{},\"posts\":{},\"rows\":{}",
+                "{{\"ours\":{ours},\"requests\":{},\"connections\":{},\"lists\":{},\"jobs\":{},\"gets\":{},\"deletes\":{},\"deleted\":{},\"posts\":{},\"rows\":{}",
                 c.requests,
                 c.connections,
                 c.lists,
@@ -369,8 +373,8 @@ fn control_request(w: &mut World, what: &str, query: &str) -> Reply {
         }
         // The world as it was at start (every deleted row back) and the counters at zero.
         "restore" => {
-            let (n, stale, prefix) = w.population.clone();
-            w.rows = population(n, stale, &prefix);
+            let (n, stale, prefix, live_ours) = w.population.clone();
+            w.rows = population(n, stale, &prefix, live_ours);
             w.dead.clear();
             w.next_id = n as i64 + 1;
             w.counts = Counts::default();
@@ -519,6 +523,7 @@ fn serve(args: &[String]) -> Result<(), String> {
     let (mut runners, mut stale, mut pickup) = (0u64, 0u64, None);
     let mut prefix = "ephemeral-".to_string();
     let mut port_file = None;
+    let mut live_ours = true;
     let mut it = args.iter();
     while let Some(a) = it.next() {
         let mut value = || it.next().cloned().ok_or(format!("{a} needs a value"));
@@ -530,6 +535,7 @@ fn serve(args: &[String]) -> Result<(), String> {
             "--prefix" => prefix = value()?,
             "--pickup" => pickup = Some(number(value()?)?),
             "--port-file" => port_file = Some(value()?),
+            "--no-live-ours" => live_ours = false,
             other => return Err(format!("unknown argument {other}\n{USAGE}")),
         }
     }
@@ -542,7 +548,7 @@ fn serve(args: &[String]) -> Result<(), String> {
     let base = format!("http://{addr}");
     let world = Arc::new(Mutex::new(World {
         token,
-        rows: population(runners, stale, &prefix),
+        rows: population(runners, stale, &prefix, live_ours),
         dead: HashSet::new(),
         next_id: runners as i64 + 1,
         counts: Counts::default(),
@@ -552,7 +558,7 @@ fn serve(args: &[String]) -> Result<(), String> {
             ..Pickup::default()
         }),
         base: base.clone(),
-        population: (runners, stale, prefix),
+        population: (runners, stale, prefix, live_ours),
     }));
     // The first job waits from the start: it is what makes the cycle begin (a cold sample).
     arm_job(&mut lock(&world));
