@@ -54,6 +54,8 @@ struct Sample {
     job_id: i64,
     waiting_ns: u128,
     seen_ns: Option<u128>,
+    /// When the POST that registered its runner arrived.
+    post_ns: Option<u128>,
     launch_ns: Option<u128>,
 }
 
@@ -265,6 +267,11 @@ fn list(w: &mut World, query: &str) -> Reply {
 
 fn register(w: &mut World, body: &[u8]) -> Reply {
     w.counts.posts += 1;
+    if let Some(p) = w.pickup.as_mut()
+        && let Some((_, i)) = p.current
+    {
+        p.samples[i].post_ns.get_or_insert_with(now_ns);
+    }
     let text = String::from_utf8_lossy(body);
     // The string value of "name" (our names need no JSON escapes).
     let name = text
@@ -323,6 +330,7 @@ fn arm_job(w: &mut World) {
             job_id: job,
             waiting_ns: now_ns(),
             seen_ns: None,
+            post_ns: None,
             launch_ns: None,
         });
         p.current = Some((job, p.samples.len() - 1));
@@ -355,10 +363,11 @@ fn control_request(w: &mut World, what: &str, query: &str) -> Reply {
                     }
                     let opt = |v: Option<u128>| v.map_or("null".to_string(), |v| v.to_string());
                     body.push_str(&format!(
-                        "{{\"job\":{},\"waiting_ns\":{},\"seen_ns\":{},\"launch_ns\":{}}}",
+                        "{{\"job\":{},\"waiting_ns\":{},\"seen_ns\":{},\"post_ns\":{},\"launch_ns\":{}}}",
                         s.job_id,
                         s.waiting_ns,
                         opt(s.seen_ns),
+                        opt(s.post_ns),
                         opt(s.launch_ns)
                     ));
                 }

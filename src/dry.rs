@@ -35,84 +35,11 @@ struct QuickFixture {
     #[serde(default)]
     cycle: Option<Value>,
     #[serde(default)]
-    runners: Option<Vec<SlimRunner>>,
+    runners: Option<Vec<crate::model::SlimRunner>>,
     #[serde(default)]
     jobs: Option<Vec<Value>>,
     #[serde(default)]
     now: Option<String>,
-}
-
-/// A runner row as a JSON value holding only `id`, `name` and `status` (what
-/// `Runner::from_json` reads); its other fields are skipped while parsing instead of being built
-/// and freed again, which was most of a dry-run's time on a fixture of 10,000 runners. A row
-/// that is not an object is kept as it is, so that it fails as before when it is listed.
-struct SlimRunner(Value);
-
-impl<'de> serde::Deserialize<'de> for SlimRunner {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<SlimRunner, D::Error> {
-        #[derive(serde::Deserialize)]
-        #[serde(field_identifier, rename_all = "lowercase")]
-        enum Field {
-            Id,
-            Name,
-            Status,
-            #[serde(other)]
-            Other,
-        }
-        struct Slim;
-        impl<'de> serde::de::Visitor<'de> for Slim {
-            type Value = SlimRunner;
-            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                f.write_str("a runner")
-            }
-            fn visit_map<A: serde::de::MapAccess<'de>>(
-                self,
-                mut map: A,
-            ) -> Result<SlimRunner, A::Error> {
-                let mut obj = serde_json::Map::new();
-                while let Some(field) = map.next_key::<Field>()? {
-                    let key = match field {
-                        Field::Id => "id",
-                        Field::Name => "name",
-                        Field::Status => "status",
-                        Field::Other => {
-                            map.next_value::<serde::de::IgnoredAny>()?;
-                            continue;
-                        }
-                    };
-                    obj.insert(key.to_string(), map.next_value::<Value>()?);
-                }
-                Ok(SlimRunner(Value::Object(obj)))
-            }
-            fn visit_seq<A: serde::de::SeqAccess<'de>>(
-                self,
-                seq: A,
-            ) -> Result<SlimRunner, A::Error> {
-                use serde::Deserialize;
-                Value::deserialize(serde::de::value::SeqAccessDeserializer::new(seq))
-                    .map(SlimRunner)
-            }
-            fn visit_bool<E>(self, v: bool) -> Result<SlimRunner, E> {
-                Ok(SlimRunner(Value::Bool(v)))
-            }
-            fn visit_i64<E>(self, v: i64) -> Result<SlimRunner, E> {
-                Ok(SlimRunner(Value::from(v)))
-            }
-            fn visit_u64<E>(self, v: u64) -> Result<SlimRunner, E> {
-                Ok(SlimRunner(Value::from(v)))
-            }
-            fn visit_f64<E>(self, v: f64) -> Result<SlimRunner, E> {
-                Ok(SlimRunner(Value::from(v)))
-            }
-            fn visit_str<E>(self, v: &str) -> Result<SlimRunner, E> {
-                Ok(SlimRunner(Value::from(v)))
-            }
-            fn visit_unit<E>(self) -> Result<SlimRunner, E> {
-                Ok(SlimRunner(Value::Null))
-            }
-        }
-        d.deserialize_any(Slim)
-    }
 }
 
 impl Fixture {
