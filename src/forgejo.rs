@@ -177,6 +177,12 @@ fn encode_query_value(s: &str) -> String {
     out
 }
 
+/// ureq's buffers per connection (its defaults are 128 KiB each, zero-filled on every connect:
+/// 57% of an idle tick's instructions). Bodies stream through them; the input buffer bounds the
+/// response head, which Forgejo keeps to a few KiB.
+const INPUT_BUFFER: usize = 32 * 1024;
+const OUTPUT_BUFFER: usize = 16 * 1024;
+
 /// How long a resolved Forgejo address is reused before the name is looked up again.
 const RESOLVE_TTL: Duration = Duration::from_secs(60);
 
@@ -294,6 +300,9 @@ impl HttpForgejo {
             .timeout_connect(Some(timeout.min(Duration::from_secs(10))))
             .http_status_as_error(false)
             .max_redirects(0)
+            .input_buffer_size(INPUT_BUFFER)
+            .max_response_header_size(INPUT_BUFFER)
+            .output_buffer_size(OUTPUT_BUFFER)
             .user_agent(concat!(
                 "ci-ephemeral-provisioner/",
                 env!("CARGO_PKG_VERSION")
@@ -657,7 +666,7 @@ mod tests {
 
     /// A loopback HTTP/1.1 server answering every request `[]` on keep-alive connections; counts
     /// the TCP connections it accepted and the requests it answered.
-    fn counting_server() -> (String, Arc<AtomicUsize>, Arc<AtomicUsize>) {
+    fn counting_server(body: String) -> (String, Arc<AtomicUsize>, Arc<AtomicUsize>) {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
         let conns = Arc::new(AtomicUsize::new(0));
@@ -668,6 +677,10 @@ mod tests {
                 let Ok(stream) = stream else { return };
                 c.fetch_add(1, SeqCst);
                 let r = Arc::clone(&r);
+                let answer = format!(
+                    "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nX-Total-Count: 0\r\nContent-Length: {}\r\n\r\n{body}",
+                    body.len()
+                );
                 std::thread::spawn(move || {
                     let mut out = stream.try_clone().unwrap();
                     let mut rd = BufReader::new(stream);
@@ -681,7 +694,6 @@ mod tests {
                             continue;
                         }
                         r.fetch_add(1, SeqCst);
-                        let answer = "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nX-Total-Count: 0\r\nContent-Length: 2\r\n\r\n[]";
                         if out.write_all(answer.as_bytes()).is_err() {
                             return;
                         }
@@ -710,7 +722,7 @@ mod tests {
 
     #[test]
     fn requests_share_one_keep_alive_connection_and_one_lookup() {
-        let (url, conns, reqs) = counting_server();
+        let (url, conns, reqs) = counting_server("[]".into());
         let lookups = Arc::new(AtomicUsize::new(0));
         let mut f = HttpForgejo::with_resolver(
             &url,
@@ -730,6 +742,31 @@ mod tests {
         assert_eq!(f.requests, 5);
         assert_eq!(conns.load(SeqCst), 1, "every request on one connection");
         assert_eq!(lookups.load(SeqCst), 1, "the host is looked up once");
+    }
+
+    #[test]
+    fn a_body_larger_than_the_buffers_is_read_whole() {
+        let job = |id: usize| {
+            format!(
+                r#"{{"id":{id},"handle":"h-{id}","status":"waiting","runs_on":["debian"],"name":"{}"}}"#,
+                "x".repeat(200)
+            )
+        };
+        let jobs: Vec<String> = (1..=1000).map(job).collect();
+        let body = format!("[{}]", jobs.join(","));
+        assert!(body.len() > 4 * (INPUT_BUFFER + OUTPUT_BUFFER));
+        let (url, _, _) = counting_server(body);
+        let mut f = HttpForgejo::new(
+            &url,
+            Scope::Admin,
+            &Secret::new("t".into()),
+            &["debian".to_string()],
+            Duration::from_secs(10),
+            None,
+        );
+        let jobs = f.list_jobs().unwrap();
+        assert_eq!(jobs.len(), 1000);
+        assert_eq!(jobs[999].handle, "h-1000");
     }
 
     #[test]
