@@ -551,7 +551,8 @@ impl Driver<'_, '_> {
     /// A POST whose answer was lost: list everything, delete the registrations with exactly this
     /// name (they can only be offline: nobody ever got their token), then forget it.
     fn resolve_intent(&mut self, name: &str) -> Option<End> {
-        let listing = match sweep::list_all(self.w.forgejo) {
+        let same_name = |r: &crate::model::Runner| r.name.as_deref() == Some(name);
+        let listing = match sweep::list_all(self.w.forgejo, &same_name) {
             Ok(l) => l,
             Err(e) => {
                 self.intent_failed(name);
@@ -571,7 +572,7 @@ impl Driver<'_, '_> {
             self.intent_failed(name);
             self.report.fail(format!(
                 "registration {name} (its POST got no answer) was not in a runner list that ended with {} of the {} rows Forgejo counted; not forgetting it, retrying",
-                listing.rows.len(),
+                listing.distinct,
                 listing.total.unwrap_or(0)
             ));
             return None;

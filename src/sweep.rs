@@ -1,7 +1,7 @@
 //! The sweep: list every page first, then delete the offline registrations with our prefix.
 //! Any doubt deletes nothing.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 
 use crate::forgejo::{Deleted, Forgejo};
 use crate::model::{Runner, RunnerStatus, may_delete};
@@ -13,9 +13,10 @@ pub const PAGE_LIMIT: u32 = 50;
 /// More pages than this (50,000 registrations) is treated as a misbehaving server.
 pub const MAX_PAGES: u32 = 1000;
 
-/// Every row of every page, de-duplicated by id. Rows whose id appears twice with different
-/// contents are returned in the second list: they are doubtful and never deleted.
+/// The rows of every page that the caller kept, de-duplicated by id. Rows whose id appears twice
+/// with different contents are returned in the second list: they are doubtful and never deleted.
 pub struct Listing {
+    /// The kept rows, in id order.
     pub rows: Vec<Runner>,
     pub conflicting: Vec<i64>,
     pub pages: u32,
@@ -23,12 +24,24 @@ pub struct Listing {
     /// read them): absence from it proves nothing.
     pub complete: bool,
     pub total: Option<u64>,
+    /// Distinct ids listed, kept or not.
+    pub distinct: usize,
 }
 
 /// Lists all pages (`page=1..`, `limit=50`). Stops on an empty page, once `X-Total-Count` rows
 /// are collected, or on a short page when no count is given. Any failed page is an error.
-pub fn list_all(forgejo: &mut dyn Forgejo) -> Result<Listing, String> {
+///
+/// Only the rows `keep` accepts are kept whole (the sweep keeps those with its prefix); of every
+/// other row just its id, which is what proves the list complete (distinct ids against
+/// `X-Total-Count`, since Forgejo's order is not stable between pages) and catches an id that
+/// was kept on one page and not on another (its name changed while we paged: a conflict). So
+/// memory follows the candidates, not the size of the instance.
+pub fn list_all(
+    forgejo: &mut dyn Forgejo,
+    keep: &dyn Fn(&Runner) -> bool,
+) -> Result<Listing, String> {
     let mut by_id: BTreeMap<i64, Runner> = BTreeMap::new();
+    let mut others: HashSet<i64> = HashSet::new();
     let mut conflicting: Vec<i64> = Vec::new();
     let mut page = 0u32;
     let mut last_total = None;
@@ -51,21 +64,30 @@ pub fn list_all(forgejo: &mut dyn Forgejo) -> Result<Listing, String> {
             totals.push(t);
         }
         for r in p.rows {
-            match by_id.get(&r.id) {
-                Some(seen) if *seen != r => {
-                    if !conflicting.contains(&r.id) {
-                        conflicting.push(r.id);
+            let conflict = if keep(&r) {
+                match by_id.get(&r.id) {
+                    Some(seen) => *seen != r,
+                    None if others.contains(&r.id) => true,
+                    None => {
+                        by_id.insert(r.id, r);
+                        continue;
                     }
                 }
-                Some(_) => {}
-                None => {
-                    by_id.insert(r.id, r);
-                }
+            } else if by_id.contains_key(&r.id) {
+                // Kept on an earlier page, not now: its contents differ.
+                true
+            } else {
+                others.insert(r.id);
+                false
+            };
+            if conflict && !conflicting.contains(&r.id) {
+                conflicting.push(r.id);
             }
         }
+        let distinct = by_id.len() + others.len();
         let done = match p.total {
             _ if n == 0 => true,
-            Some(total) => by_id.len() as u64 >= total,
+            Some(total) => distinct as u64 >= total,
             None => n < PAGE_LIMIT as usize,
         };
         if done {
@@ -74,12 +96,14 @@ pub fn list_all(forgejo: &mut dyn Forgejo) -> Result<Listing, String> {
     }
     // Complete only when every page agreed on the count and we saw that many distinct rows: a
     // count that changed while we paged means rows moved between pages.
+    let distinct = by_id.len() + others.len();
     let complete = match totals.as_slice() {
         [] => true,
-        [t] => by_id.len() as u64 >= *t,
+        [t] => distinct as u64 >= *t,
         _ => false,
     };
     Ok(Listing {
+        distinct,
         rows: by_id.into_values().collect(),
         conflicting,
         pages: page,
@@ -151,7 +175,9 @@ pub fn sweep_with(
     on_delete: &mut dyn FnMut(&SweptRunner, Option<DeleteResult>),
 ) -> SweepReport {
     let mut report = SweepReport::default();
-    let listing = match list_all(forgejo) {
+    let ours =
+        |r: &Runner| !prefix.is_empty() && r.name.as_deref().is_some_and(|n| n.starts_with(prefix));
+    let listing = match list_all(forgejo, &ours) {
         Ok(l) => l,
         Err(e) => {
             report.error = Some(e);
@@ -159,12 +185,12 @@ pub fn sweep_with(
         }
     };
     report.pages = listing.pages;
-    report.listed = listing.rows.len();
+    report.listed = listing.distinct;
     report.listing_complete = listing.complete;
     if !listing.complete {
         log::warn!(
             "sweep: the runner list ended with {} distinct rows of the {} Forgejo counted (rows moved while paging); what was missed is left for the next sweep",
-            listing.rows.len(),
+            listing.distinct,
             listing.total.unwrap_or(0)
         );
     }
@@ -451,6 +477,7 @@ mod tests {
             pages: 1,
             complete: true,
             total: None,
+            distinct: 10,
         };
         let sel = select(&listing, "ephemeral-", 2);
         assert_eq!(
@@ -477,14 +504,72 @@ mod tests {
             Ok((page(1, 50, "ephemeral"), Some(51))),
             Ok((vec![], Some(50))),
         ]);
-        let l = list_all(&mut f).unwrap();
+        let l = list_all(&mut f, &|_| true).unwrap();
         assert_eq!(l.rows.len(), 50);
         assert!(!l.complete);
         let mut f = Scripted::new(vec![
             Ok((page(1, 50, "ephemeral"), Some(60))),
             Ok((page(51, 10, "ephemeral"), Some(60))),
         ]);
-        assert!(list_all(&mut f).unwrap().complete);
+        assert!(list_all(&mut f, &|_| true).unwrap().complete);
+    }
+
+    #[test]
+    fn only_our_rows_are_kept_but_every_row_is_counted() {
+        // 120 registrations, 70 of them ours: the listing keeps the 70, counts all 120.
+        let pages = || {
+            vec![
+                Ok((page(1, 50, "static"), Some(120))),
+                Ok((page(51, 50, "ephemeral"), Some(120))),
+                Ok((page(101, 20, "ephemeral"), Some(120))),
+            ]
+        };
+        let ours = |r: &Runner| {
+            r.name
+                .as_deref()
+                .is_some_and(|n| n.starts_with("ephemeral-"))
+        };
+        let l = list_all(&mut Scripted::new(pages()), &ours).unwrap();
+        assert_eq!(l.rows.len(), 70, "memory holds the candidates only");
+        assert_eq!(l.distinct, 120);
+        assert!(l.complete);
+        let mut f = Scripted::new(pages());
+        let rep = sweep(&mut f, "ephemeral-", 1000);
+        assert_eq!(rep.listed, 120);
+        assert_eq!(f.asked, vec![1, 2, 3]);
+        assert_eq!(f.deleted, (51..=120).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn a_row_whose_name_changes_between_pages_is_never_deleted() {
+        // Id 7 is another pool's on page 1 and ours (offline) on page 2; id 9 the other way round.
+        let mut f = Scripted::new(vec![
+            Ok((
+                vec![
+                    r(7, "static-7", RunnerStatus::Offline),
+                    r(9, "ephemeral-9", RunnerStatus::Offline),
+                ],
+                Some(3),
+            )),
+            Ok((
+                vec![
+                    r(7, "ephemeral-7", RunnerStatus::Offline),
+                    r(8, "ephemeral-8", RunnerStatus::Offline),
+                    r(9, "static-9", RunnerStatus::Offline),
+                ],
+                Some(3),
+            )),
+        ]);
+        let rep = sweep(&mut f, "ephemeral-", 1000);
+        assert_eq!(f.deleted, vec![8]);
+        assert_eq!(rep.listed, 3);
+        assert_eq!(
+            rep.skipped_doubtful
+                .iter()
+                .map(|r| r.runner_id)
+                .collect::<Vec<_>>(),
+            vec![9]
+        );
     }
 
     #[test]
