@@ -10,8 +10,9 @@ use crate::report::{SweepReport, SweptRunner};
 
 /// Forgejo clamps `limit` to `[api].MAX_RESPONSE_ITEMS` (default 50).
 pub const PAGE_LIMIT: u32 = 50;
-/// More pages than this (50,000 registrations) is treated as a misbehaving server.
-pub const MAX_PAGES: u32 = 1000;
+/// More pages than this (500,000 registrations) is treated as a misbehaving server. A server
+/// that ignores `page` is caught long before: its second page brings no new id.
+pub const MAX_PAGES: u32 = 10_000;
 
 /// The rows of every page that the caller kept, de-duplicated by id. Rows whose id appears twice
 /// with different contents are returned in the second list: they are doubtful and never deleted.
@@ -57,6 +58,7 @@ pub fn list_all(
             .list_runners_page(page, PAGE_LIMIT)
             .map_err(|e| format!("listing runners failed on page {page}: {e}"))?;
         let n = p.rows.len();
+        let distinct_before = by_id.len() + others.len();
         last_total = p.total.or(last_total);
         if let Some(t) = p.total
             && !totals.contains(&t)
@@ -85,6 +87,13 @@ pub fn list_all(
             }
         }
         let distinct = by_id.len() + others.len();
+        if n > 0 && distinct == distinct_before {
+            // A page of only ids already listed: the server ignores `page` (or every row moved
+            // back a whole page while we read). Going on could only repeat it.
+            return Err(format!(
+                "page {page} of the runner list held only runners already listed (does the server honour `page`?); deleting nothing"
+            ));
+        }
         let done = match p.total {
             _ if n == 0 => true,
             Some(total) => distinct as u64 >= total,
@@ -274,6 +283,8 @@ mod tests {
         fail_delete: Vec<i64>,
         /// Answer every page with the first one (a server that ignores `page`).
         loop_first: bool,
+        /// Answer every page with 50 new rows and no total (a list that never ends).
+        endless: bool,
     }
 
     impl Scripted {
@@ -284,6 +295,7 @@ mod tests {
                 deleted: vec![],
                 fail_delete: vec![],
                 loop_first: false,
+                endless: false,
             }
         }
     }
@@ -316,6 +328,12 @@ mod tests {
         fn list_runners_page(&mut self, page: u32, limit: u32) -> Result<RunnerPage, ApiError> {
             assert_eq!(limit, PAGE_LIMIT);
             self.asked.push(page);
+            if self.endless {
+                return Ok(RunnerPage {
+                    rows: self::page(i64::from(page) * 100, 50, "other"),
+                    total: None,
+                });
+            }
             let idx = if self.loop_first {
                 0
             } else {
@@ -384,14 +402,24 @@ mod tests {
     }
 
     #[test]
-    fn a_server_that_never_ends_deletes_nothing() {
+    fn a_server_that_ignores_page_deletes_nothing_after_two_pages() {
         let mut f = Scripted::new(vec![Ok((page(1, 50, "ephemeral"), None))]);
         f.loop_first = true;
-        // Every page repeats the same full page without a total: bounded, then refused.
+        // Every page repeats the same full page without a total: refused at the first repeat.
+        let rep = sweep(&mut f, "ephemeral-", 1000);
+        assert!(f.deleted.is_empty());
+        assert_eq!(f.asked.len(), 2);
+        assert!(rep.error.as_deref().unwrap().contains("page 2"));
+    }
+
+    #[test]
+    fn a_list_that_never_ends_deletes_nothing() {
+        let mut f = Scripted::new(vec![]);
+        f.endless = true;
         let rep = sweep(&mut f, "ephemeral-", 1000);
         assert!(f.deleted.is_empty());
         assert_eq!(f.asked.len(), MAX_PAGES as usize);
-        assert!(rep.error.is_some());
+        assert!(rep.error.as_deref().unwrap().contains("did not end"));
     }
 
     #[test]
