@@ -21,11 +21,12 @@ pub const COUNTERS_FILE: &str = "counters.json";
 const COUNTERS_VERSION: u32 = 1;
 pub const PREFIX: &str = "ci_ephemeral_provisioner";
 
-const DELETE_REASONS: [DeleteReason; 6] = [
+const DELETE_REASONS: [DeleteReason; 7] = [
     DeleteReason::Unconsumed,
     DeleteReason::LaunchFailed,
     DeleteReason::LaunchCutOff,
     DeleteReason::Teardown,
+    DeleteReason::Stranded,
     DeleteReason::LostRegistration,
     DeleteReason::Sweep,
 ];

@@ -75,6 +75,9 @@ pub enum DeleteReason {
     LaunchCutOff,
     /// Left over when the VM was torn down.
     Teardown,
+    /// Its runner sat idle after its job ended or went away (stranded); deleted once the
+    /// teardown took it offline.
+    Stranded,
     /// A POST whose answer was lost, found again by its exact name.
     LostRegistration,
     /// Offline registration with our prefix, found by the sweep after a successful destroy.
@@ -88,6 +91,7 @@ impl DeleteReason {
             DeleteReason::LaunchFailed => "launch_failed",
             DeleteReason::LaunchCutOff => "launch_cut_off",
             DeleteReason::Teardown => "teardown",
+            DeleteReason::Stranded => "stranded",
             DeleteReason::LostRegistration => "lost_registration",
             DeleteReason::Sweep => "sweep",
         }
@@ -431,6 +435,16 @@ fn decide_running(
     }
 }
 
+/// Why a registration still there at teardown is deleted: `stranded` when its runner was seen
+/// idle after its job had gone, else `teardown`.
+fn leftover_reason(reg: &Registration) -> DeleteReason {
+    if reg.job_gone_since.is_some() {
+        DeleteReason::Stranded
+    } else {
+        DeleteReason::Teardown
+    }
+}
+
 fn decide_tearing_down(
     state: &CycleState,
     obs: &Observation,
@@ -448,7 +462,7 @@ fn decide_tearing_down(
             {
                 return Step::Delete {
                     id,
-                    reason: DeleteReason::Teardown,
+                    reason: leftover_reason(reg),
                 };
             }
             _ => {}
@@ -495,7 +509,7 @@ fn decide_destroyed(
             {
                 return Step::Delete {
                     id,
-                    reason: DeleteReason::Teardown,
+                    reason: leftover_reason(reg),
                 };
             }
             Some(Some(r)) => {

@@ -851,6 +851,7 @@ fn stranded_idle_runner_is_never_deleted_alive_the_vm_goes_and_then_it_does() {
         destroy < delete,
         "the idle runner was deleted only after its VM was destroyed"
     );
+    assert_eq!(events[delete]["reason"], "stranded", "{report}");
     assert!(env.our_runners().is_empty());
     assert!(env.cycle_json().is_none());
 }

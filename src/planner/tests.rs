@@ -1173,6 +1173,25 @@ fn tearing_down_deletes_an_offline_one_with_the_prefix() {
 }
 
 #[test]
+fn a_leftover_whose_job_had_gone_is_deleted_as_stranded() {
+    // Before the destroy (it went offline already) and after it: the reason says why it was
+    // left, so an operator can tell a stranded runner from an ordinary teardown.
+    let stranded = gone_since(reg(1, Launch::Done, Some(at(MIN))), at(2 * MIN));
+    let o = obs(None, vec![seen(ours(1, RunnerStatus::Offline))]);
+    let st = state_with(Phase::TearingDown, vec![stranded.clone()]);
+    assert_eq!(
+        plan(&st, &o, &ctx(), at(HOUR)),
+        delete(1, DeleteReason::Stranded)
+    );
+    let st = destroyed(vec![stranded], HOUR);
+    assert_eq!(
+        decide(Some(&st), &o, &destroyed_ctx(), &policy(), at(HOUR + SEC)),
+        delete(1, DeleteReason::Stranded)
+    );
+    assert_eq!(DeleteReason::Stranded.as_str(), "stranded");
+}
+
+#[test]
 fn tearing_down_skips_anything_not_provably_dead_and_destroys() {
     let st = state_with(
         Phase::TearingDown,
