@@ -154,6 +154,7 @@ pub fn sweep(forgejo: &mut dyn Forgejo, prefix: &str, cap: usize) -> SweepReport
             listing.total.unwrap_or(0)
         );
     }
+    crate::crash_point!("sweep-listed");
     let sel = select(&listing, prefix, cap);
     report.found = sel.found;
     report.left_over_cap = sel.left_over_cap;
@@ -169,6 +170,7 @@ pub fn sweep(forgejo: &mut dyn Forgejo, prefix: &str, cap: usize) -> SweepReport
     for r in &sel.delete {
         match forgejo.delete_runner(r.id, DeleteReason::Sweep.as_str()) {
             Ok(Deleted::Now) => {
+                crate::crash_point!("sweep-deleted-one");
                 log::info!(
                     "sweep: deleted offline runner {} ({})",
                     r.id,

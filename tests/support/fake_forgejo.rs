@@ -374,6 +374,8 @@ struct World {
     orgs: Vec<String>,
     repos: Vec<String>,
     deleted_ids: Vec<i64>,
+    /// (id, name, computed status) of each API deletion, at the moment it happened.
+    deletions: Vec<(i64, String, String)>,
     requests: Vec<Request>,
     faults: Vec<FaultRule>,
     rng: u64,
@@ -463,6 +465,7 @@ impl World {
             orgs: Vec::new(),
             repos: Vec::new(),
             deleted_ids: Vec::new(),
+            deletions: Vec::new(),
             requests: Vec::new(),
             faults: Vec::new(),
             rng: seed | 1,
@@ -720,6 +723,8 @@ impl World {
                         return Reply::error(404, "No permission to delete this runner");
                     }
                     // No busy check: Forgejo deletes active runners too.
+                    let seen = (id, r.name.clone(), r.status(now).to_string());
+                    self.deletions.push(seen);
                     self.soft_delete(id, true);
                     Reply::empty(204)
                 }
@@ -1221,6 +1226,11 @@ impl FakeForgejo {
     /// Ids deleted through the API's DELETE, in order (not Forgejo's own ephemeral deletions).
     pub fn deleted_ids(&self) -> Vec<i64> {
         self.world().deleted_ids.clone()
+    }
+
+    /// Every API deletion as (id, name, status the runner had when it was deleted), in order.
+    pub fn deletions(&self) -> Vec<(i64, String, String)> {
+        self.world().deletions.clone()
     }
 
     /// All jobs, id ascending.
