@@ -466,3 +466,100 @@ fn matrix_covers_every_crash_point() {
         "crash points no scenario reaches: {missing:?}"
     );
 }
+
+// ---------------------------------------------------------------------------------------------
+// SIGTERM (systemd's stop) while tofu runs: tofu gets exactly one SIGINT, the run persists and
+// exits non-zero, the next run converges.
+// ---------------------------------------------------------------------------------------------
+
+/// tofu is `tests/bin/tofu-wrapper.sh`, which records each SIGINT it gets in `$VM_DIR/tofu-sigint`.
+fn env_with_tofu_wrapper() -> Env {
+    let mut env = Env::new();
+    env.tofu = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/bin/tofu-wrapper.sh")
+        .to_string_lossy()
+        .into_owned();
+    env
+}
+
+fn sigterm_while(env: &Env, marker: &str) -> (Option<i32>, String) {
+    let mut c = env.cmd("run");
+    c.env("TOFU_REAL", support::harness::tofu_bin());
+    c.stdout(Stdio::null()).stderr(Stdio::piped());
+    let mut child = c.spawn().unwrap();
+    wait_for(marker, || env.vm.join(marker).exists());
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let status = child.wait().unwrap();
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut stderr).unwrap();
+    (status.code(), stderr)
+}
+
+fn sigints(env: &Env) -> Vec<String> {
+    fs::read_to_string(env.vm.join("tofu-sigint"))
+        .unwrap_or_default()
+        .lines()
+        .map(str::to_string)
+        .collect()
+}
+
+fn converge_with_wrapper(env: &Env) {
+    for _ in 0..3 {
+        let mut c = env.cmd("run");
+        c.env("TOFU_REAL", support::harness::tofu_bin());
+        let out = env.exec(c);
+        if out.code == Some(0) && env.cycle_json().is_none() {
+            break;
+        }
+    }
+    env.assert_at_rest();
+    assert!(env.fake.jobs().iter().all(|j| j.status == "success"));
+}
+
+#[test]
+fn sigterm_during_apply_reaches_tofu_as_one_sigint() {
+    let env = env_with_tofu_wrapper();
+    env.fake.add_job(&["debian"]);
+    env.fault("slow-apply", true);
+    let (code, stderr) = sigterm_while(&env, "applying");
+    assert_eq!(code, Some(1), "{stderr}");
+    let got = sigints(&env);
+    assert_eq!(got.len(), 1, "exactly one SIGINT reached tofu: {got:?}");
+    assert!(got[0].contains(" apply "), "{got:?}");
+    assert!(
+        stderr.contains("stopped by a signal during tofu apply"),
+        "{stderr}"
+    );
+    assert_eq!(env.cycle_json().expect("persisted")["phase"], "applying");
+    env.fault("slow-apply", false);
+    converge_with_wrapper(&env);
+}
+
+#[test]
+fn sigterm_during_destroy_reaches_tofu_as_one_sigint() {
+    let env = env_with_tofu_wrapper();
+    env.fake.add_job(&["debian"]);
+    env.fake
+        .add_runner("ephemeral-stale", true, Conn::NeverConnected);
+    env.fault("slow-destroy", true);
+    let (code, stderr) = sigterm_while(&env, "destroying");
+    assert_eq!(code, Some(1), "{stderr}");
+    let got = sigints(&env);
+    assert_eq!(got.len(), 1, "exactly one SIGINT reached tofu: {got:?}");
+    assert!(got[0].contains(" destroy "), "{got:?}");
+    assert!(
+        stderr.contains("stopped by a signal during tofu destroy"),
+        "{stderr}"
+    );
+    assert_eq!(
+        env.cycle_json().expect("persisted")["phase"],
+        "tearing_down"
+    );
+    assert_eq!(
+        env.our_runners().len(),
+        1,
+        "no sweep after an interrupted destroy"
+    );
+    env.fault("slow-destroy", false);
+    converge_with_wrapper(&env);
+}

@@ -1228,6 +1228,15 @@ impl FakeForgejo {
         self.world().deleted_ids.clone()
     }
 
+    /// Every runner token the fake ever issued (deleted registrations included).
+    pub fn issued_tokens(&self) -> Vec<String> {
+        self.world()
+            .runners
+            .values()
+            .map(|r| r.token.clone())
+            .collect()
+    }
+
     /// Every API deletion as (id, name, status the runner had when it was deleted), in order.
     pub fn deletions(&self) -> Vec<(i64, String, String)> {
         self.world().deletions.clone()
