@@ -119,6 +119,15 @@ pub enum Fault {
     WrongTypes,
     /// Answer 200 with exactly this body (`application/json` content type); nothing is applied.
     Body(String),
+    /// Apply the request, then answer with these headers set (replacing any of the same name):
+    /// an `X-Total-Count` that lies, a `Link` that loops.
+    Headers(Vec<(&'static str, String)>),
+    /// Apply the request, then set these fields in the JSON answer (in every element of an
+    /// array answer); a `null` value removes the field.
+    Patch(Value),
+    /// Answer 200 with this body, its headers at once and then one byte every `every` (a server
+    /// that drips past any timeout); nothing is applied.
+    Drip { body: String, every: Duration },
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1410,6 +1419,7 @@ fn serve(shared: &Shared, mut rq: tiny_http::Request) {
             return send(rq, reply);
         }
         Some(Fault::Delay(d)) => thread::sleep(*d),
+        Some(Fault::Drip { body, every }) => return drip(rq, body.as_bytes(), *every),
         _ => {}
     }
 
@@ -1436,7 +1446,67 @@ fn serve(shared: &Shared, mut rq: tiny_http::Request) {
             wrong.headers = reply.headers;
             send(rq, wrong)
         }
+        Some(Fault::Headers(set)) => {
+            let mut reply = reply;
+            for (k, v) in set {
+                reply
+                    .headers
+                    .retain(|(name, _)| !name.eq_ignore_ascii_case(k));
+                reply.headers.push((k, v));
+            }
+            send(rq, reply)
+        }
+        Some(Fault::Patch(patch)) => {
+            let mut reply = reply;
+            if let Ok(mut v) = serde_json::from_slice::<Value>(&reply.body) {
+                match &mut v {
+                    Value::Array(items) => items.iter_mut().for_each(|i| apply_patch(i, &patch)),
+                    other => apply_patch(other, &patch),
+                }
+                reply.body = serde_json::to_vec(&v).expect("serialize json");
+            }
+            send(rq, reply)
+        }
         _ => send(rq, reply),
+    }
+}
+
+/// Sets (or, for `null`, removes) the patch's fields in an object.
+fn apply_patch(v: &mut Value, patch: &Value) {
+    if let (Some(obj), Some(p)) = (v.as_object_mut(), patch.as_object()) {
+        for (k, val) in p {
+            if val.is_null() {
+                obj.remove(k);
+            } else {
+                obj.insert(k.clone(), val.clone());
+            }
+        }
+    }
+}
+
+/// Writes a 200 answer by hand: the headers at once, then the body one byte at a time, flushed,
+/// every `every`; stops when the client has gone (or after 60 s).
+fn drip(rq: tiny_http::Request, body: &[u8], every: Duration) {
+    use std::io::Write;
+    let mut w = rq.into_writer();
+    let head = format!(
+        "HTTP/1.1 200 OK\r\nContent-Type: {JSON_CONTENT_TYPE}\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    );
+    if w.write_all(head.as_bytes())
+        .and_then(|()| w.flush())
+        .is_err()
+    {
+        return;
+    }
+    let start = std::time::Instant::now();
+    for b in body {
+        thread::sleep(every);
+        if start.elapsed() > Duration::from_secs(60)
+            || w.write_all(&[*b]).and_then(|()| w.flush()).is_err()
+        {
+            return;
+        }
     }
 }
 
