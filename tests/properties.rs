@@ -85,14 +85,18 @@ fn canonical(s: RunnerStatus) -> RunnerStatus {
     }
 }
 
+/// Names with and without our usual prefix, statuses often `offline`: deletable rows are common.
 fn any_runner() -> impl Strategy<Value = Runner> {
-    (any::<i64>(), proptest::option::of(".{0,20}"), any_status()).prop_map(|(id, name, status)| {
-        Runner {
+    (
+        any::<i64>(),
+        proptest::option::of(prop_oneof!["ephemeral-.{0,10}", ".{0,20}"]),
+        prop_oneof![Just(RunnerStatus::Offline), any_status()],
+    )
+        .prop_map(|(id, name, status)| Runner {
             id,
             name,
             status: canonical(status),
-        }
-    })
+        })
 }
 
 fn runner_json(r: &Runner) -> Value {
@@ -192,9 +196,12 @@ proptest! {
     #[test]
     fn gate_needs_prefix_name_and_exactly_offline(
         name in proptest::option::of(".{0,24}"),
+        ours in any::<bool>(),
         status in any_status(),
         prefix in ".{0,8}",
     ) {
+        // Half of the names carry the prefix, so both sides of the gate are explored.
+        let name = name.map(|n| if ours { format!("{prefix}{n}") } else { n });
         let ok = may_delete(name.as_deref(), &status, &prefix);
         if ok {
             prop_assert!(!prefix.is_empty());
