@@ -335,8 +335,41 @@ fn crash_and_converge(scenario: Scenario, point: &str, nth: usize) {
         out.code, None,
         "{what}: the run was not killed there: {out:?}"
     );
+    assert_intent_covers_the_world(&env, &what);
     scenario.calm(&env);
     converge_keeping(&env, &survivors, 5, &what);
+}
+
+/// Right after a kill, what exists is what cycle.json announced: a VM only with a cycle.json,
+/// and every registration this tool created (named `<prefix><cycle id>-<n>`) recorded in it. (The
+/// end state alone would not show a missing intent: the sweep cleans up after it.)
+fn assert_intent_covers_the_world(env: &Env, what: &str) {
+    let cycle = env.cycle_json();
+    if !env.live_vms().is_empty() {
+        assert!(
+            cycle.is_some(),
+            "{what}: a VM exists but no cycle.json: {}",
+            env.vm_log()
+        );
+    }
+    let recorded: Vec<String> = cycle
+        .as_ref()
+        .and_then(|c| c["registrations"].as_array().cloned())
+        .unwrap_or_default()
+        .iter()
+        .filter_map(|r| r["name"].as_str().map(str::to_string))
+        .collect();
+    for r in env.fake.runners() {
+        // Cycle ids start with the year: `ephemeral-20261129t…`.
+        if r.name.starts_with("ephemeral-20") {
+            assert!(
+                recorded.contains(&r.name),
+                "{what}: registration {} ({}) exists but cycle.json does not record it: {cycle:?}",
+                r.id,
+                r.name
+            );
+        }
+    }
 }
 
 /// Runs until the cycle has ended and the job ran (at most `max` runs), then checks: no cycle.json, no VM, every
