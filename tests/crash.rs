@@ -433,8 +433,12 @@ fn converge_keeping(env: &Env, survivors: &Survivors, max: usize, what: &str) {
     );
 }
 
+/// Worlds killed and converged at the same time within one matrix function: the runs mostly wait
+/// (poll intervals, grace periods), so lanes cut the wall time, not the checks.
+const LANES: usize = 4;
+
 /// Every occurrence of every point the scenario reaches, each in its own fresh world. `part`/`of`
-/// split a long trace over several test functions (they run in parallel).
+/// split a long trace over several test functions (they run in parallel too).
 fn matrix(scenario: Scenario, part: usize, of: usize) -> Vec<String> {
     let t = trace(scenario);
     eprintln!("{scenario:?}: {} crash points reached: {t:?}", t.len());
@@ -442,11 +446,22 @@ fn matrix(scenario: Scenario, part: usize, of: usize) -> Vec<String> {
         !t.is_empty(),
         "{scenario:?} reached no crash point: is this a debug build?"
     );
-    for (i, (point, nth)) in occurrences(&t).into_iter().enumerate() {
-        if i % of == part {
-            crash_and_converge(scenario, &point, nth);
+    let mine: Vec<(String, usize)> = occurrences(&t)
+        .into_iter()
+        .enumerate()
+        .filter(|(i, _)| i % of == part)
+        .map(|(_, o)| o)
+        .collect();
+    std::thread::scope(|s| {
+        for lane in 0..LANES {
+            let mine = &mine;
+            s.spawn(move || {
+                for (point, nth) in mine.iter().skip(lane).step_by(LANES) {
+                    crash_and_converge(scenario, point, *nth);
+                }
+            });
         }
-    }
+    });
     t
 }
 

@@ -1050,8 +1050,26 @@ pub struct FakeForgejo {
 impl FakeForgejo {
     /// Binds 127.0.0.1 on a free port and serves on background threads.
     pub fn start(token: &str) -> FakeForgejo {
-        let backend =
-            Arc::new(tiny_http::Server::http("127.0.0.1:0").expect("fake forgejo: bind backend"));
+        // TCP_NODELAY on the listener (accepted sockets inherit it on Linux): tiny_http writes
+        // headers and body separately, and Nagle + delayed ACKs would add 40 ms per request.
+        let listener = TcpListener::bind("127.0.0.1:0").expect("fake forgejo: bind backend");
+        {
+            use std::os::fd::AsRawFd;
+            let one: libc::c_int = 1;
+            // SAFETY: setsockopt on a socket we own, with a valid c_int.
+            unsafe {
+                libc::setsockopt(
+                    listener.as_raw_fd(),
+                    libc::IPPROTO_TCP,
+                    libc::TCP_NODELAY,
+                    (&one as *const libc::c_int).cast(),
+                    std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+                )
+            };
+        }
+        let backend = Arc::new(
+            tiny_http::Server::from_listener(listener, None).expect("fake forgejo: bind backend"),
+        );
         let backend_addr = backend
             .server_addr()
             .to_ip()
