@@ -229,7 +229,7 @@ use ci_ephemeral_provisioner::crashpoint::{CRASH_AT_ENV, CRASH_LOG_ENV, POINTS};
 /// A cycle set up to reach a group of crash points.
 #[derive(Clone, Copy, Debug)]
 enum Scenario {
-    /// One job run to completion, a stale offline registration of ours to sweep, and runners
+    /// One job run to completion, stale offline registrations of ours to sweep, and runners
     /// that must survive: a foreign offline one and an idle one with our prefix.
     Full,
     /// The runner never connects: its registration is deleted after the grace.
@@ -249,8 +249,10 @@ impl Scenario {
         let mut keep = Vec::new();
         match self {
             Scenario::Full => {
-                env.fake
-                    .add_runner("ephemeral-stale", true, Conn::NeverConnected);
+                // Two, so that a kill after the first delete is in the middle of the sweep.
+                for name in ["ephemeral-stale-1", "ephemeral-stale-2"] {
+                    env.fake.add_runner(name, true, Conn::NeverConnected);
+                }
                 keep.push(
                     env.fake
                         .add_runner("static-builder", false, Conn::NeverConnected),
