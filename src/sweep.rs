@@ -19,8 +19,8 @@ pub struct Listing {
     pub rows: Vec<Runner>,
     pub conflicting: Vec<i64>,
     pub pages: u32,
-    /// False when the listing ended short of `X-Total-Count` (rows moved between pages while we
-    /// read them): absence from it proves nothing.
+    /// False when the listing did not end on exactly `X-Total-Count` distinct rows (rows moved
+    /// between pages while we read them, or the count is wrong): absence from it proves nothing.
     pub complete: bool,
     pub total: Option<u64>,
 }
@@ -72,11 +72,12 @@ pub fn list_all(forgejo: &mut dyn Forgejo) -> Result<Listing, String> {
             break;
         }
     }
-    // Complete only when every page agreed on the count and we saw that many distinct rows: a
-    // count that changed while we paged means rows moved between pages.
+    // Complete only when every page agreed on the count and we saw exactly that many distinct
+    // rows: a count that changed while we paged means rows moved between pages, and more rows
+    // than counted means the count is wrong (it may have ended the listing early).
     let complete = match totals.as_slice() {
         [] => true,
-        [t] => by_id.len() as u64 >= *t,
+        [t] => by_id.len() as u64 == *t,
         _ => false,
     };
     Ok(Listing {
@@ -369,6 +370,19 @@ mod tests {
         let rep = sweep(&mut f, "ephemeral-", 1000);
         assert_eq!(f.asked, vec![1, 2, 3]);
         assert_eq!(rep.deleted.len(), 70);
+    }
+
+    #[test]
+    fn a_total_that_lies_low_makes_the_listing_incomplete() {
+        // 50 rows on page 1 but a count of 10: the count ended the listing early, so absence
+        // from it proves nothing (a lost registration on page 2 must not be forgotten).
+        let mut f = Scripted::new(vec![
+            Ok((page(1, 50, "static"), Some(10))),
+            Ok((page(51, 20, "ephemeral"), Some(10))),
+        ]);
+        let l = list_all(&mut f).unwrap();
+        assert_eq!(f.asked, vec![1]);
+        assert!(!l.complete);
     }
 
     #[test]

@@ -576,3 +576,58 @@ fn a_registration_in_doubt_is_never_deleted_until_forgejo_answers_plainly() {
         );
     }
 }
+
+/// An `X-Total-Count` that lies low, with more rows than fit one page: a register POST whose
+/// answer was lost must not be taken as never created because page 1 already "had them all".
+/// The registration (on page 2) stays in cycle.json until Forgejo is seen without it.
+#[test]
+fn a_count_that_lies_low_never_makes_a_lost_registration_forgotten() {
+    let env = Env::new();
+    env.fake.add_job(&["debian"]);
+    for i in 0..60 {
+        env.fake
+            .add_runner(&format!("static-{i}"), false, Conn::NeverConnected);
+    }
+    env.fake
+        .inject("POST", "/actions/runners", Fault::ApplyThenDrop, 1);
+    env.fake.inject(
+        "GET",
+        "/actions/runners?",
+        Fault::Headers(vec![("X-Total-Count", "10".into())]),
+        usize::MAX,
+    );
+    // A stop after a few lookups (the lie makes them inconclusive; the run would retry for long).
+    let err = env.tmp.path().join("lie.err");
+    let mut c = env.cmd("run");
+    c.stdout(std::process::Stdio::null());
+    c.stderr(fs::File::create(&err).unwrap());
+    let mut child = c.spawn().unwrap();
+    let lists = || {
+        env.fake
+            .requests()
+            .iter()
+            .filter(|r| r.method == "GET" && r.path.ends_with("/actions/runners"))
+            .count()
+    };
+    support::harness::wait_for("lookups by name", || {
+        lists() >= 4 || child.try_wait().unwrap().is_some()
+    });
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let _ = child.wait();
+    let ours: Vec<_> = env
+        .fake
+        .runners()
+        .into_iter()
+        .filter(|r| r.name.starts_with("ephemeral-"))
+        .collect();
+    assert_eq!(ours.len(), 1, "the POST was applied: {ours:?}");
+    let recorded = env.cycle_json().map(|c| c.to_string()).unwrap_or_default();
+    assert!(
+        recorded.contains(&ours[0].name),
+        "registration {} is listed by Forgejo but was forgotten: {recorded}\n{}",
+        ours[0].name,
+        fs::read_to_string(&err).unwrap_or_default()
+    );
+    env.fake.clear_faults();
+    converge(&env, "after the lie");
+}

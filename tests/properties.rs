@@ -345,6 +345,10 @@ proptest! {
             Err(_) => prop_assert!(fail_at.is_some_and(|k| k < f.asked)),
             Ok(listing) => {
                 prop_assert!(f.asked as u32 <= ci_ephemeral_provisioner::sweep::MAX_PAGES);
+                // Complete means: exactly as many distinct rows as the count every page gave.
+                if listing.complete && let Some(t) = listing.total {
+                    prop_assert_eq!(listing.rows.len() as u64, t);
+                }
                 let mut seen: BTreeMap<i64, Vec<&Runner>> = BTreeMap::new();
                 for (rows, _) in pages.iter().take(f.asked) {
                     for r in rows {
