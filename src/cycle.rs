@@ -643,6 +643,7 @@ impl Driver<'_, '_> {
                 if self.save().is_err() {
                     return Some(End::Done);
                 }
+                crate::crash_point!("register-failed-written");
                 self.report
                     .fail(format!("registering runner {name} failed: {e}"));
                 let ev = self.report.event("register_runner", false, e.to_string());
@@ -755,7 +756,9 @@ impl Driver<'_, '_> {
         }
         self.report
             .fail(format!("starting runner {id} ({name}) failed: {message}"));
-        self.save().err().map(|_| End::Done)
+        let end = self.save().err().map(|_| End::Done);
+        crate::crash_point!("launch-failed-written");
+        end
     }
 
     fn destroy(&mut self) -> Option<End> {

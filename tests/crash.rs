@@ -238,6 +238,9 @@ enum Scenario {
     LostPost,
     /// `tofu apply` fails: torn down at once.
     ApplyFails,
+    /// The first register POST is refused, then every launch command fails: the VM is presumed
+    /// broken and torn down.
+    StartFailures,
 }
 
 /// Runners that exist before the run and must still exist after it (never deleted).
@@ -265,6 +268,11 @@ impl Scenario {
                     .inject("POST", "/actions/runners", Fault::ApplyThenDrop, 1)
             }
             Scenario::ApplyFails => env.fault("fail-apply", true),
+            Scenario::StartFailures => {
+                env.fake
+                    .inject("POST", "/actions/runners", Fault::Status(422), 1);
+                env.set_launch_mode("fail");
+            }
         }
         Survivors(keep)
     }
@@ -492,6 +500,11 @@ fn matrix_failed_apply() {
     matrix(Scenario::ApplyFails, 0, 1);
 }
 
+#[test]
+fn matrix_failed_starts() {
+    matrix(Scenario::StartFailures, 0, 1);
+}
+
 /// The scenarios together reach every crash point in the code: a point added without a
 /// scenario that reaches it fails here.
 #[test]
@@ -501,6 +514,7 @@ fn matrix_covers_every_crash_point() {
         Scenario::Unconsumed,
         Scenario::LostPost,
         Scenario::ApplyFails,
+        Scenario::StartFailures,
     ]
     .into_iter()
     .flat_map(trace)
