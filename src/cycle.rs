@@ -245,6 +245,7 @@ impl Driver<'_, '_> {
                         return End::Done;
                     }
                     self.state = None;
+                    crate::crash_point!("finish-removed");
                     self.report.event(
                         "finish",
                         true,
@@ -287,7 +288,9 @@ impl Driver<'_, '_> {
                 e.runner_id = Some(id);
                 e.runner_name = name;
                 e.reason = Some("consumed".into());
-                self.save().err().map(|_| End::Done)
+                let end = self.save().err().map(|_| End::Done);
+                crate::crash_point!("forget-written");
+                end
             }
             Step::Delete { id, reason } => self.delete(id, reason, now),
             Step::AdoptLaunch { id } => {
@@ -370,6 +373,7 @@ impl Driver<'_, '_> {
                 e.duration_ms = sw.ms();
                 self.report.sweep = Some(report);
                 self.ctx.swept = true;
+                crate::crash_point!("sweep-done");
                 None
             }
             Step::Idle | Step::Wait { .. } | Step::GiveUp { .. } | Step::Finish => None,
@@ -388,7 +392,9 @@ impl Driver<'_, '_> {
             s.teardown_reason = Some(text.clone());
         }
         self.report.event("teardown", !reason.is_failure(), text);
-        self.save().err().map(|_| End::Done)
+        let end = self.save().err().map(|_| End::Done);
+        crate::crash_point!("teardown-written");
+        end
     }
 
     fn start_cycle(&mut self, now: Timestamp) -> Option<End> {
@@ -409,6 +415,7 @@ impl Driver<'_, '_> {
         if self.save().is_err() {
             return Some(End::Done);
         }
+        crate::crash_point!("cycle-started-written");
         self.report
             .event("start_cycle", true, format!("cycle {id}"));
         None
@@ -424,6 +431,7 @@ impl Driver<'_, '_> {
             .and_then(|()| self.w.tofu.outputs(&cycle_id));
         match result {
             Ok(outputs) => {
+                crate::crash_point!("apply-done-unsaved");
                 let s = self.state.as_mut()?;
                 let ready = self.w.clock.now();
                 s.phase = Phase::Running;
@@ -438,6 +446,7 @@ impl Driver<'_, '_> {
                 if self.save().is_err() {
                     return Some(End::Done);
                 }
+                crate::crash_point!("apply-running-written");
                 self.report
                     .event("tofu_apply", true, "VM ready")
                     .duration_ms = sw.ms();
@@ -462,6 +471,7 @@ impl Driver<'_, '_> {
                 if self.save().is_err() {
                     return Some(End::Done);
                 }
+                crate::crash_point!("apply-failed-written");
                 None
             }
         }
@@ -493,6 +503,7 @@ impl Driver<'_, '_> {
         let sw = Stopwatch::start();
         match self.w.forgejo.delete_runner(id, reason.as_str()) {
             Ok(outcome) => {
+                crate::crash_point!("delete-answered");
                 let detail = match outcome {
                     Deleted::Now => DELETED,
                     Deleted::AlreadyGone => ALREADY_GONE,
@@ -509,7 +520,9 @@ impl Driver<'_, '_> {
                 e.reason = Some(reason.as_str().into());
                 e.status = self.seen.get(&id).cloned();
                 e.duration_ms = sw.ms();
-                self.save().err().map(|_| End::Done)
+                let end = self.save().err().map(|_| End::Done);
+                crate::crash_point!("delete-forgotten-written");
+                end
             }
             Err(e) => {
                 self.ctx.failed_deletes.insert(id);
@@ -562,6 +575,7 @@ impl Driver<'_, '_> {
                 return None;
             }
         };
+        crate::crash_point!("resolve-listed");
         let matches: Vec<_> = listing
             .rows
             .iter()
@@ -603,6 +617,7 @@ impl Driver<'_, '_> {
                 .delete_runner(r.id, DeleteReason::LostRegistration.as_str())
             {
                 Ok(_) => {
+                    crate::crash_point!("resolve-deleted");
                     let e = self.report.event(
                         "delete_runner",
                         true,
@@ -634,7 +649,9 @@ impl Driver<'_, '_> {
         if s.registrations.is_empty() {
             s.free_since = Some(self.w.clock.now());
         }
-        self.save().err().map(|_| End::Done)
+        let end = self.save().err().map(|_| End::Done);
+        crate::crash_point!("resolve-forgotten-written");
+        end
     }
 
     fn register(&mut self, job_id: i64, job_handle: &str, now: Timestamp) -> Option<End> {
@@ -658,6 +675,7 @@ impl Driver<'_, '_> {
         if self.save().is_err() {
             return Some(End::Done);
         }
+        crate::crash_point!("register-intent-written");
 
         let sw = Stopwatch::start();
         let new = match self.w.forgejo.register_runner(&name) {
@@ -672,6 +690,7 @@ impl Driver<'_, '_> {
                 if self.save().is_err() {
                     return Some(End::Done);
                 }
+                crate::crash_point!("register-failed-written");
                 self.report
                     .fail(format!("registering runner {name} failed: {e}"));
                 let ev = self.report.event("register_runner", false, e.to_string());
@@ -679,6 +698,7 @@ impl Driver<'_, '_> {
                 return None;
             }
         };
+        crate::crash_point!("register-post-answered");
         let s = self.state.as_mut()?;
         let cycle_id = s.cycle_id.clone();
         if let Some(r) = s
@@ -692,6 +712,7 @@ impl Driver<'_, '_> {
         if self.save().is_err() {
             return Some(End::Done);
         }
+        crate::crash_point!("register-id-written");
         let ev = self
             .report
             .event("register_runner", true, format!("for job {job_id}"));
@@ -720,6 +741,7 @@ impl Driver<'_, '_> {
         if self.save().is_err() {
             return Some(End::Done);
         }
+        crate::crash_point!("launch-started-written");
         let outputs = self.outputs.clone().unwrap_or_default();
         let req = LaunchRequest {
             runner_id: new.id,
@@ -734,6 +756,7 @@ impl Driver<'_, '_> {
         let sw = Stopwatch::start();
         match self.w.launcher.launch(&req, &new.token) {
             Ok(()) => {
+                crate::crash_point!("launch-returned");
                 let launched_at = self.w.clock.now();
                 let s = self.state.as_mut()?;
                 if let Some(r) = s.registration_mut(new.id) {
@@ -745,6 +768,7 @@ impl Driver<'_, '_> {
                 if self.save().is_err() {
                     return Some(End::Done);
                 }
+                crate::crash_point!("launch-done-written");
                 let ev = self
                     .report
                     .event("launch_runner", true, format!("for job {job_id}"));
@@ -779,7 +803,9 @@ impl Driver<'_, '_> {
         }
         self.report
             .fail(format!("starting runner {id} ({name}) failed: {message}"));
-        self.save().err().map(|_| End::Done)
+        let end = self.save().err().map(|_| End::Done);
+        crate::crash_point!("launch-failed-written");
+        end
     }
 
     fn destroy(&mut self) -> Option<End> {
@@ -787,6 +813,7 @@ impl Driver<'_, '_> {
         let sw = Stopwatch::start();
         match self.w.tofu.destroy(&cycle_id) {
             Ok(()) => {
+                crate::crash_point!("destroy-done-unsaved");
                 let s = self.state.as_mut()?;
                 s.phase = Phase::Destroyed;
                 // The wait for registrations to go offline counts from the end of the destroy.
@@ -799,6 +826,7 @@ impl Driver<'_, '_> {
                 if self.save().is_err() {
                     return Some(End::Done);
                 }
+                crate::crash_point!("destroy-written");
                 self.report
                     .event("tofu_destroy", true, "VM destroyed")
                     .duration_ms = sw.ms();

@@ -376,7 +376,12 @@ impl HttpForgejo {
             .with_config()
             .limit(MAX_BODY_BYTES)
             .read_to_string()
-            .map_err(|e| err(format!("reading the response body failed: {e}")))?;
+            .map_err(|e| {
+                err(format!(
+                    "reading the response body failed: {}",
+                    body_hint(&e)
+                ))
+            })?;
         if (300..400).contains(&status) {
             return Err(err(format!(
                 "HTTP {status} redirect to {}; set --forgejo-url to the address Forgejo really answers on",
@@ -445,6 +450,15 @@ fn transport_hint(e: &ureq::Error) -> String {
             format!("TLS failed: {other}; for a private CA pass its certificate with --ca-file")
         }
         other => format!("request failed: {other}"),
+    }
+}
+
+fn body_hint(e: &ureq::Error) -> String {
+    match e {
+        ureq::Error::BodyExceedsLimit(_) => format!(
+            "it is larger than {MAX_BODY_BYTES} bytes, more than any answer of this API; a proxy or a misbehaving server?"
+        ),
+        other => transport_hint(other),
     }
 }
 

@@ -3,9 +3,24 @@
 //! that touches the world sits behind the traits in `forgejo`, `tofu`, `launch`, `state` and
 //! `cycle::Clock`, chosen once in `app`.
 
+/// A test-only crash point (see `crashpoint`); nothing at all in release builds.
+#[macro_export]
+macro_rules! crash_point {
+    ($name:literal) => {
+        #[cfg(debug_assertions)]
+        $crate::crashpoint::hit($name, None);
+    };
+    ($name:literal, $group:expr) => {
+        #[cfg(debug_assertions)]
+        $crate::crashpoint::hit($name, Some($group));
+    };
+}
+
 pub mod app;
 pub mod audit;
 pub mod cli;
+#[cfg(debug_assertions)]
+pub mod crashpoint;
 pub mod cycle;
 pub mod dry;
 pub mod forgejo;

@@ -235,6 +235,7 @@ pub fn run_child(spec: &ChildSpec, stop: &StopFlag) -> std::io::Result<ChildResu
     cmd.stderr(Stdio::piped());
     let mut child = cmd.spawn()?;
     let pid = child.id() as libc::pid_t;
+    crate::crash_point!("process-child-spawned", pid);
 
     if let (Some(secret), Some(mut stdin)) = (&spec.stdin, child.stdin.take()) {
         // One line; a child that exits without reading makes this fail with EPIPE, which its

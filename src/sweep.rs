@@ -21,8 +21,8 @@ pub struct Listing {
     pub rows: Vec<Runner>,
     pub conflicting: Vec<i64>,
     pub pages: u32,
-    /// False when the listing ended short of `X-Total-Count` (rows moved between pages while we
-    /// read them): absence from it proves nothing.
+    /// False when the listing did not end on exactly `X-Total-Count` distinct rows (rows moved
+    /// between pages while we read them, or the count is wrong): absence from it proves nothing.
     pub complete: bool,
     pub total: Option<u64>,
     /// Distinct ids listed, kept or not.
@@ -87,13 +87,6 @@ pub fn list_all(
             }
         }
         let distinct = by_id.len() + others.len();
-        if n > 0 && distinct == distinct_before {
-            // A page of only ids already listed: the server ignores `page` (or every row moved
-            // back a whole page while we read). Going on could only repeat it.
-            return Err(format!(
-                "page {page} of the runner list held only runners already listed (does the server honour `page`?); deleting nothing"
-            ));
-        }
         let done = match p.total {
             _ if n == 0 => true,
             Some(total) => distinct as u64 >= total,
@@ -102,13 +95,21 @@ pub fn list_all(
         if done {
             break;
         }
+        if distinct == distinct_before {
+            // More to come, yet this page held only ids already listed: the server ignores
+            // `page` (or every row moved back a page while we read). Going on would repeat it.
+            return Err(format!(
+                "page {page} of the runner list held only runners already listed (does the server honour `page`?); deleting nothing"
+            ));
+        }
     }
-    // Complete only when every page agreed on the count and we saw that many distinct rows: a
-    // count that changed while we paged means rows moved between pages.
+    // Complete only when every page agreed on the count and we saw exactly that many distinct
+    // rows: a count that changed while we paged means rows moved between pages, and more rows
+    // than counted means the count is wrong (it may have ended the listing early).
     let distinct = by_id.len() + others.len();
     let complete = match totals.as_slice() {
         [] => true,
-        [t] => distinct as u64 >= *t,
+        [t] => distinct as u64 == *t,
         _ => false,
     };
     Ok(Listing {
@@ -203,6 +204,7 @@ pub fn sweep_with(
             listing.total.unwrap_or(0)
         );
     }
+    crate::crash_point!("sweep-listed");
     let sel = select(&listing, prefix, cap);
     report.found = sel.found;
     report.left_over_cap = sel.left_over_cap;
@@ -219,6 +221,7 @@ pub fn sweep_with(
         on_delete(&swept(r), None);
         match forgejo.delete_runner(r.id, DeleteReason::Sweep.as_str()) {
             Ok(Deleted::Now) => {
+                crate::crash_point!("sweep-deleted-one");
                 log::info!(
                     "sweep: deleted offline runner {} ({})",
                     r.id,
@@ -441,6 +444,19 @@ mod tests {
         let rep = sweep(&mut f, "ephemeral-", 1000);
         assert_eq!(f.asked, vec![1, 2, 3]);
         assert_eq!(rep.deleted.len(), 70);
+    }
+
+    #[test]
+    fn a_total_that_lies_low_makes_the_listing_incomplete() {
+        // 50 rows on page 1 but a count of 10: the count ended the listing early, so absence
+        // from it proves nothing (a lost registration on page 2 must not be forgotten).
+        let mut f = Scripted::new(vec![
+            Ok((page(1, 50, "static"), Some(10))),
+            Ok((page(51, 20, "ephemeral"), Some(10))),
+        ]);
+        let l = list_all(&mut f, &|_| true).unwrap();
+        assert_eq!(f.asked, vec![1]);
+        assert!(!l.complete);
     }
 
     #[test]

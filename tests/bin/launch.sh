@@ -2,7 +2,8 @@
 # Test launch command: plays `forgejo-runner one-job` on the VM against the fake Forgejo.
 # Mode from $VM_DIR/launch-mode: one-job (default: connect, take the job, finish it), take (take
 # the job and keep running), connect (connect, never take a job), noop (never connect), fail
-# (exit 3), hang (never return).
+# (exit 3), hang (never return), leak (print the token on stdout and stderr, then exit 3: what
+# reaches our logs must be redacted).
 set -eu
 env | sort > "$VM_DIR/launch-env.$RUNNER_ID"
 echo "$0 $*" > "$VM_DIR/launch-argv.$RUNNER_ID"
@@ -10,6 +11,7 @@ mode=$(cat "$VM_DIR/launch-mode" 2>/dev/null || echo one-job)
 IFS= read -r token
 case "$mode" in
 fail) echo "simulated launch failure" >&2; exit 3 ;;
+leak) echo "runner token: $token"; echo "runner token: $token" >&2; exit 3 ;;
 hang) sleep 600 ;;
 noop) exit 0 ;;
 esac

@@ -119,6 +119,15 @@ pub enum Fault {
     WrongTypes,
     /// Answer 200 with exactly this body (`application/json` content type); nothing is applied.
     Body(String),
+    /// Apply the request, then answer with these headers set (replacing any of the same name):
+    /// an `X-Total-Count` that lies, a `Link` that loops.
+    Headers(Vec<(&'static str, String)>),
+    /// Apply the request, then set these fields in the JSON answer (in every element of an
+    /// array answer); a `null` value removes the field.
+    Patch(Value),
+    /// Answer 200 with this body, its headers at once and then one byte every `every` (a server
+    /// that drips past any timeout); nothing is applied.
+    Drip { body: String, every: Duration },
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -374,6 +383,8 @@ struct World {
     orgs: Vec<String>,
     repos: Vec<String>,
     deleted_ids: Vec<i64>,
+    /// (id, name, computed status) of each API deletion, at the moment it happened.
+    deletions: Vec<(i64, String, String)>,
     requests: Vec<Request>,
     faults: Vec<FaultRule>,
     rng: u64,
@@ -463,6 +474,7 @@ impl World {
             orgs: Vec::new(),
             repos: Vec::new(),
             deleted_ids: Vec::new(),
+            deletions: Vec::new(),
             requests: Vec::new(),
             faults: Vec::new(),
             rng: seed | 1,
@@ -720,6 +732,8 @@ impl World {
                         return Reply::error(404, "No permission to delete this runner");
                     }
                     // No busy check: Forgejo deletes active runners too.
+                    let seen = (id, r.name.clone(), r.status(now).to_string());
+                    self.deletions.push(seen);
                     self.soft_delete(id, true);
                     Reply::empty(204)
                 }
@@ -1036,8 +1050,26 @@ pub struct FakeForgejo {
 impl FakeForgejo {
     /// Binds 127.0.0.1 on a free port and serves on background threads.
     pub fn start(token: &str) -> FakeForgejo {
-        let backend =
-            Arc::new(tiny_http::Server::http("127.0.0.1:0").expect("fake forgejo: bind backend"));
+        // TCP_NODELAY on the listener (accepted sockets inherit it on Linux): tiny_http writes
+        // headers and body separately, and Nagle + delayed ACKs would add 40 ms per request.
+        let listener = TcpListener::bind("127.0.0.1:0").expect("fake forgejo: bind backend");
+        {
+            use std::os::fd::AsRawFd;
+            let one: libc::c_int = 1;
+            // SAFETY: setsockopt on a socket we own, with a valid c_int.
+            unsafe {
+                libc::setsockopt(
+                    listener.as_raw_fd(),
+                    libc::IPPROTO_TCP,
+                    libc::TCP_NODELAY,
+                    (&one as *const libc::c_int).cast(),
+                    std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+                )
+            };
+        }
+        let backend = Arc::new(
+            tiny_http::Server::from_listener(listener, None).expect("fake forgejo: bind backend"),
+        );
         let backend_addr = backend
             .server_addr()
             .to_ip()
@@ -1223,6 +1255,20 @@ impl FakeForgejo {
         self.world().deleted_ids.clone()
     }
 
+    /// Every runner token the fake ever issued (deleted registrations included).
+    pub fn issued_tokens(&self) -> Vec<String> {
+        self.world()
+            .runners
+            .values()
+            .map(|r| r.token.clone())
+            .collect()
+    }
+
+    /// Every API deletion as (id, name, status the runner had when it was deleted), in order.
+    pub fn deletions(&self) -> Vec<(i64, String, String)> {
+        self.world().deletions.clone()
+    }
+
     /// All jobs, id ascending.
     pub fn jobs(&self) -> Vec<JobSnapshot> {
         self.world().jobs.values().map(JobRow::snapshot).collect()
@@ -1391,6 +1437,7 @@ fn serve(shared: &Shared, mut rq: tiny_http::Request) {
             return send(rq, reply);
         }
         Some(Fault::Delay(d)) => thread::sleep(*d),
+        Some(Fault::Drip { body, every }) => return drip(rq, body.as_bytes(), *every),
         _ => {}
     }
 
@@ -1417,7 +1464,67 @@ fn serve(shared: &Shared, mut rq: tiny_http::Request) {
             wrong.headers = reply.headers;
             send(rq, wrong)
         }
+        Some(Fault::Headers(set)) => {
+            let mut reply = reply;
+            for (k, v) in set {
+                reply
+                    .headers
+                    .retain(|(name, _)| !name.eq_ignore_ascii_case(k));
+                reply.headers.push((k, v));
+            }
+            send(rq, reply)
+        }
+        Some(Fault::Patch(patch)) => {
+            let mut reply = reply;
+            if let Ok(mut v) = serde_json::from_slice::<Value>(&reply.body) {
+                match &mut v {
+                    Value::Array(items) => items.iter_mut().for_each(|i| apply_patch(i, &patch)),
+                    other => apply_patch(other, &patch),
+                }
+                reply.body = serde_json::to_vec(&v).expect("serialize json");
+            }
+            send(rq, reply)
+        }
         _ => send(rq, reply),
+    }
+}
+
+/// Sets (or, for `null`, removes) the patch's fields in an object.
+fn apply_patch(v: &mut Value, patch: &Value) {
+    if let (Some(obj), Some(p)) = (v.as_object_mut(), patch.as_object()) {
+        for (k, val) in p {
+            if val.is_null() {
+                obj.remove(k);
+            } else {
+                obj.insert(k.clone(), val.clone());
+            }
+        }
+    }
+}
+
+/// Writes a 200 answer by hand: the headers at once, then the body one byte at a time, flushed,
+/// every `every`; stops when the client has gone (or after 60 s).
+fn drip(rq: tiny_http::Request, body: &[u8], every: Duration) {
+    use std::io::Write;
+    let mut w = rq.into_writer();
+    let head = format!(
+        "HTTP/1.1 200 OK\r\nContent-Type: {JSON_CONTENT_TYPE}\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    );
+    if w.write_all(head.as_bytes())
+        .and_then(|()| w.flush())
+        .is_err()
+    {
+        return;
+    }
+    let start = std::time::Instant::now();
+    for b in body {
+        thread::sleep(every);
+        if start.elapsed() > Duration::from_secs(60)
+            || w.write_all(&[*b]).and_then(|()| w.flush()).is_err()
+        {
+            return;
+        }
     }
 }
 

@@ -1,0 +1,415 @@
+//! Property tests (proptest) of what parses Forgejo's answers and cycle.json, and of the one
+//! deletion gate, with arbitrary inputs.
+
+use std::collections::BTreeMap;
+
+use ci_ephemeral_provisioner::forgejo::{ApiError, Deleted, Forgejo, NewRunner, RunnerPage};
+use ci_ephemeral_provisioner::model::{
+    Job, Runner, RunnerStatus, may_delete, parse_jobs, parse_runner_page,
+};
+use ci_ephemeral_provisioner::state::{
+    CycleState, FileStore, Launch, Phase, Registration, StateStore, parse_state, read_state_file,
+};
+use ci_ephemeral_provisioner::sweep::{Listing, PAGE_LIMIT, list_all, select};
+use ci_ephemeral_provisioner::time::Timestamp;
+use proptest::prelude::*;
+use serde_json::{Value, json};
+
+/// Any JSON value, nested a few levels.
+fn any_json() -> impl Strategy<Value = Value> {
+    let leaf = prop_oneof![
+        Just(Value::Null),
+        any::<bool>().prop_map(Value::Bool),
+        any::<i64>().prop_map(|n| json!(n)),
+        any::<f64>()
+            .prop_filter("finite", |f| f.is_finite())
+            .prop_map(|f| json!(f)),
+        ".{0,12}".prop_map(Value::String),
+        prop_oneof![
+            Just("offline"),
+            Just("idle"),
+            Just("active"),
+            Just("Offline"),
+            Just(" offline"),
+            Just("offline "),
+            Just("OFFLINE")
+        ]
+        .prop_map(|s| json!(s)),
+    ];
+    leaf.prop_recursive(3, 24, 6, |inner| {
+        prop_oneof![
+            prop::collection::vec(inner.clone(), 0..6).prop_map(Value::Array),
+            prop::collection::btree_map(
+                prop_oneof![
+                    Just("id".to_string()),
+                    Just("name".to_string()),
+                    Just("status".to_string()),
+                    Just("handle".to_string()),
+                    Just("runs_on".to_string()),
+                    "[a-z_]{1,8}"
+                ],
+                inner,
+                0..6
+            )
+            .prop_map(|m| Value::Object(m.into_iter().collect())),
+        ]
+    })
+}
+
+fn any_status() -> impl Strategy<Value = RunnerStatus> {
+    prop_oneof![
+        Just(RunnerStatus::Offline),
+        Just(RunnerStatus::Idle),
+        Just(RunnerStatus::Active),
+        Just(RunnerStatus::Missing),
+        ".{0,10}".prop_map(RunnerStatus::Unknown),
+    ]
+}
+
+/// A status as Forgejo would put it in JSON (`None`: the field is absent).
+fn status_json(s: &RunnerStatus) -> Option<Value> {
+    match s {
+        RunnerStatus::Offline => Some(json!("offline")),
+        RunnerStatus::Idle => Some(json!("idle")),
+        RunnerStatus::Active => Some(json!("active")),
+        RunnerStatus::Unknown(u) => Some(json!(u)),
+        RunnerStatus::Missing => None,
+    }
+}
+
+fn canonical(s: RunnerStatus) -> RunnerStatus {
+    // An "unknown" string that happens to be a known one parses as the known one.
+    match s {
+        RunnerStatus::Unknown(u) => RunnerStatus::from_json(Some(&json!(u))),
+        other => other,
+    }
+}
+
+/// Names with and without our usual prefix, statuses often `offline`: deletable rows are common.
+fn any_runner() -> impl Strategy<Value = Runner> {
+    (
+        any::<i64>(),
+        proptest::option::of(prop_oneof!["ephemeral-.{0,10}", ".{0,20}"]),
+        prop_oneof![Just(RunnerStatus::Offline), any_status()],
+    )
+        .prop_map(|(id, name, status)| Runner {
+            id,
+            name,
+            status: canonical(status),
+        })
+}
+
+/// A page of runners whose ids repeat (within and across pages).
+fn few_ids() -> impl Strategy<Value = Vec<Runner>> {
+    prop::collection::vec(
+        (0i64..20, any_runner()).prop_map(|(id, r)| Runner { id, ..r }),
+        0..60,
+    )
+}
+
+fn runner_json(r: &Runner) -> Value {
+    let mut m = serde_json::Map::new();
+    m.insert("id".into(), json!(r.id));
+    if let Some(n) = &r.name {
+        m.insert("name".into(), json!(n));
+    }
+    if let Some(s) = status_json(&r.status) {
+        m.insert("status".into(), s);
+    }
+    m.insert("labels".into(), Value::Null);
+    Value::Object(m)
+}
+
+fn any_timestamp() -> impl Strategy<Value = Timestamp> {
+    (0i64..4_102_444_800_000).prop_map(Timestamp)
+}
+
+fn any_registration() -> impl Strategy<Value = Registration> {
+    (
+        ".{0,30}",
+        proptest::option::of(any::<i64>()),
+        proptest::option::of(".{0,36}"),
+        any::<i64>(),
+        ".{0,36}",
+        any_timestamp(),
+        prop_oneof![
+            Just(Launch::Pending),
+            Just(Launch::Started),
+            Just(Launch::Done),
+            Just(Launch::Failed)
+        ],
+        proptest::option::of(any_timestamp()),
+        proptest::option::of(any_timestamp()),
+    )
+        .prop_map(
+            |(name, id, uuid, job_id, job_handle, requested_at, launch, launched_at, gone)| {
+                Registration {
+                    name,
+                    id,
+                    uuid,
+                    job_id,
+                    job_handle,
+                    requested_at,
+                    launch,
+                    launched_at,
+                    job_gone_since: gone,
+                }
+            },
+        )
+}
+
+fn any_state() -> impl Strategy<Value = CycleState> {
+    (
+        ".{0,30}",
+        ".{0,12}",
+        any_timestamp(),
+        prop_oneof![
+            Just(Phase::Applying),
+            Just(Phase::Running),
+            Just(Phase::TearingDown),
+            Just(Phase::Destroyed)
+        ],
+        proptest::option::of(any_timestamp()),
+        (any::<u32>(), any::<u32>(), any::<u32>()),
+        prop::collection::vec(any_registration(), 0..4),
+        proptest::option::of(".{0,40}"),
+        proptest::option::of(".{0,40}"),
+        prop::collection::btree_map("[a-z_]{1,8}", ".{0,16}".prop_map(Value::String), 0..3),
+    )
+        .prop_map(
+            |(id, prefix, started, phase, ready, (jobs, seq, fails), regs, why, err, outputs)| {
+                let mut s = CycleState::new(id, started);
+                s.runner_prefix = prefix;
+                s.phase = phase;
+                s.vm_ready_at = ready;
+                s.free_since = ready;
+                s.jobs_started = jobs;
+                s.next_seq = seq;
+                s.start_failures = fails;
+                s.registrations = regs;
+                s.teardown_reason = why;
+                s.last_error = err;
+                s.outputs = outputs.into_iter().collect::<BTreeMap<_, _>>();
+                s
+            },
+        )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+
+    // -- the deletion gate ---------------------------------------------------------------------
+
+    /// Deletable exactly when: a non-empty prefix, a name that starts with it, status offline.
+    #[test]
+    fn gate_needs_prefix_name_and_exactly_offline(
+        name in proptest::option::of(".{0,24}"),
+        ours in any::<bool>(),
+        status in any_status(),
+        prefix in ".{0,8}",
+    ) {
+        // Half of the names carry the prefix, so both sides of the gate are explored.
+        let name = name.map(|n| if ours { format!("{prefix}{n}") } else { n });
+        let ok = may_delete(name.as_deref(), &status, &prefix);
+        if ok {
+            prop_assert!(!prefix.is_empty());
+            prop_assert!(name.as_deref().unwrap().starts_with(&prefix));
+            prop_assert_eq!(&status, &RunnerStatus::Offline);
+        }
+        if status != RunnerStatus::Offline || prefix.is_empty() || name.is_none() {
+            prop_assert!(!ok);
+        }
+    }
+
+    /// Any name made of the prefix and a suffix, offline, passes; any other status does not.
+    #[test]
+    fn gate_admits_our_offline_runners(prefix in ".{1,8}", suffix in ".{0,24}", status in any_status()) {
+        let name = format!("{prefix}{suffix}");
+        prop_assert_eq!(
+            may_delete(Some(&name), &status, &prefix),
+            status == RunnerStatus::Offline
+        );
+    }
+
+    /// Whatever JSON Forgejo sends as `status`, only the exact string "offline" can delete.
+    #[test]
+    fn only_the_exact_string_offline_can_delete(v in proptest::option::of(any_json())) {
+        let status = RunnerStatus::from_json(v.as_ref());
+        if may_delete(Some("ephemeral-x"), &status, "ephemeral-") {
+            prop_assert_eq!(v, Some(json!("offline")));
+        }
+    }
+
+    // -- runner and job answers ----------------------------------------------------------------
+
+    /// Arbitrary text never panics the parsers.
+    #[test]
+    fn parsers_never_panic_on_text(s in ".{0,200}") {
+        let _ = parse_runner_page(&s);
+        let _ = parse_jobs(&s);
+        let _ = parse_state(&s);
+    }
+
+    /// Arbitrary JSON: a page either fails or holds one row per entry, each with the entry's id,
+    /// and a row is offline only when its entry said exactly "offline".
+    #[test]
+    fn runner_pages_keep_ids_and_never_invent_offline(v in any_json()) {
+        if let Ok(rows) = parse_runner_page(&v.to_string()) {
+            let items = v.as_array().expect("only an array parses");
+            prop_assert_eq!(rows.len(), items.len());
+            for (row, item) in rows.iter().zip(items) {
+                prop_assert_eq!(Some(row.id), item.get("id").and_then(Value::as_i64));
+                if row.status == RunnerStatus::Offline {
+                    prop_assert_eq!(item.get("status"), Some(&json!("offline")));
+                }
+                prop_assert_eq!(row.name.as_deref(), item.get("name").and_then(Value::as_str));
+            }
+        }
+    }
+
+    /// Runners written the way Forgejo writes them parse back to themselves.
+    #[test]
+    fn runner_pages_round_trip(runners in prop::collection::vec(any_runner(), 0..60)) {
+        let body = Value::Array(runners.iter().map(runner_json).collect()).to_string();
+        prop_assert_eq!(parse_runner_page(&body).unwrap(), runners);
+    }
+
+    /// Jobs round-trip, and `null` is no jobs.
+    #[test]
+    fn jobs_round_trip(jobs in prop::collection::vec(
+        (any::<i64>(), ".{0,20}", ".{0,10}", prop::collection::vec(".{0,8}", 0..4)), 0..20)
+    ) {
+        let jobs: Vec<Job> = jobs.into_iter().map(|(id, handle, status, runs_on)| Job { id, handle, status, runs_on }).collect();
+        let body = Value::Array(jobs.iter().map(|j| json!({
+            "id": j.id, "handle": j.handle, "status": j.status, "runs_on": j.runs_on,
+        })).collect()).to_string();
+        prop_assert_eq!(parse_jobs(&body).unwrap(), jobs);
+        prop_assert!(parse_jobs("null").unwrap().is_empty());
+    }
+
+    // -- cycle.json ----------------------------------------------------------------------------
+
+    /// Every state the tool can hold is written and read back unchanged.
+    #[test]
+    fn cycle_json_round_trips_through_the_file(state in any_state()) {
+        let dir = tempfile::tempdir().unwrap();
+        let mut store = FileStore::new(dir.path());
+        store.save(&state).unwrap();
+        prop_assert_eq!(read_state_file(&store.path()).unwrap(), Some(state));
+    }
+
+    /// A flipped byte anywhere in a valid file: refused, or read as a state that is still
+    /// version 1 (never a panic).
+    #[test]
+    fn a_corrupted_byte_is_refused_or_harmless(state in any_state(), at in any::<prop::sample::Index>(), byte in any::<u8>()) {
+        let mut bytes = serde_json::to_vec_pretty(&state).unwrap();
+        let i = at.index(bytes.len());
+        bytes[i] = byte;
+        if let Ok(text) = String::from_utf8(bytes) && let Ok(s) = parse_state(&text) {
+            prop_assert_eq!(s.version, 1);
+        }
+    }
+
+    // -- the sweep -----------------------------------------------------------------------------
+
+    /// Whatever the listing holds, the sweep selects only rows the gate admits, never a
+    /// conflicting one, at most `cap`.
+    #[test]
+    fn sweep_selects_only_what_the_gate_admits(
+        rows in prop::collection::vec(any_runner(), 0..80),
+        conflicting in prop::collection::vec(any::<prop::sample::Index>(), 0..4),
+        prefix in prop_oneof![Just("ephemeral-".to_string()), ".{0,4}"],
+        cap in 0usize..100,
+    ) {
+        let conflicting: Vec<i64> = if rows.is_empty() { vec![] } else {
+            conflicting.iter().map(|i| rows[i.index(rows.len())].id).collect()
+        };
+        let listing = Listing { rows: rows.clone(), conflicting: conflicting.clone(), pages: 1, complete: true, total: None, distinct: rows.len() };
+        let sel = select(&listing, &prefix, cap);
+        prop_assert!(sel.delete.len() <= cap);
+        for r in &sel.delete {
+            prop_assert!(may_delete(r.name.as_deref(), &r.status, &prefix));
+            prop_assert!(!conflicting.contains(&r.id));
+        }
+    }
+
+    /// Paging through arbitrary pages (rows, counts, an error anywhere) always ends, and a row
+    /// seen with two different contents is marked conflicting.
+    #[test]
+    fn listing_arbitrary_pages_ends_and_flags_conflicts(
+        pages in prop::collection::vec((few_ids(), proptest::option::of(0u64..200)), 0..6),
+        fail_at in proptest::option::of(0usize..6),
+    ) {
+        let mut f = Pages { pages: pages.clone(), fail_at, asked: 0 };
+        match list_all(&mut f, &|_| true) {
+            // A failed page, or a page of only ids already listed while more were announced
+            // (a server that ignores `page`).
+            Err(e) => prop_assert!(
+                fail_at.is_some_and(|k| k < f.asked) || e.contains("only runners already listed"),
+                "{}", e
+            ),
+            Ok(listing) => {
+                prop_assert!(f.asked as u32 <= ci_ephemeral_provisioner::sweep::MAX_PAGES);
+                // Complete means: exactly as many distinct rows as the count every page gave.
+                if listing.complete && let Some(t) = listing.total {
+                    prop_assert_eq!(listing.rows.len() as u64, t);
+                }
+                let mut seen: BTreeMap<i64, Vec<&Runner>> = BTreeMap::new();
+                for (rows, _) in pages.iter().take(f.asked) {
+                    for r in rows {
+                        seen.entry(r.id).or_default().push(r);
+                    }
+                }
+                for (id, versions) in seen {
+                    if versions.iter().any(|v| *v != versions[0]) {
+                        prop_assert!(listing.conflicting.contains(&id), "id {} differs between pages", id);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A Forgejo whose runner pages are given (pages past the end are empty).
+struct Pages {
+    pages: Vec<(Vec<Runner>, Option<u64>)>,
+    fail_at: Option<usize>,
+    asked: usize,
+}
+
+impl Forgejo for Pages {
+    fn list_jobs(&mut self) -> Result<Vec<Job>, ApiError> {
+        unreachable!()
+    }
+    fn get_runner(&mut self, _: i64) -> Result<Option<Runner>, ApiError> {
+        unreachable!()
+    }
+    fn delete_runner(&mut self, _: i64, _: &str) -> Result<Deleted, ApiError> {
+        unreachable!()
+    }
+    fn register_runner(&mut self, _: &str) -> Result<NewRunner, ApiError> {
+        unreachable!()
+    }
+    fn list_runners_page(&mut self, page: u32, limit: u32) -> Result<RunnerPage, ApiError> {
+        assert_eq!(limit, PAGE_LIMIT);
+        let i = (page - 1) as usize;
+        self.asked = self.asked.max(i + 1);
+        if self.fail_at == Some(i) {
+            return Err(ApiError {
+                request: format!("page {page}"),
+                detail: "injected".into(),
+                status: Some(500),
+            });
+        }
+        Ok(match self.pages.get(i) {
+            Some((rows, total)) => RunnerPage {
+                rows: rows.clone(),
+                total: *total,
+            },
+            None => RunnerPage {
+                rows: vec![],
+                total: None,
+            },
+        })
+    }
+}
