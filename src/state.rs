@@ -149,7 +149,23 @@ pub fn parse_state(text: &str) -> Result<CycleState> {
             ));
         }
     }
-    serde_json::from_value(v).context("its contents do not match the cycle.json format")
+    let state: CycleState =
+        serde_json::from_value(v).context("its contents do not match the cycle.json format")?;
+    // The id goes into runner names and tofu's environment: only what this tool generates.
+    if !is_plain_cycle_id(&state.cycle_id) {
+        return Err(anyhow!(
+            "its cycle_id {:?} is not one this tool writes (1 to 64 of a-z, 0-9 and -)",
+            state.cycle_id
+        ));
+    }
+    Ok(state)
+}
+
+fn is_plain_cycle_id(id: &str) -> bool {
+    (1..=64).contains(&id.len())
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
 }
 
 /// Where cycle.json lives. Chosen once in `main`: a directory on disk, or memory for dry-runs.
@@ -346,6 +362,19 @@ mod tests {
         v["jobs_started"] = serde_json::json!("three");
         assert!(parse_state(&v.to_string()).is_err());
         assert!(parse_state("[]").is_err());
+    }
+
+    #[test]
+    fn a_cycle_id_this_tool_would_not_write_is_refused() {
+        for bad in ["", "x y", "../etc", "a;b", "ABC", "$(id)", &"a".repeat(65)] {
+            let mut v = serde_json::to_value(sample()).unwrap();
+            v["cycle_id"] = serde_json::json!(bad);
+            let e = parse_state(&v.to_string()).unwrap_err();
+            assert!(format!("{e:#}").contains("cycle_id"), "{bad:?}: {e:#}");
+        }
+        let mut v = serde_json::to_value(sample()).unwrap();
+        v["cycle_id"] = serde_json::json!("20261014t150757z-dryrun");
+        assert!(parse_state(&v.to_string()).is_ok());
     }
 
     #[test]
