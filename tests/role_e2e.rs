@@ -1,0 +1,514 @@
+//! The Ansible role on a real systemd host: a Debian rootfs booted with systemd-nspawn (see
+//! tests/role/role_e2e.sh), the role applied over SSH with ansible-core, the static binary, the
+//! real tofu/terraform CLI inside the container, and the fake Forgejo on the host's loopback (the
+//! container shares the host's network). Cycles are started by the timer only; the test never
+//! runs `systemctl start`.
+//!
+//! Ignored by default (needs root, systemd-container, a rootfs and a venv); `.ci/role` runs it:
+//! `ROLE_E2E_ROOTFS=<bookworm rootfs, modified in place> ANSIBLE_VENV=<venv with ansible-core>
+//! cargo test --test role_e2e -- --ignored`. `ROLE_E2E_BINARY` defaults to the musl release build.
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use support::fake_forgejo::{Conn, FakeForgejo};
+use support::harness::API_TOKEN;
+
+const UNIT: &str = "ci-ephemeral-provisioner@default.service";
+const STATE: &str = "var/lib/ci-ephemeral-provisioner/default";
+
+fn manifest() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn required_env(name: &str) -> String {
+    std::env::var(name).unwrap_or_else(|_| {
+        panic!("{name} is not set; run this test through .ci/role (see the header of tests/role_e2e.rs)")
+    })
+}
+
+/// The booted container; `Drop` always shuts it down (SIGTERM to nspawn) and tidies its cgroups.
+struct Host {
+    script: PathBuf,
+    work: PathBuf,
+    rootfs: PathBuf,
+}
+
+impl Host {
+    fn boot(work: &Path, rootfs: &Path) -> Host {
+        let host = Host {
+            script: manifest().join("tests/role/role_e2e.sh"),
+            work: work.to_path_buf(),
+            rootfs: rootfs.to_path_buf(),
+        };
+        let out = host.script(&["boot", path_str(work), path_str(rootfs)]);
+        assert!(out.0, "booting the container failed:\n{}", out.1);
+        host
+    }
+
+    /// Runs the script; (success, stdout + stderr).
+    fn script(&self, args: &[&str]) -> (bool, String) {
+        let out = Command::new(&self.script)
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .expect("run tests/role/role_e2e.sh");
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        (out.status.success(), text)
+    }
+
+    /// ansible-playbook with these variables; (success, output, changed count).
+    fn play(&self, name: &str, vars: &str) -> (bool, String, usize) {
+        let file = self.work.join(format!("{name}.yml"));
+        fs::write(&file, vars).unwrap();
+        let (ok, out) = self.script(&["play", path_str(&self.work), path_str(&file)]);
+        let changed = out
+            .lines()
+            .filter(|l| l.contains("changed="))
+            .filter_map(|l| {
+                l.split("changed=")
+                    .nth(1)?
+                    .split_whitespace()
+                    .next()?
+                    .parse::<usize>()
+                    .ok()
+            })
+            .sum();
+        (ok, out, changed)
+    }
+
+    /// Runs a shell command inside the container; (success, stdout + stderr).
+    fn sh(&self, cmd: &str) -> (bool, String) {
+        self.script(&["exec", path_str(&self.work), "sh", "-c", cmd])
+    }
+
+    fn sh_ok(&self, cmd: &str) -> String {
+        let (ok, out) = self.sh(cmd);
+        assert!(ok, "`{cmd}` failed in the container:\n{out}");
+        out
+    }
+
+    fn show(&self, unit: &str) -> BTreeMap<String, String> {
+        self.sh_ok(&format!("systemctl show {unit}"))
+            .lines()
+            .filter_map(|l| l.split_once('='))
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    fn journal(&self, unit: &str) -> String {
+        self.sh_ok(&format!("journalctl -u {unit} --no-pager -o cat"))
+    }
+
+    /// A path inside the container, seen from the host (nspawn boots the directory itself).
+    fn file(&self, rel: &str) -> PathBuf {
+        self.rootfs.join(rel)
+    }
+
+    fn read(&self, rel: &str) -> String {
+        fs::read_to_string(self.file(rel)).unwrap_or_default()
+    }
+}
+
+impl Drop for Host {
+    fn drop(&mut self) {
+        let (ok, out) = self.script(&["down", path_str(&self.work)]);
+        if !ok {
+            eprintln!("stopping the container failed:\n{out}");
+        }
+    }
+}
+
+fn path_str(p: &Path) -> &str {
+    p.to_str().expect("UTF-8 path")
+}
+
+/// Polls `cond` (a hang guard, not a timing assertion: CI machines are slow and shared).
+fn wait_until(what: &str, host: &Host, mut cond: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !cond() {
+        if start.elapsed() > Duration::from_secs(240) {
+            let journal = host.journal(UNIT);
+            panic!("timed out waiting for {what}; journal of {UNIT}:\n{journal}");
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    }
+}
+
+/// Role variables: the fake Forgejo, the test module, the default (SSH) launch command aimed at
+/// the container's own sshd, short timer and cycle durations. `pools` is the YAML of the list.
+fn vars(fake: &FakeForgejo, work: &Path, binary: &Path, pools: &str) -> String {
+    let known_hosts = fs::read_to_string(work.join("known_hosts")).expect("known_hosts from boot");
+    let module = manifest().join("tests/role/module");
+    format!(
+        r#"---
+ci_ephemeral_provisioner_binary_local_path: {binary}
+ci_ephemeral_provisioner_forgejo_url: {url}
+ci_ephemeral_provisioner_forgejo_token: {API_TOKEN}
+ci_ephemeral_provisioner_timer_boot_delay: 1s
+ci_ephemeral_provisioner_timer_interval: 2s
+ci_ephemeral_provisioner_timer_accuracy: 100ms
+ci_ephemeral_provisioner_pool_defaults:
+  runner_prefix: ephemeral-
+  labels: ""
+  scope: admin
+  tofu_module_src: {module}
+  tofu_bin: /usr/local/bin/tofu
+  environment:
+    VM_DIR: /var/lib/ci-ephemeral-provisioner/default/vm
+    TF_VAR_ssh_key_path: /etc/e2e/id_vm
+  secret_environment: {{}}
+  launch_command: ""
+  launch:
+    address_output: address
+    ssh_private_key_output: ssh_private_key
+    ssh_user: root
+    ssh_port: 2222
+    known_hosts: "{known_hosts}"
+    known_hosts_output: ""
+    runner_bin: /usr/local/bin/forgejo-runner
+    runner_dir: /var/lib/forgejo-runner
+    connect_timeout: 10
+  launch_timeout: 30s
+  max_jobs_per_vm: 10
+  idle_timeout: 1s
+  registration_grace: 5s
+  poll_interval: 500ms
+  max_cycle_duration: 10m
+  hard_deadline: 20m
+  sweep_max_deletions: 50
+  http_timeout: 5s
+  verbose: true
+ci_ephemeral_provisioner_pools:
+{pools}
+"#,
+        binary = binary.display(),
+        url = fake.url(),
+        module = module.display(),
+        known_hosts = known_hosts.trim(),
+    )
+}
+
+#[test]
+#[ignore = "needs root, systemd-container, a rootfs and ansible: run by .ci/role"]
+fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
+    let rootfs = PathBuf::from(required_env("ROLE_E2E_ROOTFS"));
+    required_env("ANSIBLE_VENV");
+    let binary = std::env::var("ROLE_E2E_BINARY")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| {
+            manifest().join("target/x86_64-unknown-linux-musl/release/ci-ephemeral-provisioner")
+        });
+    assert!(
+        binary.is_file(),
+        "{} is missing: build it first",
+        binary.display()
+    );
+    let tmp = tempfile::tempdir().unwrap();
+    let work = tmp.path();
+
+    // Forgejo before the role: stale registrations of ours, another pool's, a persistent runner,
+    // one of ours that is online, and a job for the default pool.
+    let fake = FakeForgejo::start(API_TOKEN);
+    let stale_a = fake.add_runner("ephemeral-stale-a", true, Conn::NeverConnected);
+    let stale_b = fake.add_runner(
+        "ephemeral-stale-b",
+        true,
+        Conn::OfflineFor(Duration::from_secs(7200)),
+    );
+    let other_pool = fake.add_runner("gpu-stale", true, Conn::NeverConnected);
+    let persistent = fake.add_runner(
+        "build-01",
+        false,
+        Conn::OfflineFor(Duration::from_secs(7200)),
+    );
+    let online = fake.add_runner("ephemeral-online", true, Conn::Idle);
+    let (job, handle) = fake.add_job(&["debian"]);
+
+    let host = Host::boot(work, &rootfs);
+    let two_pools = "  - name: default\n    runner_prefix: ephemeral-\n    labels: debian:host\n\
+                     \x20 - name: gpu\n    runner_prefix: gpu-\n    labels: gpu:host\n";
+
+    // Preflight refuses pools whose prefixes overlap, before touching the host.
+    let overlap = "  - name: default\n    runner_prefix: ephemeral-\n    labels: debian:host\n\
+                   \x20 - name: more\n    runner_prefix: ephemeral-more-\n    labels: more:host\n";
+    let (ok, out, _) = host.play("overlap", &vars(&fake, work, &binary, overlap));
+    assert!(!ok, "overlapping prefixes were accepted:\n{out}");
+    assert!(
+        out.contains("runner_prefix ephemeral-more- starts with pool default's"),
+        "{out}"
+    );
+    assert!(!host.file("etc/ci-ephemeral-provisioner").exists());
+
+    // First run: installs and enables the timers; the timers start the cycles.
+    let (ok, out, changed) = host.play("site", &vars(&fake, work, &binary, two_pools));
+    assert!(ok, "the role failed:\n{out}");
+    assert!(changed > 0, "{out}");
+
+    wait_until(
+        "the job to be run and the default pool back at rest",
+        &host,
+        || {
+            let s = host.show(UNIT);
+            fake.jobs()
+                .iter()
+                .any(|j| j.id == job && j.status == "success")
+                && !host.file(&format!("{STATE}/cycle.json")).exists()
+                && host
+                    .read("var/lib/ci-ephemeral-provisioner/default/vm/vm.log")
+                    .contains("destroy ")
+                && s["ActiveState"] == "inactive"
+                && s["Result"] == "success"
+        },
+    );
+
+    // The fake saw one registration per job, created under our prefix, the stale ones swept and
+    // everything else untouched.
+    let posts: Vec<_> = fake
+        .requests()
+        .into_iter()
+        .filter(|r| r.method == "POST" && r.path == "/api/v1/admin/actions/runners")
+        .collect();
+    assert_eq!(
+        posts.len(),
+        1,
+        "one registration for the one job: {posts:?}"
+    );
+    let deleted = fake.deleted_ids();
+    assert!(
+        deleted.contains(&stale_a) && deleted.contains(&stale_b),
+        "stale ones swept: {deleted:?}"
+    );
+    let alive: Vec<i64> = fake.runners().iter().map(|r| r.id).collect();
+    for (id, what) in [
+        (other_pool, "another pool's"),
+        (persistent, "the persistent"),
+        (online, "the online"),
+    ] {
+        assert!(
+            alive.contains(&id),
+            "{what} runner was deleted: {:?}",
+            fake.runners()
+        );
+    }
+    assert!(
+        fake.runners()
+            .iter()
+            .all(|r| !r.name.starts_with("ephemeral-") || r.id == online),
+        "our registrations left behind: {:?}",
+        fake.runners()
+    );
+
+    // systemd's view: a non-root user ran it, it exited 0, the timer started it.
+    let s = host.show(UNIT);
+    assert_eq!(s["User"], "ci-ephemeral-provisioner");
+    assert_eq!(s["ExecMainStatus"], "0", "{s:?}");
+    assert_eq!(s["Result"], "success");
+    let uid = host
+        .sh_ok("id -u ci-ephemeral-provisioner")
+        .trim()
+        .to_string();
+    assert_ne!(uid, "0");
+    assert_eq!(
+        host.read("var/lib/ci-ephemeral-provisioner/default/vm/uid.create")
+            .trim(),
+        uid,
+        "tofu ran as the service user"
+    );
+    let timer = host.show("ci-ephemeral-provisioner@default.timer");
+    assert!(
+        timer["LastTriggerUSecMonotonic"]
+            .parse::<u64>()
+            .unwrap_or(0)
+            > 0,
+        "the timer never fired: {timer:?}"
+    );
+    assert_eq!(
+        host.sh_ok("systemctl is-enabled ci-ephemeral-provisioner@default.timer")
+            .trim(),
+        "enabled"
+    );
+    assert_eq!(
+        host.sh_ok("systemctl is-enabled ci-ephemeral-provisioner@default.service || true")
+            .trim(),
+        "static"
+    );
+    let journal = host.journal(UNIT);
+    assert!(journal.contains("running /usr/local/bin/tofu"), "{journal}");
+
+    // The default launch command ran forgejo-runner one-job on the "VM" over SSH, the runner
+    // token in a 0600 file there.
+    let runner_log = host.read("var/log/fake-forgejo-runner.jsonl");
+    let launch: serde_json::Value =
+        serde_json::from_str(runner_log.lines().next().unwrap_or("null")).unwrap();
+    assert_eq!(launch["token_file_mode"], "0o600", "{runner_log}");
+    let argv: Vec<String> = serde_json::from_value(launch["argv"].clone()).unwrap();
+    assert_eq!(argv[0], "one-job");
+    assert!(
+        argv.windows(2)
+            .any(|w| w[0] == "--handle" && w[1] == handle),
+        "{argv:?}"
+    );
+    assert!(
+        argv.windows(2)
+            .any(|w| w[0] == "--url" && w[1] == fake.url()),
+        "{argv:?}"
+    );
+    assert!(
+        argv.windows(2)
+            .any(|w| w[0] == "--token-url" && w[1].starts_with("file:")),
+        "{argv:?}"
+    );
+    assert!(argv.iter().any(|a| a == "--wait"), "{argv:?}");
+
+    // The token: a root-only credential, nowhere else.
+    assert_eq!(
+        host.sh_ok("stat -c '%U:%G %a' /etc/ci-ephemeral-provisioner/forgejo-token")
+            .trim(),
+        "root:root 600"
+    );
+    let (found, grep) = host.sh(&format!(
+        "grep -rl {API_TOKEN} /etc/systemd/system /etc/ci-ephemeral-provisioner/pools /var/lib/ci-ephemeral-provisioner"
+    ));
+    assert!(
+        !found,
+        "the token is in files other than the credential: {grep}"
+    );
+    assert!(
+        !host
+            .sh_ok("journalctl --no-pager -o verbose")
+            .contains(API_TOKEN),
+        "the token is in the journal"
+    );
+    let tofu_env = host.read("var/lib/ci-ephemeral-provisioner/default/vm/tofu-env.create");
+    assert!(
+        tofu_env.contains("TF_DATA_DIR=/var/lib/ci-ephemeral-provisioner/default/tofu-data"),
+        "{tofu_env}"
+    );
+    assert!(
+        tofu_env.contains("TF_PLUGIN_CACHE_DIR=/var/cache/ci-ephemeral-provisioner/default"),
+        "{tofu_env}"
+    );
+    for leak in [
+        API_TOKEN,
+        "CREDENTIALS_DIRECTORY",
+        "CI_EPHEMERAL_PROVISIONER_",
+    ] {
+        assert!(
+            !tofu_env.contains(leak),
+            "tofu's environment has {leak}:\n{tofu_env}"
+        );
+    }
+
+    // The gates on the units as installed (systemd 252 in the container).
+    host.sh_ok(
+        "d=$(mktemp -d) && cp /etc/systemd/system/ci-ephemeral-provisioner@.service $d/ci-ephemeral-provisioner@default.service \
+         && systemd-analyze verify --recursive-errors=no $d/ci-ephemeral-provisioner@default.service /etc/systemd/system/ci-ephemeral-provisioner@.timer \
+         && systemd-analyze security --offline=true --threshold=20 $d/ci-ephemeral-provisioner@default.service",
+    );
+    host.sh_ok("systemd-analyze verify --recursive-errors=no ci-ephemeral-provisioner@default.service ci-ephemeral-provisioner@default.timer");
+    host.sh_ok("systemd-analyze security --threshold=20 ci-ephemeral-provisioner@default.service");
+
+    // The other pool ran too (idle: nothing to do) and kept its hands off.
+    wait_until("the gpu pool to have run", &host, || {
+        let g = host.show("ci-ephemeral-provisioner@gpu.service");
+        g["ExecMainExitTimestampMonotonic"] != "0" && g["Result"] == "success"
+    });
+
+    // Second run of the role: nothing to change.
+    let (ok, out, changed) = host.play("site", &vars(&fake, work, &binary, two_pools));
+    assert!(ok, "{out}");
+    assert_eq!(changed, 0, "the second run changed something:\n{out}");
+
+    // Removing a pool from the list stops and disables its timer.
+    let one_pool = "  - name: default\n    runner_prefix: ephemeral-\n    labels: debian:host\n";
+    let (ok, out, _) = host.play("one-pool", &vars(&fake, work, &binary, one_pool));
+    assert!(ok, "{out}");
+    assert_eq!(
+        host.sh("systemctl is-enabled ci-ephemeral-provisioner@gpu.timer")
+            .1
+            .trim(),
+        "disabled"
+    );
+    assert_eq!(
+        host.sh("systemctl is-active ci-ephemeral-provisioner@gpu.timer")
+            .1
+            .trim(),
+        "inactive"
+    );
+    assert!(!host.file("etc/ci-ephemeral-provisioner/pools/gpu").exists());
+    assert_eq!(
+        host.sh_ok("systemctl is-enabled ci-ephemeral-provisioner@default.timer")
+            .trim(),
+        "enabled"
+    );
+
+    // A destroy that fails leaves the unit failed, the error in the journal and the cycle on disk.
+    fs::write(
+        host.file("var/lib/ci-ephemeral-provisioner/default/vm/fail-destroy"),
+        "",
+    )
+    .unwrap();
+    let (job2, _) = fake.add_job(&["debian"]);
+    wait_until("a failed run after the destroy failed", &host, || {
+        let s = host.show(UNIT);
+        fake.jobs()
+            .iter()
+            .any(|j| j.id == job2 && j.status == "success")
+            && s["ActiveState"] == "failed"
+            && s["Result"] == "exit-code"
+    });
+    let s = host.show(UNIT);
+    assert_eq!(s["ExecMainStatus"], "1", "{s:?}");
+    let journal = host.journal(UNIT);
+    assert!(
+        journal.contains("simulated cloud error on destroy"),
+        "{journal}"
+    );
+    assert!(
+        host.file(&format!("{STATE}/cycle.json")).exists(),
+        "the cycle must be kept until its VM is gone"
+    );
+
+    // The role refuses to remove a pool while it has a cycle in progress.
+    let spare = "  - name: spare\n    runner_prefix: spare-\n    labels: spare:host\n";
+    let (ok, out, _) = host.play("remove-busy", &vars(&fake, work, &binary, spare));
+    assert!(!ok && out.contains("has a cycle in progress"), "{out}");
+    assert_eq!(
+        host.sh_ok("systemctl is-enabled ci-ephemeral-provisioner@default.timer")
+            .trim(),
+        "enabled"
+    );
+
+    // Once the cloud works again the timer's next runs converge: VM gone, registrations gone.
+    fs::remove_file(host.file("var/lib/ci-ephemeral-provisioner/default/vm/fail-destroy")).unwrap();
+    wait_until("the default pool to converge", &host, || {
+        let s = host.show(UNIT);
+        !host.file(&format!("{STATE}/cycle.json")).exists()
+            && s["Result"] == "success"
+            && s["ActiveState"] == "inactive"
+    });
+    let vm_log = host.read("var/lib/ci-ephemeral-provisioner/default/vm/vm.log");
+    assert_eq!(
+        vm_log.matches("create ").count(),
+        vm_log.matches("destroy ").count(),
+        "{vm_log}"
+    );
+    assert!(
+        fake.runners()
+            .iter()
+            .all(|r| !r.name.starts_with("ephemeral-") || r.id == online),
+        "our registrations left behind: {:?}",
+        fake.runners()
+    );
+    drop(host);
+}
