@@ -80,7 +80,7 @@ EOF
 play)
     vars=${1:?VARS file missing}
     shift
-    export ANSIBLE_HOST_KEY_CHECKING=False ANSIBLE_NOCOLOR=1 ANSIBLE_FORCE_COLOR=0
+    export ANSIBLE_HOST_KEY_CHECKING=False ANSIBLE_NOCOLOR=1 ANSIBLE_FORCE_COLOR=0 ANSIBLE_PIPELINING=True
     export ANSIBLE_ROLES_PATH="$here/roles"
     exec "${ANSIBLE_VENV:?ANSIBLE_VENV must name a venv with ansible-core}/bin/ansible-playbook" \
         -i "$work/inventory.ini" "$here/site.yml" -e "@$vars" "$@"
@@ -91,21 +91,29 @@ exec)
     ;;
 down)
     if nspawn=$(cat "$work/nspawn.pid" 2>/dev/null) && kill -0 "$nspawn" 2>/dev/null; then
+        cpid=$(container_pid || true)
         kill -TERM "$nspawn"
         for _ in $(seq 300); do kill -0 "$nspawn" 2>/dev/null || break; sleep 0.1; done
         if kill -0 "$nspawn" 2>/dev/null; then
-            echo "nspawn $nspawn did not stop in 30 s; killing it" >&2
+            # A container that cannot power off (its rootfs broken under it, say): killing its
+            # init ends every process of its PID namespace, then nspawn exits.
+            echo "nspawn $nspawn did not stop in 30 s; killing the container" >&2
+            [ -n "$cpid" ] && kill -KILL "$cpid" 2>/dev/null || true
+            for _ in $(seq 100); do kill -0 "$nspawn" 2>/dev/null || break; sleep 0.1; done
             kill -KILL "$nspawn" 2>/dev/null || true
         fi
     fi
     rm -f "$work/nspawn.pid"
-    # nspawn --keep-unit leaves empty payload/ and supervisor/ cgroups under ours.
+    # nspawn --keep-unit makes payload/ and supervisor/ cgroups under ours; an orderly poweroff
+    # leaves them empty, a killed container leaves its whole tree. Remove them depth first.
     for h in systemd unified; do
         rel=$(awk -F: -v h=$h '(h=="systemd" && $2=="name=systemd") || (h=="unified" && $1=="0") {print $3}' /proc/self/cgroup)
         cg=/sys/fs/cgroup/$h${rel%/}
-        [ -d "$cg" ] || continue
-        rmdir "$cg/payload/init.scope" "$cg/payload" "$cg/supervisor" 2> /dev/null || true
+        for d in "$cg/payload" "$cg/supervisor"; do
+            [ -d "$d" ] && find "$d" -depth -type d -exec rmdir {} \; 2>/dev/null
+        done
     done
+    true
     ;;
 *)
     echo "unknown command $cmd" >&2
