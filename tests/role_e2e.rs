@@ -12,8 +12,12 @@ mod support;
 
 use std::collections::BTreeMap;
 use std::fs;
+use std::io::{Read, Write};
+use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use support::fake_forgejo::{Conn, FakeForgejo};
@@ -145,14 +149,77 @@ fn wait_until(what: &str, host: &Host, mut cond: impl FnMut() -> bool) {
     }
 }
 
+/// Where the role takes the binary from.
+enum Source<'a> {
+    Local(&'a Path),
+    Url { url: String, sha256: String },
+}
+
+impl Source<'_> {
+    fn yaml(&self) -> String {
+        match self {
+            Source::Local(p) => format!(
+                "ci_ephemeral_provisioner_binary_local_path: {}",
+                p.display()
+            ),
+            Source::Url { url, sha256 } => format!(
+                "ci_ephemeral_provisioner_binary_url: {url}\nci_ephemeral_provisioner_binary_sha256: \"{sha256}\""
+            ),
+        }
+    }
+}
+
+/// Serves `bytes` to every GET on 127.0.0.1 (the container shares the host's loopback); counts
+/// the requests.
+fn serve_file(bytes: Vec<u8>) -> (String, Arc<AtomicUsize>) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!(
+        "http://{}/ci-ephemeral-provisioner",
+        listener.local_addr().unwrap()
+    );
+    let hits = Arc::new(AtomicUsize::new(0));
+    let counter = Arc::clone(&hits);
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { continue };
+            let mut head = Vec::new();
+            let mut byte = [0u8; 1];
+            while !head.ends_with(b"\r\n\r\n") && stream.read(&mut byte).is_ok_and(|n| n == 1) {
+                head.push(byte[0]);
+            }
+            counter.fetch_add(1, Ordering::SeqCst);
+            let header = format!(
+                "HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                bytes.len()
+            );
+            let _ = stream.write_all(header.as_bytes());
+            let _ = stream.write_all(&bytes);
+        }
+    });
+    (url, hits)
+}
+
+fn sha256_hex(path: &Path) -> String {
+    let out = Command::new("sha256sum")
+        .arg(path)
+        .output()
+        .expect("sha256sum");
+    assert!(out.status.success());
+    String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_string()
+}
+
 /// Role variables: the fake Forgejo, the test module, the default (SSH) launch command aimed at
 /// the container's own sshd, short timer and cycle durations. `pools` is the YAML of the list.
-fn vars(fake: &FakeForgejo, work: &Path, binary: &Path, pools: &str) -> String {
+fn vars(fake: &FakeForgejo, work: &Path, source: &Source, pools: &str) -> String {
     let known_hosts = fs::read_to_string(work.join("known_hosts")).expect("known_hosts from boot");
     let module = manifest().join("tests/role/module");
     format!(
         r#"---
-ci_ephemeral_provisioner_binary_local_path: {binary}
+{source}
 ci_ephemeral_provisioner_forgejo_url: {url}
 ci_ephemeral_provisioner_forgejo_token: {API_TOKEN}
 ci_ephemeral_provisioner_timer_boot_delay: 1s
@@ -192,7 +259,7 @@ ci_ephemeral_provisioner_pool_defaults:
 ci_ephemeral_provisioner_pools:
 {pools}
 "#,
-        binary = binary.display(),
+        source = source.yaml(),
         url = fake.url(),
         module = module.display(),
         known_hosts = known_hosts.trim(),
@@ -238,13 +305,14 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
     let (job, handle) = fake.add_job(&["debian"]);
 
     let host = Host::boot(work, &rootfs);
+    let local = Source::Local(&binary);
     let two_pools = "  - name: default\n    runner_prefix: ephemeral-\n    labels: debian:host\n\
                      \x20 - name: gpu\n    runner_prefix: gpu-\n    labels: gpu:host\n";
 
     // Preflight refuses pools whose prefixes overlap, before touching the host.
     let overlap = "  - name: default\n    runner_prefix: ephemeral-\n    labels: debian:host\n\
                    \x20 - name: more\n    runner_prefix: ephemeral-more-\n    labels: more:host\n";
-    let (ok, out, _) = host.play("overlap", &vars(&fake, work, &binary, overlap));
+    let (ok, out, _) = host.play("overlap", &vars(&fake, work, &local, overlap));
     assert!(!ok, "overlapping prefixes were accepted:\n{out}");
     assert!(
         out.contains("runner_prefix ephemeral-more- starts with pool default's"),
@@ -253,7 +321,7 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
     assert!(!host.file("etc/ci-ephemeral-provisioner").exists());
 
     // First run: installs and enables the timers; the timers start the cycles.
-    let (ok, out, changed) = host.play("site", &vars(&fake, work, &binary, two_pools));
+    let (ok, out, changed) = host.play("site", &vars(&fake, work, &local, two_pools));
     assert!(ok, "the role failed:\n{out}");
     assert!(changed > 0, "{out}");
 
@@ -313,7 +381,11 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
 
     // systemd's view: a non-root user ran it, it exited 0, the timer started it.
     let s = host.show(UNIT);
-    assert_eq!(s["User"], "ci-ephemeral-provisioner");
+    assert_eq!(
+        s.get("User").map(String::as_str),
+        Some("ci-ephemeral-provisioner"),
+        "the service must run as the dedicated user: {s:?}"
+    );
     assert_eq!(s["ExecMainStatus"], "0", "{s:?}");
     assert_eq!(s["Result"], "success");
     let uid = host
@@ -426,13 +498,40 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
     });
 
     // Second run of the role: nothing to change.
-    let (ok, out, changed) = host.play("site", &vars(&fake, work, &binary, two_pools));
+    let (ok, out, changed) = host.play("site", &vars(&fake, work, &local, two_pools));
     assert!(ok, "{out}");
     assert_eq!(changed, 0, "the second run changed something:\n{out}");
 
+    // The binary from a URL: a wrong SHA-256 fails the run and leaves the installed binary
+    // alone; the right one finds the same bytes installed and changes nothing.
+    let installed = || host.sh_ok("sha256sum /usr/local/bin/ci-ephemeral-provisioner");
+    let before = installed();
+    let sha256 = sha256_hex(&binary);
+    assert!(before.starts_with(&sha256), "{before}");
+    let (url, hits) = serve_file(fs::read(&binary).unwrap());
+    let wrong = Source::Url {
+        url: url.clone(),
+        sha256: "0".repeat(64),
+    };
+    let (ok, out, _) = host.play("url-wrong-sha", &vars(&fake, work, &wrong, two_pools));
+    assert!(
+        !ok,
+        "a download with the wrong SHA-256 was accepted:\n{out}"
+    );
+    assert!(out.contains("did not match"), "{out}");
+    assert!(hits.load(Ordering::SeqCst) > 0, "get_url never downloaded");
+    assert_eq!(installed(), before, "the installed binary changed");
+    let right = Source::Url { url, sha256 };
+    let (ok, out, changed) = host.play("url", &vars(&fake, work, &right, two_pools));
+    assert!(ok, "{out}");
+    assert_eq!(
+        changed, 0,
+        "same bytes from the URL changed something:\n{out}"
+    );
+
     // Removing a pool from the list stops and disables its timer.
     let one_pool = "  - name: default\n    runner_prefix: ephemeral-\n    labels: debian:host\n";
-    let (ok, out, _) = host.play("one-pool", &vars(&fake, work, &binary, one_pool));
+    let (ok, out, _) = host.play("one-pool", &vars(&fake, work, &local, one_pool));
     assert!(ok, "{out}");
     assert_eq!(
         host.sh("systemctl is-enabled ci-ephemeral-provisioner@gpu.timer")
@@ -482,10 +581,27 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
         host.file(&format!("{STATE}/cycle.json")).exists(),
         "the cycle must be kept until its VM is gone"
     );
+    // The timer retries; while the cloud keeps failing, so does every retry, and the VM stays
+    // known (its tofu state survives the module sync before each run).
+    let failed_run = s["InvocationID"].clone();
+    wait_until("a retry of the failed destroy", &host, || {
+        let s = host.show(UNIT);
+        s["InvocationID"] != failed_run && s["ActiveState"] != "activating"
+    });
+    let s = host.show(UNIT);
+    assert_eq!(
+        (s["Result"].as_str(), s["ExecMainStatus"].as_str()),
+        ("exit-code", "1"),
+        "the retry did not fail while the destroy still fails: the VM was forgotten? {s:?}"
+    );
+    assert!(
+        host.file(&format!("{STATE}/cycle.json")).exists(),
+        "cycle.json vanished while the VM still exists"
+    );
 
     // The role refuses to remove a pool while it has a cycle in progress.
     let spare = "  - name: spare\n    runner_prefix: spare-\n    labels: spare:host\n";
-    let (ok, out, _) = host.play("remove-busy", &vars(&fake, work, &binary, spare));
+    let (ok, out, _) = host.play("remove-busy", &vars(&fake, work, &local, spare));
     assert!(!ok && out.contains("has a cycle in progress"), "{out}");
     assert_eq!(
         host.sh_ok("systemctl is-enabled ci-ephemeral-provisioner@default.timer")
