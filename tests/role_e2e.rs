@@ -399,11 +399,75 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
         uid,
         "tofu ran as the service user"
     );
+    // The unit as systemd loaded it: oneshot, a start timeout of hard_deadline + margin, a stop
+    // that reaches the binary only, exit 75 (lock held) counted as success, private files.
+    for (key, want) in [
+        ("Type", "oneshot"),
+        ("TimeoutStartUSec", "1h 20min"),
+        ("KillMode", "mixed"),
+        ("UMask", "0077"),
+        ("StateDirectory", "ci-ephemeral-provisioner/default"),
+        ("CacheDirectory", "ci-ephemeral-provisioner/default"),
+    ] {
+        assert_eq!(s.get(key).map(String::as_str), Some(want), "{key}: {s:?}");
+    }
+    let unit = host.sh_ok(&format!("systemctl cat {UNIT}"));
+    assert!(
+        unit.contains(
+            "\nLoadCredential=forgejo-token:/etc/ci-ephemeral-provisioner/forgejo-token\n"
+        ),
+        "{unit}"
+    );
+    assert!(
+        s["SuccessExitStatus"].split_whitespace().any(|c| c == "75"),
+        "{s:?}"
+    );
     let timer = host.show("ci-ephemeral-provisioner@default.timer");
     let fired = &timer["LastTriggerUSec"];
     assert!(
         !fired.is_empty() && fired != "n/a",
         "the timer never fired: {timer:?}"
+    );
+    // One TimersMonotonic= line per trigger.
+    let triggers =
+        host.sh_ok("systemctl show -p TimersMonotonic ci-ephemeral-provisioner@default.timer");
+    assert!(
+        triggers.contains("OnUnitInactiveUSec=2s") && triggers.contains("OnBootUSec=1s"),
+        "{triggers}"
+    );
+
+    // A start while another run holds the lock exits 75, which the unit counts as success.
+    // The holder waits for the lock (a run may have it), says so, and keeps it until released.
+    fs::write(host.file("var/tmp/hold"), "").unwrap();
+    let mut holder = Command::new(&host.script)
+        .args(["exec", path_str(&host.work), "flock"])
+        .arg(format!("/{STATE}/cycle.lock"))
+        .args([
+            "sh",
+            "-c",
+            "touch /var/tmp/lock-held; while [ -e /var/tmp/hold ]; do sleep 0.2; done",
+        ])
+        .stdin(Stdio::null())
+        .spawn()
+        .expect("hold the lock");
+    wait_until("the test to hold the lock", &host, || {
+        host.file("var/tmp/lock-held").exists()
+    });
+    let before = host.show(UNIT)["InvocationID"].clone();
+    wait_until("a run skipped because the lock is held", &host, || {
+        let s = host.show(UNIT);
+        s["InvocationID"] != before && s["ActiveState"] != "activating"
+    });
+    let skipped = host.show(UNIT);
+    fs::remove_file(host.file("var/tmp/hold")).unwrap();
+    let _ = holder.wait();
+    assert_eq!(
+        (
+            skipped["ExecMainStatus"].as_str(),
+            skipped["Result"].as_str()
+        ),
+        ("75", "success"),
+        "{skipped:?}"
     );
     assert_eq!(
         host.sh_ok("systemctl is-enabled ci-ephemeral-provisioner@default.timer")
