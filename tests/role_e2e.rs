@@ -418,10 +418,6 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
         ),
         "{unit}"
     );
-    assert!(
-        s["SuccessExitStatus"].split_whitespace().any(|c| c == "75"),
-        "{s:?}"
-    );
     let timer = host.show("ci-ephemeral-provisioner@default.timer");
     let fired = &timer["LastTriggerUSec"];
     assert!(
