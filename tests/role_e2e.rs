@@ -72,10 +72,12 @@ impl Host {
 
     /// ansible-playbook with these variables; (success, output, changed count).
     fn play(&self, name: &str, vars: &str) -> (bool, String, usize) {
+        let started = Instant::now();
         let file = self.work.join(format!("{name}.yml"));
         fs::write(&file, vars).unwrap();
         let (ok, out) = self.script(&["play", path_str(&self.work), path_str(&file)]);
         fs::write(self.work.join(format!("{name}.log")), &out).unwrap();
+        eprintln!("play {name}: ok={ok} in {:.1?}", started.elapsed());
         let changed = out
             .lines()
             .filter(|l| l.contains("changed="))
@@ -140,6 +142,7 @@ fn path_str(p: &Path) -> &str {
 /// Polls `cond` (a hang guard, not a timing assertion: CI machines are slow and shared).
 fn wait_until(what: &str, host: &Host, mut cond: impl FnMut() -> bool) {
     let start = Instant::now();
+    eprintln!("waiting for {what}");
     while !cond() {
         if start.elapsed() > Duration::from_secs(240) {
             let journal = host.journal(UNIT);
@@ -147,6 +150,7 @@ fn wait_until(what: &str, host: &Host, mut cond: impl FnMut() -> bool) {
         }
         std::thread::sleep(Duration::from_millis(250));
     }
+    eprintln!("  after {:.1?}", start.elapsed());
 }
 
 /// Where the role takes the binary from.

@@ -42,6 +42,8 @@ boot)
         [ -f "$work/$k" ] || ssh-keygen -q -t ed25519 -N '' -C "$k" -f "$work/$k"
     done
     echo e2e-host > "$rootfs/etc/hostname"
+    # mmdebstrap writes no /etc/hosts; every real host has one (the "VM" is reached as localhost).
+    [ -f "$rootfs/etc/hosts" ] || printf '127.0.0.1\tlocalhost e2e-host\n::1\tlocalhost ip6-localhost ip6-loopback\n' > "$rootfs/etc/hosts"
     printf 'Port %s\nListenAddress 127.0.0.1\nPermitRootLogin prohibit-password\n' "$SSH_PORT" \
         > "$rootfs/etc/ssh/sshd_config.d/e2e.conf"
     install -d -m 700 "$rootfs/root/.ssh"
@@ -55,7 +57,7 @@ boot)
     install -m 755 "$tofu" "$rootfs/usr/local/bin/tofu"
     install -m 755 "$here/forgejo-runner" "$rootfs/usr/local/bin/forgejo-runner"
     # known_hosts for the launch command: the container's own host key.
-    printf '[127.0.0.1]:%s %s\n' "$SSH_PORT" "$(cut -d' ' -f1,2 "$rootfs/etc/ssh/ssh_host_ed25519_key.pub")" \
+    printf '[localhost]:%s,[127.0.0.1]:%s %s\n' "$SSH_PORT" "$SSH_PORT" "$(cut -d' ' -f1,2 "$rootfs/etc/ssh/ssh_host_ed25519_key.pub")" \
         > "$work/known_hosts"
     cat > "$work/inventory.ini" <<EOF
 [provisioner]

@@ -23,7 +23,8 @@ resource "terraform_data" "vm" {
 }
 
 output "address" {
-  value = "127.0.0.1"
+  # A name, not an address: resolving it (glibc, nss files) must work under the sandbox.
+  value = "localhost"
 }
 
 output "ssh_private_key" {
