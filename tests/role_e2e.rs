@@ -667,6 +667,12 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
     let spare = "  - name: spare\n    runner_prefix: spare-\n    labels: spare:host\n";
     let (ok, out, _) = host.play("remove-busy", &vars(&fake, work, &local, spare));
     assert!(!ok && out.contains("has a cycle in progress"), "{out}");
+    assert!(
+        !host
+            .file("etc/ci-ephemeral-provisioner/pools/spare")
+            .exists(),
+        "the refusal must come before anything changes on the host"
+    );
     assert_eq!(
         host.sh_ok("systemctl is-enabled ci-ephemeral-provisioner@default.timer")
             .trim(),
