@@ -25,6 +25,8 @@ use support::harness::API_TOKEN;
 
 const UNIT: &str = "ci-ephemeral-provisioner@default.service";
 const STATE: &str = "var/lib/ci-ephemeral-provisioner/default";
+/// The default pool's secret_environment value (a stand-in for a cloud API token).
+const CLOUD_SECRET: &str = "cloud-5ecret-4c7e";
 
 fn manifest() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -75,7 +77,8 @@ impl Host {
         let started = Instant::now();
         let file = self.work.join(format!("{name}.yml"));
         fs::write(&file, vars).unwrap();
-        let (ok, out) = self.script(&["play", path_str(&self.work), path_str(&file)]);
+        // --diff shows the content of every changed file, except where the role says no_log.
+        let (ok, out) = self.script(&["play", path_str(&self.work), path_str(&file), "--diff"]);
         fs::write(self.work.join(format!("{name}.log")), &out).unwrap();
         eprintln!("play {name}: ok={ok} in {:.1?}", started.elapsed());
         let changed = out
@@ -310,7 +313,9 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
 
     let host = Host::boot(work, &rootfs);
     let local = Source::Local(&binary);
+    // The default pool has a cloud secret for tofu (secret_environment).
     let two_pools = "  - name: default\n    runner_prefix: ephemeral-\n    labels: debian:host\n\
+                     \x20   secret_environment:\n      E2E_CLOUD_TOKEN: cloud-5ecret-4c7e\n\
                      \x20 - name: gpu\n    runner_prefix: gpu-\n    labels: gpu:host\n";
 
     // Preflight refuses pools whose prefixes overlap, before touching the host.
@@ -328,6 +333,9 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
     let (ok, out, changed) = host.play("site", &vars(&fake, work, &local, two_pools));
     assert!(ok, "the role failed:\n{out}");
     assert!(changed > 0, "{out}");
+    for secret in [API_TOKEN, CLOUD_SECRET] {
+        assert!(!out.contains(secret), "Ansible printed a secret:\n{out}");
+    }
 
     wait_until(
         "the job to be run and the default pool back at rest",
@@ -534,6 +542,25 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
     assert!(
         tofu_env.contains("TF_PLUGIN_CACHE_DIR=/var/cache/ci-ephemeral-provisioner/default"),
         "{tofu_env}"
+    );
+    // The cloud secret reaches tofu, from a root-only file, and nothing else shows it.
+    assert!(
+        tofu_env.contains(&format!("E2E_CLOUD_TOKEN={CLOUD_SECRET}")),
+        "{tofu_env}"
+    );
+    assert_eq!(
+        host.sh_ok("stat -c '%U:%G %a' /etc/ci-ephemeral-provisioner/pools/default/secret.env")
+            .trim(),
+        "root:root 600"
+    );
+    assert!(
+        !host
+            .read("etc/ci-ephemeral-provisioner/pools/default/provisioner.env")
+            .contains(CLOUD_SECRET)
+    );
+    assert!(
+        !host.journal(UNIT).contains(CLOUD_SECRET),
+        "the cloud secret is in the journal"
     );
     for leak in [
         API_TOKEN,
