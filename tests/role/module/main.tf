@@ -1,0 +1,33 @@
+# The role end-to-end test's "cloud": terraform_data + local-exec only (no provider download).
+# The "VM" is the test container itself, reached over SSH on 127.0.0.1:2222; vm.sh keeps a log
+# and a marker per VM in $VM_DIR and fails a destroy while $VM_DIR/fail-destroy exists.
+variable "cycle_id" {
+  type = string
+}
+
+variable "ssh_key_path" {
+  type = string
+}
+
+resource "terraform_data" "vm" {
+  input = var.cycle_id
+
+  provisioner "local-exec" {
+    command = "sh ${path.module}/vm.sh create ${self.input}"
+  }
+
+  provisioner "local-exec" {
+    when    = destroy
+    command = "sh ${path.module}/vm.sh destroy ${self.input}"
+  }
+}
+
+output "address" {
+  # A name, not an address: resolving it (glibc, nss files) must work under the sandbox.
+  value = "localhost"
+}
+
+output "ssh_private_key" {
+  value     = file(var.ssh_key_path)
+  sensitive = true
+}

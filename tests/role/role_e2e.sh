@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# The systemd host of the role's end-to-end test (tests/role_e2e.rs): a Debian rootfs booted
+# with systemd-nspawn, sharing the host's network, sshd on 127.0.0.1:$SSH_PORT.
+#
+#   role_e2e.sh boot WORK ROOTFS   prepare ROOTFS (keys, sshd, tofu, fake forgejo-runner), boot it
+#   role_e2e.sh play WORK VARS     ansible-playbook site.yml against it, with -e @VARS
+#   role_e2e.sh exec WORK CMD...   run CMD inside the container (nsenter into all its namespaces)
+#   role_e2e.sh down WORK          stop the container (SIGTERM to nspawn = clean poweroff), tidy cgroups
+#
+# Needs root, systemd-container, and ANSIBLE_VENV (a venv with ansible-core). WORK holds the keys,
+# the inventory, nspawn's log and pid. `down` is safe to call any number of times.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+SSH_PORT=${SSH_PORT:-2222}
+
+cmd=${1:?usage: role_e2e.sh boot|play|exec|down WORK ...}
+work=${2:?WORK directory missing}
+shift 2
+mkdir -p "$work"
+
+container_pid() {
+    local nspawn c
+    nspawn=$(cat "$work/nspawn.pid" 2>/dev/null) || return 1
+    for c in $(pgrep -P "$nspawn" || true); do
+        if [ "$(cat "/proc/$c/comm" 2>/dev/null)" = systemd ]; then
+            echo "$c"
+            return 0
+        fi
+    done
+    return 1
+}
+
+case "$cmd" in
+boot)
+    rootfs=${1:?ROOTFS missing}
+    if (echo > "/dev/tcp/127.0.0.1/$SSH_PORT") 2>/dev/null; then
+        echo "port $SSH_PORT is taken; the container's sshd needs it" >&2
+        exit 1
+    fi
+    # Keys: one for Ansible, one the pool's module hands to the launch command (the "VM" key).
+    for k in id_ansible id_vm; do
+        [ -f "$work/$k" ] || ssh-keygen -q -t ed25519 -N '' -C "$k" -f "$work/$k"
+    done
+    echo e2e-host > "$rootfs/etc/hostname"
+    # mmdebstrap writes no /etc/hosts; every real host has one (the "VM" is reached as localhost).
+    [ -f "$rootfs/etc/hosts" ] || printf '127.0.0.1\tlocalhost e2e-host\n::1\tlocalhost ip6-localhost ip6-loopback\n' > "$rootfs/etc/hosts"
+    printf 'Port %s\nListenAddress 127.0.0.1\nPermitRootLogin prohibit-password\n' "$SSH_PORT" \
+        > "$rootfs/etc/ssh/sshd_config.d/e2e.conf"
+    install -d -m 700 "$rootfs/root/.ssh"
+    cat "$work/id_ansible.pub" "$work/id_vm.pub" > "$rootfs/root/.ssh/authorized_keys"
+    chmod 600 "$rootfs/root/.ssh/authorized_keys"
+    # The module reads the VM key from here (the service user must be able to read it).
+    install -d -m 755 "$rootfs/etc/e2e"
+    install -m 644 "$work/id_vm" "$rootfs/etc/e2e/id_vm"
+    # The host's static tofu/terraform, and the stand-in for forgejo-runner on the "VM".
+    tofu=$(command -v tofu || command -v terraform)
+    install -m 755 "$tofu" "$rootfs/usr/local/bin/tofu"
+    install -m 755 "$here/forgejo-runner" "$rootfs/usr/local/bin/forgejo-runner"
+    # known_hosts for the launch command: the container's own host key.
+    printf '[localhost]:%s,[127.0.0.1]:%s %s\n' "$SSH_PORT" "$SSH_PORT" "$(cut -d' ' -f1,2 "$rootfs/etc/ssh/ssh_host_ed25519_key.pub")" \
+        > "$work/known_hosts"
+    cat > "$work/inventory.ini" <<EOF
+[provisioner]
+e2e ansible_host=127.0.0.1 ansible_port=$SSH_PORT ansible_user=root ansible_python_interpreter=/usr/bin/python3 ansible_ssh_private_key_file=$work/id_ansible ansible_ssh_common_args='-o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null'
+EOF
+    # --register=no --keep-unit: no systemd/machined/D-Bus on this host.
+    systemd-nspawn -D "$rootfs" -b -M role-e2e --register=no --keep-unit --console=passive \
+        > "$work/nspawn.log" 2>&1 &
+    echo $! > "$work/nspawn.pid"
+    for _ in $(seq 300); do container_pid > /dev/null && break; sleep 0.1; done
+    cpid=$(container_pid) || { echo "the container's systemd did not start:" >&2; cat "$work/nspawn.log" >&2; exit 1; }
+    state=none
+    for _ in $(seq 600); do
+        state=$(nsenter -t "$cpid" -a systemctl is-system-running 2>/dev/null || true)
+        case "$state" in running | degraded) break ;; esac
+        sleep 0.1
+    done
+    case "$state" in running | degraded) ;; *) echo "the container did not finish booting ($state)" >&2; exit 1 ;; esac
+    for _ in $(seq 100); do (echo > "/dev/tcp/127.0.0.1/$SSH_PORT") 2>/dev/null && break; sleep 0.1; done
+    echo "booted: $state (container init pid $cpid)"
+    ;;
+play)
+    vars=${1:?VARS file missing}
+    shift
+    export ANSIBLE_HOST_KEY_CHECKING=False ANSIBLE_NOCOLOR=1 ANSIBLE_FORCE_COLOR=0 ANSIBLE_PIPELINING=True
+    export ANSIBLE_ROLES_PATH="$here/roles"
+    exec "${ANSIBLE_VENV:?ANSIBLE_VENV must name a venv with ansible-core}/bin/ansible-playbook" \
+        -i "$work/inventory.ini" "$here/site.yml" -e "@$vars" "$@"
+    ;;
+exec)
+    cpid=$(container_pid) || { echo "the container is not running" >&2; exit 1; }
+    exec nsenter -t "$cpid" -a "$@"
+    ;;
+down)
+    if nspawn=$(cat "$work/nspawn.pid" 2>/dev/null) && kill -0 "$nspawn" 2>/dev/null; then
+        cpid=$(container_pid || true)
+        kill -TERM "$nspawn"
+        for _ in $(seq 300); do kill -0 "$nspawn" 2>/dev/null || break; sleep 0.1; done
+        if kill -0 "$nspawn" 2>/dev/null; then
+            # A container that cannot power off (its rootfs broken under it, say): killing its
+            # init ends every process of its PID namespace, then nspawn exits.
+            echo "nspawn $nspawn did not stop in 30 s; killing the container" >&2
+            [ -n "$cpid" ] && kill -KILL "$cpid" 2>/dev/null || true
+            for _ in $(seq 100); do kill -0 "$nspawn" 2>/dev/null || break; sleep 0.1; done
+            kill -KILL "$nspawn" 2>/dev/null || true
+        fi
+    fi
+    rm -f "$work/nspawn.pid"
+    # nspawn --keep-unit makes payload/ and supervisor/ cgroups under ours; an orderly poweroff
+    # leaves them empty, a killed container leaves its whole tree. Remove them depth first.
+    for h in systemd unified; do
+        rel=$(awk -F: -v h=$h '(h=="systemd" && $2=="name=systemd") || (h=="unified" && $1=="0") {print $3}' /proc/self/cgroup)
+        cg=/sys/fs/cgroup/$h${rel%/}
+        for d in "$cg/payload" "$cg/supervisor"; do
+            [ -d "$d" ] && find "$d" -depth -type d -exec rmdir {} \; 2>/dev/null
+        done
+    done
+    true
+    ;;
+*)
+    echo "unknown command $cmd" >&2
+    exit 2
+    ;;
+esac

@@ -1,0 +1,731 @@
+//! The Ansible role on a real systemd host: a Debian rootfs booted with systemd-nspawn (see
+//! tests/role/role_e2e.sh), the role applied over SSH with ansible-core, the static binary, the
+//! real tofu/terraform CLI inside the container, and the fake Forgejo on the host's loopback (the
+//! container shares the host's network). Cycles are started by the timer only; the test never
+//! runs `systemctl start`.
+//!
+//! Ignored by default (needs root, systemd-container, a rootfs and a venv); `.ci/role` runs it:
+//! `ROLE_E2E_ROOTFS=<bookworm rootfs, modified in place> ANSIBLE_VENV=<venv with ansible-core>
+//! cargo test --test role_e2e -- --ignored`. `ROLE_E2E_BINARY` defaults to the musl release build.
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::io::{Read, Write};
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use support::fake_forgejo::{Conn, FakeForgejo};
+use support::harness::API_TOKEN;
+
+const UNIT: &str = "ci-ephemeral-provisioner@default.service";
+const STATE: &str = "var/lib/ci-ephemeral-provisioner/default";
+/// The default pool's secret_environment value (a stand-in for a cloud API token).
+const CLOUD_SECRET: &str = "cloud-5ecret-4c7e";
+
+fn manifest() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn required_env(name: &str) -> String {
+    std::env::var(name).unwrap_or_else(|_| {
+        panic!("{name} is not set; run this test through .ci/role (see the header of tests/role_e2e.rs)")
+    })
+}
+
+/// The booted container; `Drop` always shuts it down (SIGTERM to nspawn) and tidies its cgroups.
+struct Host {
+    script: PathBuf,
+    work: PathBuf,
+    rootfs: PathBuf,
+}
+
+impl Host {
+    fn boot(work: &Path, rootfs: &Path) -> Host {
+        let host = Host {
+            script: manifest().join("tests/role/role_e2e.sh"),
+            work: work.to_path_buf(),
+            rootfs: rootfs.to_path_buf(),
+        };
+        let out = host.script(&["boot", path_str(work), path_str(rootfs)]);
+        assert!(out.0, "booting the container failed:\n{}", out.1);
+        host
+    }
+
+    /// Runs the script; (success, stdout + stderr).
+    fn script(&self, args: &[&str]) -> (bool, String) {
+        let out = Command::new(&self.script)
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .expect("run tests/role/role_e2e.sh");
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        (out.status.success(), text)
+    }
+
+    /// ansible-playbook with these variables; (success, output, changed count).
+    fn play(&self, name: &str, vars: &str) -> (bool, String, usize) {
+        let started = Instant::now();
+        let file = self.work.join(format!("{name}.yml"));
+        fs::write(&file, vars).unwrap();
+        // --diff shows the content of every changed file, except where the role says no_log.
+        let (ok, out) = self.script(&["play", path_str(&self.work), path_str(&file), "--diff"]);
+        fs::write(self.work.join(format!("{name}.log")), &out).unwrap();
+        eprintln!("play {name}: ok={ok} in {:.1?}", started.elapsed());
+        let changed = out
+            .lines()
+            .filter(|l| l.contains("changed="))
+            .filter_map(|l| {
+                l.split("changed=")
+                    .nth(1)?
+                    .split_whitespace()
+                    .next()?
+                    .parse::<usize>()
+                    .ok()
+            })
+            .sum();
+        (ok, out, changed)
+    }
+
+    /// Runs a shell command inside the container; (success, stdout + stderr).
+    fn sh(&self, cmd: &str) -> (bool, String) {
+        self.script(&["exec", path_str(&self.work), "sh", "-c", cmd])
+    }
+
+    fn sh_ok(&self, cmd: &str) -> String {
+        let (ok, out) = self.sh(cmd);
+        assert!(ok, "`{cmd}` failed in the container:\n{out}");
+        out
+    }
+
+    fn show(&self, unit: &str) -> BTreeMap<String, String> {
+        self.sh_ok(&format!("systemctl show {unit}"))
+            .lines()
+            .filter_map(|l| l.split_once('='))
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    fn journal(&self, unit: &str) -> String {
+        self.sh_ok(&format!("journalctl -u {unit} --no-pager -o cat"))
+    }
+
+    /// A path inside the container, seen from the host (nspawn boots the directory itself).
+    fn file(&self, rel: &str) -> PathBuf {
+        self.rootfs.join(rel)
+    }
+
+    fn read(&self, rel: &str) -> String {
+        fs::read_to_string(self.file(rel)).unwrap_or_default()
+    }
+}
+
+impl Drop for Host {
+    fn drop(&mut self) {
+        let (ok, out) = self.script(&["down", path_str(&self.work)]);
+        if !ok {
+            eprintln!("stopping the container failed:\n{out}");
+        }
+    }
+}
+
+fn path_str(p: &Path) -> &str {
+    p.to_str().expect("UTF-8 path")
+}
+
+/// Polls `cond` (a hang guard, not a timing assertion: CI machines are slow and shared).
+fn wait_until(what: &str, host: &Host, mut cond: impl FnMut() -> bool) {
+    let start = Instant::now();
+    eprintln!("waiting for {what}");
+    while !cond() {
+        if start.elapsed() > Duration::from_secs(240) {
+            let journal = host.journal(UNIT);
+            panic!("timed out waiting for {what}; journal of {UNIT}:\n{journal}");
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    eprintln!("  after {:.1?}", start.elapsed());
+}
+
+/// Where the role takes the binary from.
+enum Source<'a> {
+    Local(&'a Path),
+    Url { url: String, sha256: String },
+}
+
+impl Source<'_> {
+    fn yaml(&self) -> String {
+        match self {
+            Source::Local(p) => format!(
+                "ci_ephemeral_provisioner_binary_local_path: {}",
+                p.display()
+            ),
+            Source::Url { url, sha256 } => format!(
+                "ci_ephemeral_provisioner_binary_url: {url}\nci_ephemeral_provisioner_binary_sha256: \"{sha256}\""
+            ),
+        }
+    }
+}
+
+/// Serves `bytes` to every GET on 127.0.0.1 (the container shares the host's loopback); counts
+/// the requests.
+fn serve_file(bytes: Vec<u8>) -> (String, Arc<AtomicUsize>) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!(
+        "http://{}/ci-ephemeral-provisioner",
+        listener.local_addr().unwrap()
+    );
+    let hits = Arc::new(AtomicUsize::new(0));
+    let counter = Arc::clone(&hits);
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { continue };
+            let mut head = Vec::new();
+            let mut byte = [0u8; 1];
+            while !head.ends_with(b"\r\n\r\n") && stream.read(&mut byte).is_ok_and(|n| n == 1) {
+                head.push(byte[0]);
+            }
+            counter.fetch_add(1, Ordering::SeqCst);
+            let header = format!(
+                "HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                bytes.len()
+            );
+            let _ = stream.write_all(header.as_bytes());
+            let _ = stream.write_all(&bytes);
+        }
+    });
+    (url, hits)
+}
+
+fn sha256_hex(path: &Path) -> String {
+    let out = Command::new("sha256sum")
+        .arg(path)
+        .output()
+        .expect("sha256sum");
+    assert!(out.status.success());
+    String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_string()
+}
+
+/// Role variables: the fake Forgejo, the test module, the default (SSH) launch command aimed at
+/// the container's own sshd, short timer and cycle durations. `pools` is the YAML of the list.
+fn vars(fake: &FakeForgejo, work: &Path, source: &Source, pools: &str) -> String {
+    let known_hosts = fs::read_to_string(work.join("known_hosts")).expect("known_hosts from boot");
+    let module = manifest().join("tests/role/module");
+    format!(
+        r#"---
+{source}
+ci_ephemeral_provisioner_forgejo_url: {url}
+ci_ephemeral_provisioner_forgejo_token: {API_TOKEN}
+ci_ephemeral_provisioner_timer_boot_delay: 1s
+ci_ephemeral_provisioner_timer_interval: 2s
+ci_ephemeral_provisioner_timer_accuracy: 100ms
+ci_ephemeral_provisioner_pool_defaults:
+  runner_prefix: ephemeral-
+  labels: ""
+  scope: admin
+  tofu_module_src: {module}
+  tofu_bin: /usr/local/bin/tofu
+  environment:
+    VM_DIR: /var/lib/ci-ephemeral-provisioner/default/vm
+    TF_VAR_ssh_key_path: /etc/e2e/id_vm
+  secret_environment: {{}}
+  launch_command: ""
+  launch:
+    address_output: address
+    ssh_private_key_output: ssh_private_key
+    ssh_user: root
+    ssh_port: 2222
+    known_hosts: "{known_hosts}"
+    known_hosts_output: ""
+    runner_bin: /usr/local/bin/forgejo-runner
+    runner_dir: /var/lib/forgejo-runner
+    connect_timeout: 10
+  launch_timeout: 30s
+  max_jobs_per_vm: 10
+  idle_timeout: 1s
+  registration_grace: 5s
+  poll_interval: 500ms
+  max_cycle_duration: 10m
+  hard_deadline: 20m
+  sweep_max_deletions: 50
+  http_timeout: 5s
+  verbose: true
+ci_ephemeral_provisioner_pools:
+{pools}
+"#,
+        source = source.yaml(),
+        url = fake.url(),
+        module = module.display(),
+        known_hosts = known_hosts.trim(),
+    )
+}
+
+#[test]
+#[ignore = "needs root, systemd-container, a rootfs and ansible: run by .ci/role"]
+fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
+    let rootfs = PathBuf::from(required_env("ROLE_E2E_ROOTFS"));
+    required_env("ANSIBLE_VENV");
+    let binary = std::env::var("ROLE_E2E_BINARY")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| {
+            manifest().join("target/x86_64-unknown-linux-musl/release/ci-ephemeral-provisioner")
+        });
+    assert!(
+        binary.is_file(),
+        "{} is missing: build it first",
+        binary.display()
+    );
+    // ROLE_E2E_WORK keeps the keys, inventory, variables and logs for a look afterwards.
+    let tmp = tempfile::tempdir().unwrap();
+    let kept = std::env::var_os("ROLE_E2E_WORK").map(PathBuf::from);
+    let work = kept.as_deref().unwrap_or(tmp.path());
+
+    // Forgejo before the role: stale registrations of ours, another pool's, a persistent runner,
+    // one of ours that is online, and a job for the default pool.
+    let fake = FakeForgejo::start(API_TOKEN);
+    let stale_a = fake.add_runner("ephemeral-stale-a", true, Conn::NeverConnected);
+    let stale_b = fake.add_runner(
+        "ephemeral-stale-b",
+        true,
+        Conn::OfflineFor(Duration::from_secs(7200)),
+    );
+    let other_pool = fake.add_runner("gpu-stale", true, Conn::NeverConnected);
+    let persistent = fake.add_runner(
+        "build-01",
+        false,
+        Conn::OfflineFor(Duration::from_secs(7200)),
+    );
+    let online = fake.add_runner("ephemeral-online", true, Conn::Idle);
+    let (job, handle) = fake.add_job(&["debian"]);
+
+    let host = Host::boot(work, &rootfs);
+    let local = Source::Local(&binary);
+    // The default pool has a cloud secret for tofu (secret_environment).
+    let two_pools = "  - name: default\n    runner_prefix: ephemeral-\n    labels: debian:host\n\
+                     \x20   secret_environment:\n      E2E_CLOUD_TOKEN: cloud-5ecret-4c7e\n\
+                     \x20 - name: gpu\n    runner_prefix: gpu-\n    labels: gpu:host\n";
+
+    // Preflight refuses pools whose prefixes overlap, before touching the host.
+    let overlap = "  - name: default\n    runner_prefix: ephemeral-\n    labels: debian:host\n\
+                   \x20 - name: more\n    runner_prefix: ephemeral-more-\n    labels: more:host\n";
+    let (ok, out, _) = host.play("overlap", &vars(&fake, work, &local, overlap));
+    assert!(!ok, "overlapping prefixes were accepted:\n{out}");
+    assert!(
+        out.contains("runner_prefix ephemeral-more- starts with pool default's"),
+        "{out}"
+    );
+    assert!(!host.file("etc/ci-ephemeral-provisioner").exists());
+
+    // First run: installs and enables the timers; the timers start the cycles.
+    let (ok, out, changed) = host.play("site", &vars(&fake, work, &local, two_pools));
+    assert!(ok, "the role failed:\n{out}");
+    assert!(changed > 0, "{out}");
+    for secret in [API_TOKEN, CLOUD_SECRET] {
+        assert!(!out.contains(secret), "Ansible printed a secret:\n{out}");
+    }
+
+    wait_until(
+        "the job to be run and the default pool back at rest",
+        &host,
+        || {
+            let s = host.show(UNIT);
+            fake.jobs()
+                .iter()
+                .any(|j| j.id == job && j.status == "success")
+                && !host.file(&format!("{STATE}/cycle.json")).exists()
+                && host
+                    .read("var/lib/ci-ephemeral-provisioner/default/vm/vm.log")
+                    .contains("destroy ")
+                && s["ActiveState"] == "inactive"
+                && s["Result"] == "success"
+        },
+    );
+
+    // The fake saw one registration per job, created under our prefix, the stale ones swept and
+    // everything else untouched.
+    let posts: Vec<_> = fake
+        .requests()
+        .into_iter()
+        .filter(|r| r.method == "POST" && r.path == "/api/v1/admin/actions/runners")
+        .collect();
+    assert_eq!(
+        posts.len(),
+        1,
+        "one registration for the one job: {posts:?}"
+    );
+    let deleted = fake.deleted_ids();
+    assert!(
+        deleted.contains(&stale_a) && deleted.contains(&stale_b),
+        "stale ones swept: {deleted:?}"
+    );
+    let alive: Vec<i64> = fake.runners().iter().map(|r| r.id).collect();
+    for (id, what) in [
+        (other_pool, "another pool's"),
+        (persistent, "the persistent"),
+        (online, "the online"),
+    ] {
+        assert!(
+            alive.contains(&id),
+            "{what} runner was deleted: {:?}",
+            fake.runners()
+        );
+    }
+    assert!(
+        fake.runners()
+            .iter()
+            .all(|r| !r.name.starts_with("ephemeral-") || r.id == online),
+        "our registrations left behind: {:?}",
+        fake.runners()
+    );
+
+    // systemd's view: a non-root user ran it, it exited 0, the timer started it.
+    let s = host.show(UNIT);
+    assert_eq!(
+        s.get("User").map(String::as_str),
+        Some("ci-ephemeral-provisioner"),
+        "the service must run as the dedicated user: {s:?}"
+    );
+    assert_eq!(s["ExecMainStatus"], "0", "{s:?}");
+    assert_eq!(s["Result"], "success");
+    let uid = host
+        .sh_ok("id -u ci-ephemeral-provisioner")
+        .trim()
+        .to_string();
+    assert_ne!(uid, "0");
+    assert_eq!(
+        host.read("var/lib/ci-ephemeral-provisioner/default/vm/uid.create")
+            .trim(),
+        uid,
+        "tofu ran as the service user"
+    );
+    // The unit as systemd loaded it: oneshot, a start timeout of hard_deadline + margin, a stop
+    // that reaches the binary only, exit 75 (lock held) counted as success, private files.
+    for (key, want) in [
+        ("Type", "oneshot"),
+        ("TimeoutStartUSec", "1h 20min"),
+        ("KillMode", "mixed"),
+        ("UMask", "0077"),
+        ("StateDirectory", "ci-ephemeral-provisioner/default"),
+        ("CacheDirectory", "ci-ephemeral-provisioner/default"),
+    ] {
+        assert_eq!(s.get(key).map(String::as_str), Some(want), "{key}: {s:?}");
+    }
+    let unit = host.sh_ok(&format!("systemctl cat {UNIT}"));
+    assert!(
+        unit.contains(
+            "\nLoadCredential=forgejo-token:/etc/ci-ephemeral-provisioner/forgejo-token\n"
+        ),
+        "{unit}"
+    );
+    let timer = host.show("ci-ephemeral-provisioner@default.timer");
+    let fired = &timer["LastTriggerUSec"];
+    assert!(
+        !fired.is_empty() && fired != "n/a",
+        "the timer never fired: {timer:?}"
+    );
+    // One TimersMonotonic= line per trigger.
+    let triggers =
+        host.sh_ok("systemctl show -p TimersMonotonic ci-ephemeral-provisioner@default.timer");
+    assert!(
+        triggers.contains("OnUnitInactiveUSec=2s") && triggers.contains("OnBootUSec=1s"),
+        "{triggers}"
+    );
+
+    // A start while another run holds the lock exits 75, which the unit counts as success.
+    // The holder waits for the lock (a run may have it), says so, and keeps it until released.
+    fs::write(host.file("var/tmp/hold"), "").unwrap();
+    let mut holder = Command::new(&host.script)
+        .args(["exec", path_str(&host.work), "flock"])
+        .arg(format!("/{STATE}/cycle.lock"))
+        .args([
+            "sh",
+            "-c",
+            "touch /var/tmp/lock-held; while [ -e /var/tmp/hold ]; do sleep 0.2; done",
+        ])
+        .stdin(Stdio::null())
+        .spawn()
+        .expect("hold the lock");
+    wait_until("the test to hold the lock", &host, || {
+        host.file("var/tmp/lock-held").exists()
+    });
+    let before = host.show(UNIT)["InvocationID"].clone();
+    wait_until("a run skipped because the lock is held", &host, || {
+        let s = host.show(UNIT);
+        s["InvocationID"] != before && s["ActiveState"] != "activating"
+    });
+    let skipped = host.show(UNIT);
+    fs::remove_file(host.file("var/tmp/hold")).unwrap();
+    let _ = holder.wait();
+    assert_eq!(
+        (
+            skipped["ExecMainStatus"].as_str(),
+            skipped["Result"].as_str()
+        ),
+        ("75", "success"),
+        "{skipped:?}"
+    );
+    assert_eq!(
+        host.sh_ok("systemctl is-enabled ci-ephemeral-provisioner@default.timer")
+            .trim(),
+        "enabled"
+    );
+    assert_eq!(
+        host.sh_ok("systemctl is-enabled ci-ephemeral-provisioner@default.service || true")
+            .trim(),
+        "static"
+    );
+    let journal = host.journal(UNIT);
+    assert!(journal.contains("running /usr/local/bin/tofu"), "{journal}");
+
+    // The default launch command ran forgejo-runner one-job on the "VM" over SSH, the runner
+    // token in a 0600 file there.
+    let runner_log = host.read("var/log/fake-forgejo-runner.jsonl");
+    let launch: serde_json::Value =
+        serde_json::from_str(runner_log.lines().next().unwrap_or("null")).unwrap();
+    assert_eq!(launch["token_file_mode"], "0o600", "{runner_log}");
+    let argv: Vec<String> = serde_json::from_value(launch["argv"].clone()).unwrap();
+    assert_eq!(argv[0], "one-job");
+    assert!(
+        argv.windows(2)
+            .any(|w| w[0] == "--handle" && w[1] == handle),
+        "{argv:?}"
+    );
+    assert!(
+        argv.windows(2)
+            .any(|w| w[0] == "--url" && w[1] == fake.url()),
+        "{argv:?}"
+    );
+    assert!(
+        argv.windows(2)
+            .any(|w| w[0] == "--token-url" && w[1].starts_with("file:")),
+        "{argv:?}"
+    );
+    assert!(argv.iter().any(|a| a == "--wait"), "{argv:?}");
+
+    // The token: a root-only credential, nowhere else.
+    assert_eq!(
+        host.sh_ok("stat -c '%U:%G %a' /etc/ci-ephemeral-provisioner/forgejo-token")
+            .trim(),
+        "root:root 600"
+    );
+    let (found, grep) = host.sh(&format!(
+        "grep -rl {API_TOKEN} /etc/systemd/system /etc/ci-ephemeral-provisioner/pools /var/lib/ci-ephemeral-provisioner"
+    ));
+    assert!(
+        !found,
+        "the token is in files other than the credential: {grep}"
+    );
+    assert!(
+        !host
+            .sh_ok("journalctl --no-pager -o verbose")
+            .contains(API_TOKEN),
+        "the token is in the journal"
+    );
+    let tofu_env = host.read("var/lib/ci-ephemeral-provisioner/default/vm/tofu-env.create");
+    assert!(
+        tofu_env.contains("TF_DATA_DIR=/var/lib/ci-ephemeral-provisioner/default/tofu-data"),
+        "{tofu_env}"
+    );
+    assert!(
+        tofu_env.contains("TF_PLUGIN_CACHE_DIR=/var/cache/ci-ephemeral-provisioner/default"),
+        "{tofu_env}"
+    );
+    // The cloud secret reaches tofu, from a root-only file, and nothing else shows it.
+    assert!(
+        tofu_env.contains(&format!("E2E_CLOUD_TOKEN={CLOUD_SECRET}")),
+        "{tofu_env}"
+    );
+    assert_eq!(
+        host.sh_ok("stat -c '%U:%G %a' /etc/ci-ephemeral-provisioner/pools/default/secret.env")
+            .trim(),
+        "root:root 600"
+    );
+    assert!(
+        !host
+            .read("etc/ci-ephemeral-provisioner/pools/default/provisioner.env")
+            .contains(CLOUD_SECRET)
+    );
+    assert!(
+        !host.journal(UNIT).contains(CLOUD_SECRET),
+        "the cloud secret is in the journal"
+    );
+    for leak in [
+        API_TOKEN,
+        "CREDENTIALS_DIRECTORY",
+        "CI_EPHEMERAL_PROVISIONER_",
+    ] {
+        assert!(
+            !tofu_env.contains(leak),
+            "tofu's environment has {leak}:\n{tofu_env}"
+        );
+    }
+
+    // The gates on the units as installed (systemd 252 in the container).
+    host.sh_ok(
+        "d=$(mktemp -d) && cp /etc/systemd/system/ci-ephemeral-provisioner@.service $d/ci-ephemeral-provisioner@default.service \
+         && systemd-analyze verify --recursive-errors=no $d/ci-ephemeral-provisioner@default.service /etc/systemd/system/ci-ephemeral-provisioner@.timer \
+         && systemd-analyze security --offline=true --threshold=20 $d/ci-ephemeral-provisioner@default.service",
+    );
+    host.sh_ok("systemd-analyze verify --recursive-errors=no ci-ephemeral-provisioner@default.service ci-ephemeral-provisioner@default.timer");
+    host.sh_ok("systemd-analyze security --threshold=20 ci-ephemeral-provisioner@default.service");
+
+    // The other pool ran too (idle: nothing to do) and kept its hands off.
+    wait_until("the gpu pool to have run", &host, || {
+        let g = host.show("ci-ephemeral-provisioner@gpu.service");
+        g["ExecMainExitTimestampMonotonic"] != "0" && g["Result"] == "success"
+    });
+
+    // Second run of the role: nothing to change.
+    let (ok, out, changed) = host.play("site", &vars(&fake, work, &local, two_pools));
+    assert!(ok, "{out}");
+    assert_eq!(changed, 0, "the second run changed something:\n{out}");
+
+    // The binary from a URL: a wrong SHA-256 fails the run and leaves the installed binary
+    // alone; the right one finds the same bytes installed and changes nothing.
+    let installed = || host.sh_ok("sha256sum /usr/local/bin/ci-ephemeral-provisioner");
+    let before = installed();
+    let sha256 = sha256_hex(&binary);
+    assert!(before.starts_with(&sha256), "{before}");
+    let (url, hits) = serve_file(fs::read(&binary).unwrap());
+    let wrong = Source::Url {
+        url: url.clone(),
+        sha256: "0".repeat(64),
+    };
+    let (ok, out, _) = host.play("url-wrong-sha", &vars(&fake, work, &wrong, two_pools));
+    assert!(
+        !ok,
+        "a download with the wrong SHA-256 was accepted:\n{out}"
+    );
+    assert!(out.contains("did not match"), "{out}");
+    assert!(hits.load(Ordering::SeqCst) > 0, "get_url never downloaded");
+    assert_eq!(installed(), before, "the installed binary changed");
+    let right = Source::Url { url, sha256 };
+    let (ok, out, changed) = host.play("url", &vars(&fake, work, &right, two_pools));
+    assert!(ok, "{out}");
+    assert_eq!(
+        changed, 0,
+        "same bytes from the URL changed something:\n{out}"
+    );
+
+    // Removing a pool from the list stops and disables its timer.
+    let one_pool = "  - name: default\n    runner_prefix: ephemeral-\n    labels: debian:host\n";
+    let (ok, out, _) = host.play("one-pool", &vars(&fake, work, &local, one_pool));
+    assert!(ok, "{out}");
+    assert_eq!(
+        host.sh("systemctl is-enabled ci-ephemeral-provisioner@gpu.timer")
+            .1
+            .trim(),
+        "disabled"
+    );
+    assert_eq!(
+        host.sh("systemctl is-active ci-ephemeral-provisioner@gpu.timer")
+            .1
+            .trim(),
+        "inactive"
+    );
+    assert!(
+        !host.file("etc/ci-ephemeral-provisioner/pools/gpu").exists(),
+        "{out}"
+    );
+    assert_eq!(
+        host.sh_ok("systemctl is-enabled ci-ephemeral-provisioner@default.timer")
+            .trim(),
+        "enabled"
+    );
+
+    // A destroy that fails leaves the unit failed, the error in the journal and the cycle on disk.
+    fs::write(
+        host.file("var/lib/ci-ephemeral-provisioner/default/vm/fail-destroy"),
+        "",
+    )
+    .unwrap();
+    let (job2, _) = fake.add_job(&["debian"]);
+    wait_until("a failed run after the destroy failed", &host, || {
+        let s = host.show(UNIT);
+        fake.jobs()
+            .iter()
+            .any(|j| j.id == job2 && j.status == "success")
+            && s["ActiveState"] == "failed"
+            && s["Result"] == "exit-code"
+    });
+    let s = host.show(UNIT);
+    assert_eq!(s["ExecMainStatus"], "1", "{s:?}");
+    let journal = host.journal(UNIT);
+    assert!(
+        journal.contains("simulated cloud error on destroy"),
+        "{journal}"
+    );
+    assert!(
+        host.file(&format!("{STATE}/cycle.json")).exists(),
+        "the cycle must be kept until its VM is gone"
+    );
+    // The timer retries; while the cloud keeps failing, so does every retry, and the VM stays
+    // known (its tofu state survives the module sync before each run).
+    let failed_run = s["InvocationID"].clone();
+    wait_until("a retry of the failed destroy", &host, || {
+        let s = host.show(UNIT);
+        s["InvocationID"] != failed_run && s["ActiveState"] != "activating"
+    });
+    let s = host.show(UNIT);
+    assert_eq!(
+        (s["Result"].as_str(), s["ExecMainStatus"].as_str()),
+        ("exit-code", "1"),
+        "the retry did not fail while the destroy still fails: the VM was forgotten? {s:?}"
+    );
+    assert!(
+        host.file(&format!("{STATE}/cycle.json")).exists(),
+        "cycle.json vanished while the VM still exists"
+    );
+
+    // The role refuses to remove a pool while it has a cycle in progress.
+    let spare = "  - name: spare\n    runner_prefix: spare-\n    labels: spare:host\n";
+    let (ok, out, _) = host.play("remove-busy", &vars(&fake, work, &local, spare));
+    assert!(!ok && out.contains("has a cycle in progress"), "{out}");
+    assert!(
+        !host
+            .file("etc/ci-ephemeral-provisioner/pools/spare")
+            .exists(),
+        "the refusal must come before anything changes on the host"
+    );
+    assert_eq!(
+        host.sh_ok("systemctl is-enabled ci-ephemeral-provisioner@default.timer")
+            .trim(),
+        "enabled"
+    );
+
+    // Once the cloud works again the timer's next runs converge: VM gone, registrations gone.
+    fs::remove_file(host.file("var/lib/ci-ephemeral-provisioner/default/vm/fail-destroy")).unwrap();
+    wait_until("the default pool to converge", &host, || {
+        let s = host.show(UNIT);
+        !host.file(&format!("{STATE}/cycle.json")).exists()
+            && s["Result"] == "success"
+            && s["ActiveState"] == "inactive"
+    });
+    let vm_log = host.read("var/lib/ci-ephemeral-provisioner/default/vm/vm.log");
+    assert_eq!(
+        vm_log.matches("create ").count(),
+        vm_log.matches("destroy ").count(),
+        "{vm_log}"
+    );
+    assert!(
+        fake.runners()
+            .iter()
+            .all(|r| !r.name.starts_with("ephemeral-") || r.id == online),
+        "our registrations left behind: {:?}",
+        fake.runners()
+    );
+    drop(host);
+}
