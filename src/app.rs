@@ -475,7 +475,7 @@ fn cmd_run(a: RunArgs) -> Result<u8, Fatal> {
     let cfg = cycle_config(&a, policy, labels, url);
     let mut report = Report::new("run", false, Timestamp::now());
     report.set_audit(events_file(&dir, &a.common));
-    announce_run(&dir, a.common.metrics_file.as_deref(), report.started_at);
+    announce_run(&dir, metrics_target(&a.common), report.started_at);
     let mut world = World {
         forgejo: &mut forgejo,
         tofu: &mut tofu,
@@ -489,7 +489,7 @@ fn cmd_run(a: RunArgs) -> Result<u8, Fatal> {
         end,
         Some(&dir),
         a.common.local.output,
-        a.common.metrics_file.as_deref(),
+        metrics_target(&a.common),
     )
 }
 
@@ -502,13 +502,27 @@ fn events_file(dir: &Path, common: &ForgejoArgs) -> Box<crate::audit::EventsFile
 
 /// The metrics file at the start of a run: the counters so far, and that a run is in progress.
 /// A failure here is only logged: the write at the end of the run reports it.
-fn announce_run(dir: &Path, metrics_file: Option<&Path>, started: Timestamp) {
-    let Some(path) = metrics_file else {
+/// Where the metrics go, and the `pool` label they carry.
+#[derive(Clone, Copy)]
+struct MetricsTarget<'a> {
+    path: &'a Path,
+    pool: Option<&'a str>,
+}
+
+fn metrics_target(common: &ForgejoArgs) -> Option<MetricsTarget<'_>> {
+    common.metrics_file.as_deref().map(|path| MetricsTarget {
+        path,
+        pool: common.metrics_pool.as_deref(),
+    })
+}
+
+fn announce_run(dir: &Path, metrics: Option<MetricsTarget<'_>>, started: Timestamp) {
+    let Some(MetricsTarget { path, pool }) = metrics else {
         return;
     };
     let counters = crate::metrics::load(dir).unwrap_or_default();
     let cycle = read_state_file(&dir.join(crate::state::STATE_FILE));
-    let text = crate::metrics::render(&counters, &cycle_view(&cycle), Some(started));
+    let text = crate::metrics::render(&counters, &cycle_view(&cycle), Some(started), pool);
     if let Err(e) = crate::metrics::write_textfile(path, &text) {
         log::warn!("--metrics-file: {e:#}");
     }
@@ -526,7 +540,7 @@ fn cycle_view(
 
 /// Adds the run to counters.json and writes the metrics file. A failure to write either is a
 /// failure of the run (exit 1), reported like any other.
-fn record_run(dir: &Path, metrics_file: Option<&Path>, report: &mut Report) {
+fn record_run(dir: &Path, metrics: Option<MetricsTarget<'_>>, report: &mut Report) {
     let before = match crate::metrics::load(dir) {
         Ok(c) => c,
         Err(e) => {
@@ -536,9 +550,9 @@ fn record_run(dir: &Path, metrics_file: Option<&Path>, report: &mut Report) {
     };
     let mut counters = before.clone();
     counters.record(report);
-    if let Some(path) = metrics_file {
+    if let Some(MetricsTarget { path, pool }) = metrics {
         let cycle = read_state_file(&dir.join(crate::state::STATE_FILE));
-        let text = crate::metrics::render(&counters, &cycle_view(&cycle), None);
+        let text = crate::metrics::render(&counters, &cycle_view(&cycle), None, pool);
         if let Err(e) = crate::metrics::write_textfile(path, &text) {
             report.fail(format!("--metrics-file: {e:#}"));
             report.settle(report.exit_code == i32::from(EXIT_USAGE));
@@ -559,7 +573,7 @@ fn finish(
     end: End,
     dir: Option<&Path>,
     output: OutputFormat,
-    metrics_file: Option<&Path>,
+    metrics: Option<MetricsTarget<'_>>,
 ) -> Result<u8, Fatal> {
     let config_error = match end {
         End::Config(msg) => {
@@ -576,7 +590,7 @@ fn finish(
     report.settle(config_error);
     report.flush_audit();
     if let Some(dir) = dir {
-        record_run(dir, metrics_file, &mut report);
+        record_run(dir, metrics, &mut report);
     }
     if let Some(dir) = dir {
         let path = dir.join(LAST_RUN_FILE);
@@ -748,7 +762,7 @@ fn cmd_sweep(a: SweepArgs) -> Result<u8, Fatal> {
     let _lock = take_lock(&dir)?;
     let mut report = Report::new("sweep", false, Timestamp::now());
     report.set_audit(events_file(&dir, c));
-    announce_run(&dir, c.metrics_file.as_deref(), report.started_at);
+    announce_run(&dir, metrics_target(c), report.started_at);
     if let Err(Fatal(_, msg)) = refuse_if_cycle(&dir) {
         // Past the lock: kept in last-run.json, counted in the metrics, exit 1.
         report.fail(msg);
@@ -758,7 +772,7 @@ fn cmd_sweep(a: SweepArgs) -> Result<u8, Fatal> {
             End::Done,
             Some(&dir),
             c.local.output,
-            c.metrics_file.as_deref(),
+            metrics_target(c),
         );
     }
     // No cycle.json: no VM can exist. The last destroy that succeeded is named as well.
@@ -792,7 +806,7 @@ fn cmd_sweep(a: SweepArgs) -> Result<u8, Fatal> {
         End::Done,
         Some(&dir),
         c.local.output,
-        c.metrics_file.as_deref(),
+        metrics_target(c),
     )
 }
 

@@ -125,6 +125,17 @@ pub struct ForgejoArgs {
     )]
     pub metrics_file: Option<PathBuf>,
 
+    /// Name of this pool: every sample in --metrics-file then carries the label pool="NAME", so
+    /// the files of several pools on one host can share node_exporter's textfile directory.
+    #[arg(
+        long,
+        env = "CI_EPHEMERAL_PROVISIONER_METRICS_POOL",
+        value_name = "NAME",
+        requires = "metrics_file",
+        value_parser = parse_pool_name
+    )]
+    pub metrics_pool: Option<String>,
+
     #[command(flatten)]
     pub local: LocalArgs,
 }
@@ -249,4 +260,19 @@ pub struct LocalArgs {
     /// Debug logging on stderr (RUST_LOG overrides).
     #[arg(short, long, env = "CI_EPHEMERAL_PROVISIONER_VERBOSE")]
     pub verbose: bool,
+}
+
+/// A pool name for the `pool` label: 1–64 of letters, digits, `-`, `_`, `.` (what a systemd
+/// instance name and an Ansible pool name comfortably hold).
+fn parse_pool_name(s: &str) -> Result<String, String> {
+    let ok = (1..=64).contains(&s.len())
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
+    if ok {
+        Ok(s.to_string())
+    } else {
+        Err(format!(
+            "{s:?} is not a pool name: use 1 to 64 letters, digits, '-', '_' or '.'"
+        ))
+    }
 }

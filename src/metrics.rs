@@ -178,7 +178,8 @@ fn escape(v: &str) -> String {
         .replace('\n', "\\n")
 }
 
-struct Out(String);
+/// The text being written, and the labels every sample carries (the pool's).
+struct Out(String, Vec<(&'static str, String)>);
 
 impl Out {
     fn family(&mut self, name: &str, kind: &str, help: &str) {
@@ -187,8 +188,11 @@ impl Out {
     }
 
     fn sample(&mut self, name: &str, labels: &[(&str, &str)], value: impl std::fmt::Display) {
-        let l: Vec<String> = labels
+        let l: Vec<String> = self
+            .1
             .iter()
+            .map(|(k, v)| (*k, v.as_str()))
+            .chain(labels.iter().copied())
             .map(|(k, v)| format!("{k}=\"{}\"", escape(v)))
             .collect();
         let l = if l.is_empty() {
@@ -207,9 +211,19 @@ impl Out {
 
 /// Pure: the Prometheus text exposition of the counters and the cycle in progress. `running`:
 /// the start of the run that is writing the file at its beginning (a cycle can keep one run
-/// going for hours; without this the file would look stale all that time).
-pub fn render(c: &Counters, cycle: &CycleView<'_>, running: Option<Timestamp>) -> String {
-    let mut o = Out(String::new());
+/// going for hours; without this the file would look stale all that time). `pool`: when given,
+/// every sample carries `pool="…"`, so the files of several pools on one host can sit in one
+/// textfile directory without colliding.
+pub fn render(
+    c: &Counters,
+    cycle: &CycleView<'_>,
+    running: Option<Timestamp>,
+    pool: Option<&str>,
+) -> String {
+    let base = pool
+        .map(|p| vec![("pool", p.to_string())])
+        .unwrap_or_default();
+    let mut o = Out(String::new(), base);
     o.family(
         "build_info",
         "gauge",
@@ -445,7 +459,7 @@ mod tests {
     fn render_follows_the_exposition_format() {
         let mut c = Counters::default();
         c.record(&report(0, 1_764_414_300_123));
-        let text = render(&c, &CycleView::None, None);
+        let text = render(&c, &CycleView::None, None, None);
         assert!(text.contains(
             "\nci_ephemeral_provisioner_last_success_timestamp_seconds 1764414301.623\n"
         ));
@@ -458,7 +472,7 @@ mod tests {
         assert!(text.contains("ci_ephemeral_provisioner_cycle_active 0"));
         assert!(!text.contains("\nci_ephemeral_provisioner_cycle_start_timestamp_seconds "));
         assert!(text.contains("\nci_ephemeral_provisioner_run_in_progress 0\n"));
-        let running = render(&c, &CycleView::None, Some(Timestamp(2_000)));
+        let running = render(&c, &CycleView::None, Some(Timestamp(2_000)), None);
         assert!(running.contains("\nci_ephemeral_provisioner_run_in_progress 1\n"));
         assert!(running.contains("\nci_ephemeral_provisioner_run_start_timestamp_seconds 2.000\n"));
         // Every sample belongs to a family declared (HELP then TYPE) before it; counters end in
@@ -480,6 +494,22 @@ mod tests {
                 assert_eq!(declared.last().map(String::as_str), Some(name), "{l}");
             }
         }
+    }
+
+    #[test]
+    fn a_pool_labels_every_sample() {
+        let mut c = Counters::default();
+        c.record(&report(0, 1_764_414_300_123));
+        let text = render(&c, &CycleView::None, Some(Timestamp(2_000)), Some("gpu"));
+        let samples: Vec<&str> = text.lines().filter(|l| !l.starts_with('#')).collect();
+        assert!(samples.len() > 10);
+        for l in &samples {
+            assert!(l.contains("{pool=\"gpu\""), "{l}");
+        }
+        assert!(text.contains(
+            "ci_ephemeral_provisioner_registrations_deleted_total{pool=\"gpu\",reason=\"sweep\"} 0"
+        ));
+        assert!(text.contains("\nci_ephemeral_provisioner_run_in_progress{pool=\"gpu\"} 1\n"));
     }
 
     #[test]

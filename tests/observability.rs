@@ -552,6 +552,27 @@ fn only_runs_past_the_lock_write_metrics() {
     assert_eq!(status(&env, &["--check"]).code, Some(0));
     assert!(!prom.exists(), "status never writes the metrics");
 
+    // With --metrics-pool every sample carries the pool's label (several pools, one directory).
+    let mut c = env.cmd("run");
+    c.args(["--metrics-file", prom_arg, "--metrics-pool", "gpu-1"]);
+    assert_eq!(env.exec(c).code, Some(0));
+    let text = fs::read_to_string(&prom).unwrap();
+    promtool_check(&prom, "with-a-pool-label");
+    let sample_lines: Vec<&str> = text.lines().filter(|l| !l.starts_with('#')).collect();
+    assert!(
+        sample_lines.iter().all(|l| l.contains("pool=\"gpu-1\"")),
+        "{text}"
+    );
+    assert!(
+        text.contains("ci_ephemeral_provisioner_last_success_timestamp_seconds{pool=\"gpu-1\"} ")
+    );
+    fs::remove_file(&prom).unwrap();
+    let mut c = env.cmd("run");
+    c.args(["--metrics-file", prom_arg, "--metrics-pool", "a b"]);
+    let out = env.exec(c);
+    assert_eq!(out.code, Some(2), "{out:?}");
+    assert!(out.stderr.contains("not a pool name"), "{out:?}");
+
     // A metrics file that cannot be written is a failure of the run, named in its report.
     let mut c = env.cmd("run");
     let missing = env.tmp.path().join("no-such-dir/ci.prom");
