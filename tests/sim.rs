@@ -1,0 +1,186 @@
+//! Deterministic simulation of the real cycle code (`cycle::run`, the planner, the sweep)
+//! against a simulated Forgejo, tofu, launch command, clock and cycle.json, all driven by one
+//! seed. Same seed, same trace, byte for byte.
+//!
+//! - `cargo test --release --test sim -- --nocapture`: `SIM_SEEDS` seeds (default 10,000 in
+//!   release, 200 in debug) from `SIM_START` (default 0) on `SIM_THREADS` threads.
+//! - `SIM_SEED=1234 cargo test --release --test sim -- --nocapture`: replays one seed and
+//!   prints its whole trace.
+//!
+//! See README "Deterministic simulation".
+
+#[path = "sim/driver.rs"]
+mod driver;
+#[path = "sim/ports.rs"]
+mod ports;
+#[path = "sim/rng.rs"]
+mod rng;
+#[path = "sim/world.rs"]
+mod world;
+
+use std::time::Instant;
+
+use driver::{quiet_kills, run_seed};
+use world::Stats;
+
+fn env_u64(name: &str) -> Option<u64> {
+    std::env::var(name).ok().map(|v| {
+        v.trim()
+            .parse()
+            .unwrap_or_else(|_| panic!("{name}={v:?} is not a number"))
+    })
+}
+
+/// Step boundaries a large run must have killed the process at (each before and after).
+const CRASH_POINTS: &[&str] = &[
+    "before load",
+    "before save(applying)",
+    "after save(applying)",
+    "before tofu apply",
+    "after tofu apply",
+    "before save(running)",
+    "after save(running)",
+    "before tofu output",
+    "after tofu output",
+    "before GET jobs",
+    "after GET jobs",
+    "before GET runner",
+    "after GET runner",
+    "before POST runner",
+    "after POST runner",
+    "before launch",
+    "after launch",
+    "before DELETE runner (unconsumed)",
+    "after DELETE runner (unconsumed)",
+    "before DELETE runner (launch_failed)",
+    "after DELETE runner (launch_failed)",
+    "before DELETE runner (teardown)",
+    "after DELETE runner (teardown)",
+    "before DELETE runner (lost_registration)",
+    "after DELETE runner (lost_registration)",
+    "before save(tearing_down)",
+    "after save(tearing_down)",
+    "before tofu destroy",
+    "after tofu destroy",
+    "before save(destroyed)",
+    "after save(destroyed)",
+    "before GET runner page",
+    "after GET runner page",
+    "before DELETE runner (sweep)",
+    "after DELETE runner (sweep)",
+    "before remove",
+    "after remove",
+    "sleep",
+];
+
+#[test]
+fn simulation() {
+    quiet_kills();
+    if let Some(seed) = env_u64("SIM_SEED") {
+        let out = run_seed(seed, 0, true);
+        if let Some(v) = out.violation {
+            panic!("{v}");
+        }
+        println!("seed {seed}: converged, no invariant violated (trace hash {:016x})", out.hash);
+        return;
+    }
+    let seeds = env_u64("SIM_SEEDS").unwrap_or(if cfg!(debug_assertions) { 200 } else { 10_000 });
+    let start = env_u64("SIM_START").unwrap_or(0);
+    let threads = env_u64("SIM_THREADS")
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get() as u64))
+        .max(1);
+    let clock = Instant::now();
+    let handles: Vec<_> = (0..threads)
+        .map(|k| {
+            std::thread::spawn(move || {
+                let mut stats = Stats::default();
+                let mut failures = Vec::new();
+                let mut seed = start + k;
+                while seed < start + seeds {
+                    let out = run_seed(seed, 60, false);
+                    stats.merge(&out.stats);
+                    if let Some(v) = out.violation
+                        && failures.len() < 3
+                    {
+                        failures.push(format!("{v}\n  last steps:\n{}", out.tail));
+                    }
+                    seed += threads;
+                }
+                (stats, failures)
+            })
+        })
+        .collect();
+    let mut stats = Stats::default();
+    let mut failures = Vec::new();
+    for h in handles {
+        let (s, f) = h.join().expect("a simulation thread panicked");
+        stats.merge(&s);
+        failures.extend(f);
+    }
+    let secs = clock.elapsed().as_secs_f64();
+    println!(
+        "simulation: {} seeds from {start} on {threads} thread(s) in {secs:.1}s = {:.0} seeds/s",
+        stats.seeds,
+        stats.seeds as f64 / secs
+    );
+    println!(
+        "  {} invocations, {} steps, {} VMs created, {} jobs run by our runners, {} racing invocations refused by cycle.lock",
+        stats.invocations, stats.steps, stats.vms_created, stats.jobs_served, stats.races_refused
+    );
+    println!(
+        "  faults injected: {} in total",
+        stats.faults.values().sum::<u64>()
+    );
+    for (k, v) in &stats.faults {
+        println!("    {v:>9}  {k}");
+    }
+    println!(
+        "  process killed: {} times at {} distinct step boundaries",
+        stats.crashes.values().sum::<u64>(),
+        stats.crashes.len()
+    );
+    for (k, v) in &stats.crashes {
+        println!("    {v:>9}  {k}");
+    }
+    println!("  deletions by reason:");
+    for (k, v) in &stats.deletes {
+        println!("    {v:>9}  {k}");
+    }
+    if !failures.is_empty() {
+        for f in &failures {
+            eprintln!("\n{f}");
+        }
+        panic!(
+            "{} seed(s) shown above violated an invariant; replay one with the command it prints",
+            failures.len()
+        );
+    }
+    if stats.seeds >= 1000 {
+        let missing: Vec<&&str> = CRASH_POINTS
+            .iter()
+            .filter(|p| !stats.crashes.contains_key(**p))
+            .collect();
+        assert!(
+            missing.is_empty(),
+            "{} seeds never killed the process at {missing:?}",
+            stats.seeds
+        );
+    }
+}
+
+/// Same seed, same trace: the whole run is a function of the seed.
+#[test]
+fn same_seed_same_trace() {
+    quiet_kills();
+    let mut hashes = Vec::new();
+    for seed in 0..12u64 {
+        let a = run_seed(seed, 0, false);
+        let b = run_seed(seed, 0, false);
+        assert_eq!(a.hash, b.hash, "seed {seed} ran differently twice");
+        assert_eq!(a.stats.steps, b.stats.steps, "seed {seed}");
+        hashes.push(a.hash);
+    }
+    hashes.sort_unstable();
+    hashes.dedup();
+    assert_eq!(hashes.len(), 12, "different seeds must explore different runs");
+}
