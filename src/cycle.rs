@@ -537,6 +537,17 @@ impl Driver<'_, '_> {
             ));
             return None;
         }
+        // A row without a readable name could be this registration: its absence is not proven.
+        if matches.is_empty()
+            && let Some(r) = listing.rows.iter().find(|r| r.name.is_none())
+        {
+            self.intent_failed(name);
+            self.report.fail(format!(
+                "registration {name} (its POST got no answer) was not found, but runner {} was listed without a name; not forgetting it, retrying",
+                r.id
+            ));
+            return None;
+        }
         let prefix = self.cycle_prefix();
         let mut all_gone = true;
         for r in &matches {

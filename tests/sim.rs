@@ -81,7 +81,10 @@ fn simulation() {
         if let Some(v) = out.violation {
             panic!("{v}");
         }
-        println!("seed {seed}: converged, no invariant violated (trace hash {:016x})", out.hash);
+        println!(
+            "seed {seed}: converged, no invariant violated (trace hash {:016x})",
+            out.hash
+        );
         return;
     }
     let seeds = env_u64("SIM_SEEDS").unwrap_or(if cfg!(debug_assertions) { 200 } else { 10_000 });
@@ -182,5 +185,64 @@ fn same_seed_same_trace() {
     }
     hashes.sort_unstable();
     hashes.dedup();
-    assert_eq!(hashes.len(), 12, "different seeds must explore different runs");
+    assert_eq!(
+        hashes.len(),
+        12,
+        "different seeds must explore different runs"
+    );
+}
+
+/// Regression (found by seed 6209): a lost POST was forgotten because the runner list that
+/// should have shown it had its row without a name. A nameless row may be it: keep the intent.
+#[test]
+fn a_lost_post_is_not_forgotten_when_a_listed_row_has_no_name() {
+    use ci_ephemeral_provisioner::state::Launch;
+    use ci_ephemeral_provisioner::state::{CycleState, Phase, Registration};
+    use ci_ephemeral_provisioner::time::Timestamp;
+
+    quiet_kills();
+    let sim = std::rc::Rc::new(std::cell::RefCell::new(world::Sim::new(1, 200, false)));
+    let name = format!("{}c1-1", world::PREFIX);
+    {
+        let mut s = sim.borrow_mut();
+        s.faults_on = false;
+        s.arrivals_on = false;
+        let now = s.now;
+        let mut st = CycleState::new("c1".into(), Timestamp(now - 600_000));
+        st.runner_prefix = world::PREFIX.into();
+        st.phase = Phase::Running;
+        st.vm_ready_at = Some(Timestamp(now - 500_000));
+        st.registrations.push(Registration {
+            name: name.clone(),
+            id: None,
+            uuid: None,
+            job_id: 1,
+            job_handle: "h".into(),
+            requested_at: Timestamp(now - 300_000),
+            launch: Launch::Pending,
+            launched_at: None,
+            job_gone_since: None,
+        });
+        s.write_disk(&st);
+        s.create_vm("c1");
+        let id = s.srv_register(&name);
+        s.nameless.push(id);
+    }
+    driver::invoke(&sim, false);
+    let s = sim.borrow();
+    assert!(
+        s.violation.is_none(),
+        "{:?}\n{}",
+        s.violation,
+        s.trace_tail()
+    );
+    let kept = s
+        .disk
+        .as_ref()
+        .is_some_and(|(_, st)| st.registrations.iter().any(|r| r.name == name));
+    assert!(
+        kept,
+        "the unanswered registration was forgotten:\n{}",
+        s.trace_tail()
+    );
 }

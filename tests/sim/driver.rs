@@ -14,7 +14,9 @@ use ci_ephemeral_provisioner::planner::Policy;
 use ci_ephemeral_provisioner::report::Report;
 use ci_ephemeral_provisioner::time::Timestamp;
 
-use super::ports::{Killed, Livelock, Port, Shared, SimClock, SimForgejo, SimLauncher, SimStore, SimTofu};
+use super::ports::{
+    Killed, Livelock, Port, Shared, SimClock, SimForgejo, SimLauncher, SimStore, SimTofu,
+};
 use super::world::{HTTP_TIMEOUT_MS, Invocation, LABEL, PREFIX, Sim, Stats, T0};
 
 const MIN: i64 = 60_000;
@@ -82,7 +84,9 @@ pub fn invoke(sim: &Shared, nested: bool) {
             let mut s = sim.borrow_mut();
             if nested {
                 s.stats.races_refused += 1;
-                s.log(format!("second invocation refused by cycle.lock (exit {code})"));
+                s.log(format!(
+                    "second invocation refused by cycle.lock (exit {code})"
+                ));
             } else {
                 s.violate(format!("a timer run could not take cycle.lock: {msg}"));
             }
@@ -99,7 +103,11 @@ pub fn invoke(sim: &Shared, nested: bool) {
         let inv = s.invs.len() - 1;
         s.log(format!(
             "invocation {inv} starts{}",
-            if nested { " (racing the running one)" } else { "" }
+            if nested {
+                " (racing the running one)"
+            } else {
+                ""
+            }
         ));
         inv
     };
@@ -179,7 +187,8 @@ pub fn run_seed(seed: u64, trace_cap: usize, echo: bool) -> SeedOutcome {
         T0 + s.rng.range(20 * MIN, 120 * MIN)
     };
     let mut runs = 0;
-    while sim.borrow().violation.is_none() && sim.borrow().now < fault_end && runs < MAX_FAULTY_RUNS {
+    while sim.borrow().violation.is_none() && sim.borrow().now < fault_end && runs < MAX_FAULTY_RUNS
+    {
         invoke(&sim, false);
         runs += 1;
         gap(&sim, 30_000, 3 * MIN);
@@ -187,7 +196,8 @@ pub fn run_seed(seed: u64, trace_cap: usize, echo: bool) -> SeedOutcome {
     sim.borrow_mut().go_quiet();
     let mut at_rest = 0;
     let mut quiet_runs = 0;
-    while sim.borrow().violation.is_none() && at_rest < AT_REST_RUNS && quiet_runs < MAX_QUIET_RUNS {
+    while sim.borrow().violation.is_none() && at_rest < AT_REST_RUNS && quiet_runs < MAX_QUIET_RUNS
+    {
         invoke(&sim, false);
         quiet_runs += 1;
         gap(&sim, MIN, MIN + 1);
@@ -201,9 +211,7 @@ pub fn run_seed(seed: u64, trace_cap: usize, echo: bool) -> SeedOutcome {
     if s.violation.is_none()
         && let Some(left) = s.leftovers()
     {
-        s.violate(format!(
-            "not at rest after {quiet_runs} quiet runs: {left}"
-        ));
+        s.violate(format!("not at rest after {quiet_runs} quiet runs: {left}"));
     }
     s.log("end");
     SeedOutcome {

@@ -101,7 +101,11 @@ impl Port {
             let mut s = self.sim.borrow_mut();
             let fault = s.api_fault(write, post);
             let applied = fault.is_none_or(|f| f.applied());
-            let value = if applied { Some(op(&mut s, fault)) } else { None };
+            let value = if applied {
+                Some(op(&mut s, fault))
+            } else {
+                None
+            };
             if fault == Some(ApiFault::LatePost)
                 && let Some(name) = late_name
             {
@@ -115,7 +119,8 @@ impl Port {
             };
             let now = s.now;
             s.advance(now + latency, false);
-            let request = format!("{method} https://forgejo.sim/api/v1/admin/actions/runners{what}");
+            let request =
+                format!("{method} https://forgejo.sim/api/v1/admin/actions/runners{what}");
             let err = |status: Option<u16>, detail: &str| ApiError {
                 request: request.clone(),
                 detail: detail.to_string(),
@@ -156,7 +161,11 @@ impl Port {
             let text = match (&result, fault) {
                 (Ok(_), None) => format!("{method} {what} -> ok"),
                 (Ok(_), Some(f)) | (Err(_), Some(f)) => {
-                    format!("{method} {what} -> {} ({})", if result.is_ok() { "ok" } else { "err" }, f.name())
+                    format!(
+                        "{method} {what} -> {} ({})",
+                        if result.is_ok() { "ok" } else { "err" },
+                        f.name()
+                    )
                 }
                 (Err(_), None) => unreachable!(),
             };
@@ -178,39 +187,58 @@ pub struct SimForgejo(pub Port);
 
 impl Forgejo for SimForgejo {
     fn list_jobs(&mut self) -> Result<Vec<Job>, ApiError> {
-        self.0
-            .api("GET", "GET jobs", "/jobs", false, None, |s, _| s.srv_list_jobs())
+        self.0.api("GET", "GET jobs", "/jobs", false, None, |s, _| {
+            s.srv_list_jobs()
+        })
     }
 
     fn get_runner(&mut self, id: i64) -> Result<Option<Runner>, ApiError> {
-        self.0.api("GET", "GET runner", &format!("/{id}"), false, None, |s, f| {
-            let mut r = s.live(id).map(|r| s.wire_runner(r));
-            if f == Some(ApiFault::OddRows)
-                && let Some(r) = &mut r
-            {
-                odd(s, r);
-            }
-            r
-        })
+        self.0.api(
+            "GET",
+            "GET runner",
+            &format!("/{id}"),
+            false,
+            None,
+            |s, f| {
+                let mut r = s.live(id).map(|r| s.wire_runner(r));
+                if f == Some(ApiFault::OddRows)
+                    && let Some(r) = &mut r
+                {
+                    odd(s, r);
+                }
+                r
+            },
+        )
     }
 
     fn delete_runner(&mut self, id: i64, reason: &str) -> Result<Deleted, ApiError> {
         let inv = self.0.inv;
         let point = format!("DELETE runner ({reason})");
-        self.0
-            .api("DELETE", &point, &format!("/{id} ({reason})"), true, None, |s, _| {
+        self.0.api(
+            "DELETE",
+            &point,
+            &format!("/{id} ({reason})"),
+            true,
+            None,
+            |s, _| {
                 let destroy_ok = s.invs[inv].destroy_ok;
                 if s.srv_delete(id, reason, destroy_ok) {
                     Deleted::Now
                 } else {
                     Deleted::AlreadyGone
                 }
-            })
+            },
+        )
     }
 
     fn register_runner(&mut self, name: &str) -> Result<NewRunner, ApiError> {
-        self.0
-            .api("POST", "POST runner", &format!(" {name}"), true, Some(name), |s, _| {
+        self.0.api(
+            "POST",
+            "POST runner",
+            &format!(" {name}"),
+            true,
+            Some(name),
+            |s, _| {
                 let id = s.srv_register(name);
                 s.log(format!("forgejo: registered {name} as runner {id}"));
                 NewRunner {
@@ -218,12 +246,18 @@ impl Forgejo for SimForgejo {
                     uuid: format!("00000000-0000-4000-8000-{id:012x}"),
                     token: Secret::new(token_of(id)),
                 }
-            })
+            },
+        )
     }
 
     fn list_runners_page(&mut self, page: u32, limit: u32) -> Result<RunnerPage, ApiError> {
-        self.0
-            .api("GET", "GET runner page", &format!("?page={page}&limit={limit}"), false, None, |s, f| {
+        self.0.api(
+            "GET",
+            "GET runner page",
+            &format!("?page={page}&limit={limit}"),
+            false,
+            None,
+            |s, f| {
                 let (mut rows, total) = s.srv_page(page, limit);
                 if f == Some(ApiFault::OddRows) && !rows.is_empty() {
                     let i = s.rng.below(rows.len() as u64) as usize;
@@ -233,7 +267,8 @@ impl Forgejo for SimForgejo {
                     rows,
                     total: Some(total),
                 }
-            })
+            },
+        )
     }
 }
 
@@ -316,10 +351,10 @@ impl Tofu for SimTofu {
         } else {
             Ok(())
         };
-        self.0
-            .sim
-            .borrow_mut()
-            .log(format!("tofu apply {cycle_id} -> {}", if result.is_ok() { "ok" } else { "err" }));
+        self.0.sim.borrow_mut().log(format!(
+            "tofu apply {cycle_id} -> {}",
+            if result.is_ok() { "ok" } else { "err" }
+        ));
         self.0.checked("tofu apply");
         self.0.boundary("after tofu apply");
         result
@@ -351,7 +386,9 @@ impl Tofu for SimTofu {
         ));
         self.0.boundary("after tofu output");
         if fail {
-            Err(StepError::failed("`tofu output -json` exited with status 1"))
+            Err(StepError::failed(
+                "`tofu output -json` exited with status 1",
+            ))
         } else {
             Ok(o)
         }
@@ -389,7 +426,10 @@ impl Tofu for SimTofu {
                 let inv = self.0.inv;
                 s.invs[inv].destroy_ok = true;
             }
-            s.log(format!("tofu destroy {cycle_id} -> {}", if result.is_ok() { "ok" } else { "err" }));
+            s.log(format!(
+                "tofu destroy {cycle_id} -> {}",
+                if result.is_ok() { "ok" } else { "err" }
+            ));
         }
         self.0.checked("tofu destroy");
         self.0.boundary("after tofu destroy");
@@ -415,10 +455,16 @@ impl Launcher for SimLauncher {
                 let id = req.runner_id;
                 s.violate(format!("launch of runner {id} got the wrong token"));
             }
-            let vm = s.disk.as_ref().map(|(_, st)| st.cycle_id.clone()).unwrap_or_default();
+            let vm = s
+                .disk
+                .as_ref()
+                .map(|(_, st)| st.cycle_id.clone())
+                .unwrap_or_default();
             let p = s.cfg.launch;
             let fault = if s.faults_on && s.rng.chance(p) {
-                let f = s.rng.pick(&["launch fails", "launch fails after starting the runner"]);
+                let f = s
+                    .rng
+                    .pick(&["launch fails", "launch fails after starting the runner"]);
                 s.count_fault(f);
                 Some(f)
             } else {
@@ -505,7 +551,9 @@ impl StateStore for SimStore {
         self.0.boundary(&format!("before {what}"));
         if self.disk_fault("cycle.json write fails") {
             self.0.sim.borrow_mut().log(format!("{what} -> err"));
-            return Err(anyhow::anyhow!("cannot write sim/cycle.json: No space left on device"));
+            return Err(anyhow::anyhow!(
+                "cannot write sim/cycle.json: No space left on device"
+            ));
         }
         {
             let mut s = self.0.sim.borrow_mut();

@@ -266,6 +266,8 @@ pub struct Sim {
     procs: BTreeMap<i64, Proc>,
     /// Bumped on every insert and delete: ties in the list order are reshuffled by it.
     rows_version: u64,
+    /// Runners listed without a name (a targeted regression test's hostile server).
+    pub nameless: Vec<i64>,
     /// The VM module's resources: cycle ids of existing VMs.
     pub vms: Vec<String>,
     /// cycle.json: the bytes written and what they parse to.
@@ -311,6 +313,7 @@ impl Sim {
             bg_seq: 0,
             procs: BTreeMap::new(),
             rows_version: 0,
+            nameless: Vec::new(),
             vms: Vec::new(),
             disk: None,
             cfg,
@@ -455,7 +458,11 @@ impl Sim {
             );
         }
         if self.rng.chance(0.3) {
-            let id = self.add_runner(format!("{PREFIX}20260101t000000z-busy-1"), Owner::Legacy, true);
+            let id = self.add_runner(
+                format!("{PREFIX}20260101t000000z-busy-1"),
+                Owner::Legacy,
+                true,
+            );
             let r = self.runners.get_mut(&id).expect("just added");
             r.polling = true;
             r.busy = true;
@@ -579,7 +586,11 @@ impl Sim {
                     JobState::Running(r) => {
                         job.state = JobState::Done("cancelled");
                         // StopTask deletes an ephemeral runner.
-                        if self.runners.get(&r).is_some_and(|r| r.ephemeral && !r.deleted) {
+                        if self
+                            .runners
+                            .get(&r)
+                            .is_some_and(|r| r.ephemeral && !r.deleted)
+                        {
                             self.delete_runner_server_side(r);
                         } else if let Some(r) = self.runners.get_mut(&r) {
                             r.busy = false;
@@ -593,9 +604,7 @@ impl Sim {
                 let taker = self
                     .runners
                     .values()
-                    .find(|r| {
-                        r.owner == Owner::Persistent && r.polling && !r.busy && !r.deleted
-                    })
+                    .find(|r| r.owner == Owner::Persistent && r.polling && !r.busy && !r.deleted)
                     .map(|r| r.id);
                 let waiting = self
                     .jobs
@@ -629,15 +638,21 @@ impl Sim {
                         _ => None,
                     })
                     .filter(|(_, r)| {
-                        self.runners
-                            .get(r)
-                            .is_none_or(|r| r.deleted || (!r.polling && now - r.last_online > ZOMBIE_TIMEOUT))
+                        self.runners.get(r).is_none_or(|r| {
+                            r.deleted || (!r.polling && now - r.last_online > ZOMBIE_TIMEOUT)
+                        })
                     })
                     .collect();
                 for (j, r) in zombies {
                     self.jobs.get_mut(&j).expect("present").state = JobState::Done("failure");
-                    if self.runners.get(&r).is_some_and(|r| r.ephemeral && !r.deleted) {
-                        self.log(format!("forgejo: zombie task of job {j} stopped, runner {r} deleted"));
+                    if self
+                        .runners
+                        .get(&r)
+                        .is_some_and(|r| r.ephemeral && !r.deleted)
+                    {
+                        self.log(format!(
+                            "forgejo: zombie task of job {j} stopped, runner {r} deleted"
+                        ));
                         self.delete_runner_server_side(r);
                     }
                 }
@@ -688,7 +703,9 @@ impl Sim {
             }
             Bg::LatePost(name) => {
                 let id = self.add_runner(name.clone(), Owner::Ours, true);
-                self.log(format!("forgejo: the late POST of {name} lands as runner {id}"));
+                self.log(format!(
+                    "forgejo: the late POST of {name} lands as runner {id}"
+                ));
             }
         }
     }
@@ -714,7 +731,9 @@ impl Sim {
                 r.last_online = now;
                 next = match behaviour {
                     Behaviour::ConnectsNoJob => Some((Stage::Poll, i64::MAX)),
-                    Behaviour::DiesEarly => Some((Stage::Die, now + self.rng.range(5 * SEC, 2 * MIN))),
+                    Behaviour::DiesEarly => {
+                        Some((Stage::Die, now + self.rng.range(5 * SEC, 2 * MIN)))
+                    }
                     _ => Some((Stage::Take, now + self.rng.range(SEC, 4 * SEC))),
                 };
             }
@@ -833,7 +852,10 @@ impl Sim {
             self.count_fault(behaviour.name());
         }
         let next_at = self.now + self.rng.range(2 * SEC, 25 * SEC);
-        self.log(format!("runner {id}: process started ({})", behaviour.name()));
+        self.log(format!(
+            "runner {id}: process started ({})",
+            behaviour.name()
+        ));
         self.procs.insert(
             id,
             Proc {
@@ -855,16 +877,35 @@ impl Sim {
         use ApiFault::*;
         let f = if post {
             self.rng.pick(&[
-                Status5xx, Status5xxApplied, Timeout, TimeoutApplied, Reset, ResetApplied, Html,
-                HtmlApplied, Truncated, Rejected, LatePost,
+                Status5xx,
+                Status5xxApplied,
+                Timeout,
+                TimeoutApplied,
+                Reset,
+                ResetApplied,
+                Html,
+                HtmlApplied,
+                Truncated,
+                Rejected,
+                LatePost,
             ])
         } else if write {
             self.rng.pick(&[
-                Status5xx, Status5xxApplied, Timeout, TimeoutApplied, Reset, ResetApplied, Html,
-                HtmlApplied, Rejected, Proxy404,
+                Status5xx,
+                Status5xxApplied,
+                Timeout,
+                TimeoutApplied,
+                Reset,
+                ResetApplied,
+                Html,
+                HtmlApplied,
+                Rejected,
+                Proxy404,
             ])
         } else {
-            self.rng.pick(&[Status5xx, Timeout, Reset, Html, Truncated, Rejected, Proxy404, OddRows])
+            self.rng.pick(&[
+                Status5xx, Timeout, Reset, Html, Truncated, Rejected, Proxy404, OddRows,
+            ])
         };
         self.count_fault(f.name());
         Some(f)
@@ -965,7 +1006,8 @@ impl Sim {
             .collect();
         for id in ids {
             let lo = self.runners[&id].effective_last_online(now);
-            let tie = super::rng::Rng::new(id as u64 ^ self.rows_version.wrapping_mul(0x9E37_79B9)).next_u64();
+            let tie = super::rng::Rng::new(id as u64 ^ self.rows_version.wrapping_mul(0x9E37_79B9))
+                .next_u64();
             rows.push((lo, tie, id));
         }
         rows.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
@@ -974,7 +1016,13 @@ impl Sim {
             .iter()
             .skip((page.max(1) as usize - 1) * limit)
             .take(limit)
-            .map(|(_, _, id)| self.wire_runner(&self.runners[id]))
+            .map(|(_, _, id)| {
+                let mut r = self.wire_runner(&self.runners[id]);
+                if self.nameless.contains(id) {
+                    r.name = None;
+                }
+                r
+            })
             .collect();
         (shown, total)
     }
@@ -1060,10 +1108,18 @@ impl Sim {
                 ));
             }
         }
-        let waiting = self.srv_list_jobs().iter().filter(|j| j.is_waiting()).count();
+        let waiting = self
+            .srv_list_jobs()
+            .iter()
+            .filter(|j| j.is_waiting())
+            .count();
         if waiting > 0 {
             left.push(format!("{waiting} waiting job(s) of ours"));
         }
-        if left.is_empty() { None } else { Some(left.join("; ")) }
+        if left.is_empty() {
+            None
+        } else {
+            Some(left.join("; "))
+        }
     }
 }
