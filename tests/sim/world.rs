@@ -829,8 +829,11 @@ impl Sim {
                     && r.polling
                 {
                     r.polling = false;
-                    r.busy = false;
                     r.last_online = now;
+                    if r.busy {
+                        r.busy = false;
+                        r.last_active = now;
+                    }
                 }
             }
         }
