@@ -16,7 +16,8 @@ mutate() {
         return
     fi
     cp "$file" "$file.orig"
-    trap 'mv -f "'"$file"'.orig" "'"$file"'"' EXIT
+    # Restored files are touched: cargo must not keep a binary built from the mutated text.
+    trap 'mv -f "'"$file"'.orig" "'"$file"'"; touch "'"$file"'"' EXIT
     OLD=$old NEW=$new python3 - "$file" <<'EOF'
 import os, sys
 p = sys.argv[1]
@@ -29,6 +30,7 @@ EOF
     local out
     out=$(cargo test --release --test sim simulation -- --nocapture 2>&1 || true)
     mv -f "$file.orig" "$file"
+    touch "$file"
     trap - EXIT
     local caught
     caught=$(grep -m1 -E '^seed [0-9]+ step [0-9]+: ' <<<"$out" || true)
