@@ -178,8 +178,8 @@ fn gap(sim: &Shared, lo: i64, hi: i64) {
     s.advance(to, true);
 }
 
-pub fn run_seed(seed: u64, trace_cap: usize, echo: bool) -> SeedOutcome {
-    let sim: Shared = Rc::new(RefCell::new(Sim::new(seed, trace_cap, echo)));
+pub fn run_seed(seed: u64, trace_cap: usize, tracing: bool, echo: bool) -> SeedOutcome {
+    let sim: Shared = Rc::new(RefCell::new(Sim::new(seed, trace_cap, tracing, echo)));
     let fault_end = {
         let mut s = sim.borrow_mut();
         let cfg = s.cfg;

@@ -37,7 +37,7 @@ pub struct Port {
 impl Port {
     /// A step boundary: counts the step, maybe races a second invocation, maybe raises a stop,
     /// maybe kills the process here.
-    fn boundary(&self, point: &str) {
+    fn boundary(&self, when: &'static str, point: &str) {
         let (kill, race) = {
             let mut s = self.sim.borrow_mut();
             s.step += 1;
@@ -45,7 +45,7 @@ impl Port {
             s.invs[self.inv].steps += 1;
             if s.invs[self.inv].steps > MAX_STEPS_PER_INVOCATION {
                 let msg = format!(
-                    "invocation {} took {MAX_STEPS_PER_INVOCATION} steps without ending (at {point})",
+                    "invocation {} took {MAX_STEPS_PER_INVOCATION} steps without ending (at {when} {point})",
                     self.inv
                 );
                 drop(s);
@@ -56,13 +56,22 @@ impl Port {
             if on && !s.invs[self.inv].stop && s.rng.chance(cfg.signal) {
                 s.invs[self.inv].stop = true;
                 s.count_fault("stop signal (SIGTERM)");
-                s.log(format!("SIGTERM before {point}"));
+                if s.tracing {
+                    s.log(format!("SIGTERM {when} {point}"));
+                }
             }
             let race = on && !s.invs[self.inv].nested && s.rng.chance(cfg.race);
             let kill = on && s.rng.chance(cfg.crash);
             if kill {
-                *s.stats.crashes.entry(point.to_string()).or_default() += 1;
-                s.log(format!("KILLED {point}"));
+                let key = if when.is_empty() {
+                    point.to_string()
+                } else {
+                    format!("{when} {point}")
+                };
+                if s.tracing {
+                    s.log(format!("KILLED {key}"));
+                }
+                *s.stats.crashes.entry(key).or_default() += 1;
             }
             (kill, race)
         };
@@ -96,8 +105,8 @@ impl Port {
         op: impl FnOnce(&mut Sim, Option<ApiFault>) -> T,
     ) -> Result<T, ApiError> {
         let post = late_name.is_some();
-        self.boundary(&format!("before {point}"));
-        let (result, text) = {
+        self.boundary("before", point);
+        let result = {
             let mut s = self.sim.borrow_mut();
             let fault = s.api_fault(write, post);
             let applied = fault.is_none_or(|f| f.applied());
@@ -119,10 +128,8 @@ impl Port {
             };
             let now = s.now;
             s.advance(now + latency, false);
-            let request =
-                format!("{method} https://forgejo.sim/api/v1/admin/actions/runners{what}");
             let err = |status: Option<u16>, detail: &str| ApiError {
-                request: request.clone(),
+                request: format!("{method} https://forgejo.sim/api/v1/admin/actions/runners{what}"),
                 detail: detail.to_string(),
                 status,
             };
@@ -158,25 +165,21 @@ impl Port {
                     ApiFault::OddRows => unreachable!(),
                 }),
             };
-            let text = match (&result, fault) {
-                (Ok(_), None) => format!("{method} {what} -> ok"),
-                (Ok(_), Some(f)) | (Err(_), Some(f)) => {
-                    format!(
+            if s.tracing {
+                let text = match fault {
+                    None => format!("{method} {what} -> ok"),
+                    Some(f) => format!(
                         "{method} {what} -> {} ({})",
                         if result.is_ok() { "ok" } else { "err" },
                         f.name()
-                    )
-                }
-                (Err(_), None) => unreachable!(),
-            };
-            (result, text)
+                    ),
+                };
+                s.log(text);
+            }
+            result
         };
-        {
-            let mut s = self.sim.borrow_mut();
-            s.log(text);
-        }
         self.checked(point);
-        self.boundary(&format!("after {point}"));
+        self.boundary("after", point);
         result
     }
 }
@@ -327,7 +330,7 @@ impl Tofu for SimTofu {
     }
 
     fn apply(&mut self, cycle_id: &str) -> Result<(), StepError> {
-        self.0.boundary("before tofu apply");
+        self.0.boundary("before", "tofu apply");
         let stop = self.0.stop();
         let fault = self.fault(
             "tofu apply fails after creating the VM",
@@ -356,12 +359,12 @@ impl Tofu for SimTofu {
             if result.is_ok() { "ok" } else { "err" }
         ));
         self.0.checked("tofu apply");
-        self.0.boundary("after tofu apply");
+        self.0.boundary("after", "tofu apply");
         result
     }
 
     fn outputs(&mut self, cycle_id: &str) -> Result<Outputs, StepError> {
-        self.0.boundary("before tofu output");
+        self.0.boundary("before", "tofu output");
         let fail = {
             let mut s = self.0.sim.borrow_mut();
             let p = s.cfg.tofu / 3.0;
@@ -384,7 +387,7 @@ impl Tofu for SimTofu {
             "tofu output {cycle_id} -> {}",
             if fail { "err" } else { "ok" }
         ));
-        self.0.boundary("after tofu output");
+        self.0.boundary("after", "tofu output");
         if fail {
             Err(StepError::failed(
                 "`tofu output -json` exited with status 1",
@@ -395,7 +398,7 @@ impl Tofu for SimTofu {
     }
 
     fn destroy(&mut self, cycle_id: &str) -> Result<(), StepError> {
-        self.0.boundary("before tofu destroy");
+        self.0.boundary("before", "tofu destroy");
         let stop = self.0.stop();
         let fault = self.fault(
             "tofu destroy fails after the VM is gone",
@@ -432,7 +435,7 @@ impl Tofu for SimTofu {
             ));
         }
         self.0.checked("tofu destroy");
-        self.0.boundary("after tofu destroy");
+        self.0.boundary("after", "tofu destroy");
         result
     }
 }
@@ -447,7 +450,7 @@ impl Launcher for SimLauncher {
     }
 
     fn launch(&mut self, req: &LaunchRequest<'_>, token: &Secret) -> Result<(), StepError> {
-        self.0.boundary("before launch");
+        self.0.boundary("before", "launch");
         let stop = self.0.stop();
         let result = {
             let mut s = self.0.sim.borrow_mut();
@@ -497,7 +500,7 @@ impl Launcher for SimLauncher {
             r
         };
         self.0.checked("launch");
-        self.0.boundary("after launch");
+        self.0.boundary("after", "launch");
         result
     }
 }
@@ -520,7 +523,7 @@ impl SimStore {
 
 impl StateStore for SimStore {
     fn load(&mut self) -> anyhow::Result<Option<CycleState>> {
-        self.0.boundary("before load");
+        self.0.boundary("before", "load");
         if self.disk_fault("cycle.json read fails") {
             self.0.sim.borrow_mut().log("load -> err");
             return Err(anyhow::anyhow!("cannot read sim/cycle.json: I/O error"));
@@ -548,7 +551,7 @@ impl StateStore for SimStore {
             Phase::Destroyed => "destroyed",
         };
         let what = format!("save({phase})");
-        self.0.boundary(&format!("before {what}"));
+        self.0.boundary("before", &what);
         if self.disk_fault("cycle.json write fails") {
             self.0.sim.borrow_mut().log(format!("{what} -> err"));
             return Err(anyhow::anyhow!(
@@ -558,23 +561,25 @@ impl StateStore for SimStore {
         {
             let mut s = self.0.sim.borrow_mut();
             s.write_disk(state);
-            let regs: Vec<String> = state
-                .registrations
-                .iter()
-                .map(|r| match r.id {
-                    Some(id) => format!("{id}:{:?}", r.launch).to_lowercase(),
-                    None => format!("?{}", r.name.rsplit('-').next().unwrap_or("")),
-                })
-                .collect();
-            s.log(format!("{what} [{}]", regs.join(" ")));
+            if s.tracing {
+                let regs: Vec<String> = state
+                    .registrations
+                    .iter()
+                    .map(|r| match r.id {
+                        Some(id) => format!("{id}:{:?}", r.launch).to_lowercase(),
+                        None => format!("?{}", r.name.rsplit('-').next().unwrap_or("")),
+                    })
+                    .collect();
+                s.log(format!("{what} [{}]", regs.join(" ")));
+            }
         }
         self.0.checked(&what);
-        self.0.boundary(&format!("after {what}"));
+        self.0.boundary("after", &what);
         Ok(())
     }
 
     fn remove(&mut self) -> anyhow::Result<()> {
-        self.0.boundary("before remove");
+        self.0.boundary("before", "remove");
         if self.disk_fault("cycle.json remove fails") {
             self.0.sim.borrow_mut().log("remove -> err");
             return Err(anyhow::anyhow!("cannot remove sim/cycle.json: I/O error"));
@@ -585,7 +590,7 @@ impl StateStore for SimStore {
             s.log("remove cycle.json");
         }
         self.0.checked("remove");
-        self.0.boundary("after remove");
+        self.0.boundary("after", "remove");
         Ok(())
     }
 
@@ -604,7 +609,7 @@ impl Clock for SimClock {
     }
 
     fn sleep(&mut self, d: Duration) -> Sleep {
-        self.0.boundary("sleep");
+        self.0.boundary("", "sleep");
         if self.0.stop() {
             return Sleep::Interrupted;
         }

@@ -284,10 +284,16 @@ pub struct Sim {
     trace_cap: usize,
     pub trace_hash: u64,
     pub echo: bool,
+    /// Trace lines are built (replays, the determinism test, re-runs of a failing seed).
+    pub tracing: bool,
+    /// Ids of the registrations our POSTs created (live or not).
+    ours: Vec<i64>,
 }
 
 impl Sim {
-    pub fn new(seed: u64, trace_cap: usize, echo: bool) -> Sim {
+    /// `trace_cap`: trace lines kept for a failure report; `tracing`: build trace lines at all
+    /// (the run is the same either way); `echo`: print them as they happen.
+    pub fn new(seed: u64, trace_cap: usize, tracing: bool, echo: bool) -> Sim {
         let mut rng = Rng::new(seed);
         let levels = |rng: &mut Rng, xs: &[f64]| xs[rng.below(xs.len() as u64) as usize];
         let cfg = FaultCfg {
@@ -331,6 +337,8 @@ impl Sim {
             trace_cap,
             trace_hash: 0xcbf2_9ce4_8422_2325,
             echo,
+            tracing: tracing || echo,
+            ours: Vec::new(),
         };
         sim.populate();
         sim
@@ -339,6 +347,9 @@ impl Sim {
     // -- trace ------------------------------------------------------------------------------------
 
     pub fn log(&mut self, text: impl AsRef<str>) {
+        if !self.tracing {
+            return;
+        }
         let line = format!(
             "#{} t+{}.{:03}s {}",
             self.step,
@@ -702,7 +713,7 @@ impl Sim {
                 }
             }
             Bg::LatePost(name) => {
-                let id = self.add_runner(name.clone(), Owner::Ours, true);
+                let id = self.srv_register(&name);
                 self.log(format!(
                     "forgejo: the late POST of {name} lands as runner {id}"
                 ));
@@ -982,7 +993,9 @@ impl Sim {
     }
 
     pub fn srv_register(&mut self, name: &str) -> i64 {
-        self.add_runner(name.to_string(), Owner::Ours, true)
+        let id = self.add_runner(name.to_string(), Owner::Ours, true);
+        self.ours.push(id);
+        id
     }
 
     pub fn schedule_late_post(&mut self, name: &str) {
@@ -1036,8 +1049,9 @@ impl Sim {
     /// created is in cycle.json on disk, by id or (POST unanswered) by name.
     pub fn check_remembered(&mut self, after: &str) {
         let mut missing: Option<(i64, String)> = None;
-        for r in self.runners.values() {
-            if r.deleted || r.owner != Owner::Ours {
+        for id in &self.ours {
+            let r = &self.runners[id];
+            if r.deleted {
                 continue;
             }
             let known = self.disk.as_ref().is_some_and(|(_, s)| {
