@@ -73,6 +73,39 @@ const CRASH_POINTS: &[&str] = &[
     "sleep",
 ];
 
+/// Fault kinds a large run must have injected.
+const FAULTS: &[&str] = &[
+    "api 5xx",
+    "api 5xx after applying",
+    "api timeout",
+    "api applied, answer lost (timeout)",
+    "api connection reset",
+    "api applied, answer lost (reset)",
+    "api HTML error page",
+    "api applied, HTML body",
+    "api applied, truncated body",
+    "api 4xx rejection",
+    "api proxy 404 (not Forgejo's)",
+    "api POST lands after the client gave up",
+    "api odd status/name in rows",
+    "tofu apply fails before creating the VM",
+    "tofu apply fails after creating the VM",
+    "tofu output fails",
+    "tofu destroy fails",
+    "tofu destroy fails after the VM is gone",
+    "launch fails",
+    "launch fails after starting the runner",
+    "runner never connects",
+    "runner connects without taking its job",
+    "runner hangs active",
+    "runner hangs silent",
+    "runner dies after connecting",
+    "cycle.json read fails",
+    "cycle.json write fails",
+    "cycle.json remove fails",
+    "stop signal (SIGTERM)",
+];
+
 #[test]
 fn simulation() {
     quiet_kills();
@@ -169,7 +202,7 @@ fn simulation() {
             failures.len()
         );
     }
-    if stats.seeds >= 1000 {
+    if stats.seeds >= 10_000 {
         let missing: Vec<&&str> = CRASH_POINTS
             .iter()
             .filter(|p| !stats.crashes.contains_key(**p))
@@ -179,6 +212,16 @@ fn simulation() {
             "{} seeds never killed the process at {missing:?}",
             stats.seeds
         );
+        let missing: Vec<&&str> = FAULTS
+            .iter()
+            .filter(|f| !stats.faults.contains_key(**f))
+            .collect();
+        assert!(
+            missing.is_empty(),
+            "{} seeds never injected {missing:?}",
+            stats.seeds
+        );
+        assert!(stats.races_refused > 0, "no racing invocation was tried");
     }
 }
 
