@@ -12,6 +12,8 @@ use crate::report::{SweepReport, SweptRunner};
 pub const PAGE_LIMIT: u32 = 50;
 /// More pages than this (50,000 registrations) is treated as a misbehaving server.
 pub const MAX_PAGES: u32 = 1000;
+/// Reads of the whole list, at most, when pages overlapped while the count stayed the same.
+pub const LIST_PASSES: u32 = 3;
 
 /// Every row of every page, de-duplicated by id. Rows whose id appears twice with different
 /// contents are returned in the second list: they are doubtful and never deleted.
@@ -33,6 +35,8 @@ pub fn list_all(forgejo: &mut dyn Forgejo) -> Result<Listing, String> {
     let mut page = 0u32;
     let mut last_total = None;
     let mut totals: Vec<u64> = Vec::new();
+    // Rows received, repeats included.
+    let mut returned: u64 = 0;
     loop {
         page += 1;
         if page > MAX_PAGES {
@@ -44,25 +48,14 @@ pub fn list_all(forgejo: &mut dyn Forgejo) -> Result<Listing, String> {
             .list_runners_page(page, PAGE_LIMIT)
             .map_err(|e| format!("listing runners failed on page {page}: {e}"))?;
         let n = p.rows.len();
+        returned += n as u64;
         last_total = p.total.or(last_total);
         if let Some(t) = p.total
             && !totals.contains(&t)
         {
             totals.push(t);
         }
-        for r in p.rows {
-            match by_id.get(&r.id) {
-                Some(seen) if *seen != r => {
-                    if !conflicting.contains(&r.id) {
-                        conflicting.push(r.id);
-                    }
-                }
-                Some(_) => {}
-                None => {
-                    by_id.insert(r.id, r);
-                }
-            }
-        }
+        merge(&mut by_id, &mut conflicting, p.rows);
         let done = match p.total {
             _ if n == 0 => true,
             Some(total) => by_id.len() as u64 >= total,
@@ -70,6 +63,33 @@ pub fn list_all(forgejo: &mut dyn Forgejo) -> Result<Listing, String> {
         };
         if done {
             break;
+        }
+    }
+    // Rows that tie on Forgejo's sort key (`last_online`: 0 for every registration that never
+    // connected) come in no stable order, so pages can overlap and skip rows while nothing
+    // changes. When every page agreed on the count and as many rows came back as it promised,
+    // but some twice, read the pages again: a skipped row shows up.
+    let pages = page;
+    let mut passes = 1;
+    while let [t] = totals.as_slice()
+        && (by_id.len() as u64) < *t
+        && returned >= *t
+        && passes < LIST_PASSES
+    {
+        let t = *t;
+        passes += 1;
+        for again in 1..pages {
+            let p = forgejo
+                .list_runners_page(again, PAGE_LIMIT)
+                .map_err(|e| format!("listing runners failed on page {again}: {e}"))?;
+            if p.total.is_some_and(|pt| pt != t) {
+                totals.push(p.total.unwrap_or(t));
+                break;
+            }
+            merge(&mut by_id, &mut conflicting, p.rows);
+            if by_id.len() as u64 >= t {
+                break;
+            }
         }
     }
     // Complete only when every page agreed on the count and we saw that many distinct rows: a
@@ -82,10 +102,27 @@ pub fn list_all(forgejo: &mut dyn Forgejo) -> Result<Listing, String> {
     Ok(Listing {
         rows: by_id.into_values().collect(),
         conflicting,
-        pages: page,
+        pages,
         complete,
         total: last_total,
     })
+}
+
+/// Adds one page's rows; an id seen before with different contents is conflicting.
+fn merge(by_id: &mut BTreeMap<i64, Runner>, conflicting: &mut Vec<i64>, rows: Vec<Runner>) {
+    for r in rows {
+        match by_id.get(&r.id) {
+            Some(seen) if *seen != r => {
+                if !conflicting.contains(&r.id) {
+                    conflicting.push(r.id);
+                }
+            }
+            Some(_) => {}
+            None => {
+                by_id.insert(r.id, r);
+            }
+        }
+    }
 }
 
 pub struct Selection {

@@ -179,7 +179,19 @@ fn gap(sim: &Shared, lo: i64, hi: i64) {
 }
 
 pub fn run_seed(seed: u64, trace_cap: usize, tracing: bool, echo: bool) -> SeedOutcome {
+    run_seed_with(seed, trace_cap, tracing, echo, |_| {})
+}
+
+/// `run_seed` with the world adjusted before the first run.
+pub fn run_seed_with(
+    seed: u64,
+    trace_cap: usize,
+    tracing: bool,
+    echo: bool,
+    adjust: impl FnOnce(&mut Sim),
+) -> SeedOutcome {
     let sim: Shared = Rc::new(RefCell::new(Sim::new(seed, trace_cap, tracing, echo)));
+    adjust(&mut sim.borrow_mut());
     let fault_end = {
         let mut s = sim.borrow_mut();
         let cfg = s.cfg;

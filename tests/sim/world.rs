@@ -266,6 +266,9 @@ pub struct Sim {
     procs: BTreeMap<i64, Proc>,
     /// Bumped on every insert and delete: ties in the list order are reshuffled by it.
     rows_version: u64,
+    /// `SIM_RANDOM_TIES=1`: ties in a new order on every request (a database that gives no
+    /// stable order among equal keys even between identical queries).
+    pub random_ties: bool,
     /// Runners listed without a name (a targeted regression test's hostile server).
     pub nameless: Vec<i64>,
     /// The VM module's resources: cycle ids of existing VMs.
@@ -320,6 +323,7 @@ impl Sim {
             procs: BTreeMap::new(),
             rows_version: 0,
             nameless: Vec::new(),
+            random_ties: std::env::var("SIM_RANDOM_TIES").is_ok_and(|v| v == "1"),
             vms: Vec::new(),
             disk: None,
             cfg,
@@ -1022,8 +1026,12 @@ impl Sim {
             .collect();
         for id in ids {
             let lo = self.runners[&id].effective_last_online(now);
-            let tie = super::rng::Rng::new(id as u64 ^ self.rows_version.wrapping_mul(0x9E37_79B9))
-                .next_u64();
+            let tie = if self.random_ties {
+                self.rng.next_u64()
+            } else {
+                super::rng::Rng::new(id as u64 ^ self.rows_version.wrapping_mul(0x9E37_79B9))
+                    .next_u64()
+            };
             rows.push((lo, tie, id));
         }
         rows.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
