@@ -52,6 +52,8 @@ const CRASH_POINTS: &[&str] = &[
     "after launch",
     "before DELETE runner (unconsumed)",
     "after DELETE runner (unconsumed)",
+    "before DELETE runner (launch_cut_off)",
+    "after DELETE runner (launch_cut_off)",
     "before DELETE runner (launch_failed)",
     "after DELETE runner (launch_failed)",
     "before DELETE runner (teardown)",
