@@ -28,7 +28,8 @@ pub struct Listing {
 }
 
 /// Lists all pages (`page=1..`, `limit=50`). Stops on an empty page, once `X-Total-Count` rows
-/// are collected, or on a short page when no count is given. Any failed page is an error.
+/// are collected, or on a short page when no count is given; when the pages overlapped while the
+/// count held, reads them again (`LIST_PASSES` reads in all). Any failed page is an error.
 pub fn list_all(forgejo: &mut dyn Forgejo) -> Result<Listing, String> {
     let mut by_id: BTreeMap<i64, Runner> = BTreeMap::new();
     let mut conflicting: Vec<i64> = Vec::new();
