@@ -518,4 +518,63 @@ mod tests {
             "a failed delete fails the run"
         );
     }
+
+    /// Answers list requests in order, whatever page is asked for.
+    struct InOrder {
+        answers: Vec<(Vec<Runner>, Option<u64>)>,
+        asked: Vec<u32>,
+    }
+
+    impl Forgejo for InOrder {
+        fn list_jobs(&mut self) -> Result<Vec<Job>, ApiError> {
+            Err(err("not used"))
+        }
+        fn get_runner(&mut self, _id: i64) -> Result<Option<Runner>, ApiError> {
+            Err(err("not used"))
+        }
+        fn delete_runner(&mut self, _id: i64, _reason: &str) -> Result<Deleted, ApiError> {
+            Err(err("not used"))
+        }
+        fn register_runner(&mut self, _name: &str) -> Result<NewRunner, ApiError> {
+            Err(err("not used"))
+        }
+        fn list_runners_page(&mut self, page: u32, _limit: u32) -> Result<RunnerPage, ApiError> {
+            self.asked.push(page);
+            let (rows, total) = match self.answers.get(self.asked.len() - 1) {
+                Some(a) => a.clone(),
+                None => (vec![], None),
+            };
+            Ok(RunnerPage { rows, total })
+        }
+    }
+
+    #[test]
+    fn pages_that_overlapped_while_the_count_held_are_read_again() {
+        // 60 rows that tie on the sort key: page 2 repeats ten rows of page 1 and ten are
+        // never shown; the second read of page 1 shows them.
+        let mut f = InOrder {
+            answers: vec![
+                (page(1, 50, "ephemeral"), Some(60)),
+                (page(41, 10, "ephemeral"), Some(60)),
+                (vec![], Some(60)),
+                (page(11, 50, "ephemeral"), Some(60)),
+            ],
+            asked: vec![],
+        };
+        let l = list_all(&mut f).unwrap();
+        assert_eq!(f.asked, vec![1, 2, 3, 1]);
+        assert!(l.complete);
+        assert_eq!(l.rows.len(), 60);
+        // A count that changes on the second read ends it: incomplete.
+        let mut f = InOrder {
+            answers: vec![
+                (page(1, 50, "ephemeral"), Some(60)),
+                (page(41, 10, "ephemeral"), Some(60)),
+                (vec![], Some(60)),
+                (page(11, 50, "ephemeral"), Some(61)),
+            ],
+            asked: vec![],
+        };
+        assert!(!list_all(&mut f).unwrap().complete);
+    }
 }
