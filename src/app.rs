@@ -354,6 +354,12 @@ fn take_lock(dir: &Path) -> Result<Lock, Fatal> {
     }
 }
 
+/// Takes `<dir>/cycle.lock` exactly as `run` and `sweep` do, for tests that model a second
+/// invocation racing the first. `Err((exit status, message))` when another holder has it.
+pub fn lock_state_dir(dir: &Path) -> Result<impl Sized + use<>, (u8, String)> {
+    take_lock(dir).map_err(|Fatal(code, message)| (code, message))
+}
+
 struct RealClock {
     stop: StopFlag,
 }

@@ -564,8 +564,10 @@ impl Driver<'_, '_> {
     /// A POST whose answer was lost: list everything, delete the registrations with exactly this
     /// name (they can only be offline: nobody ever got their token), then forget it.
     fn resolve_intent(&mut self, name: &str) -> Option<End> {
-        let same_name = |r: &crate::model::Runner| r.name.as_deref() == Some(name);
-        let listing = match sweep::list_all(self.w.forgejo, &same_name) {
+        // Kept whole: rows of that name, and rows without a readable name (they could be it).
+        let could_be_it =
+            |r: &crate::model::Runner| r.name.is_none() || r.name.as_deref() == Some(name);
+        let listing = match sweep::list_all(self.w.forgejo, &could_be_it) {
             Ok(l) => l,
             Err(e) => {
                 self.intent_failed(name);
@@ -588,6 +590,17 @@ impl Driver<'_, '_> {
                 "registration {name} (its POST got no answer) was not in a runner list that ended with {} of the {} rows Forgejo counted; not forgetting it, retrying",
                 listing.distinct,
                 listing.total.unwrap_or(0)
+            ));
+            return None;
+        }
+        // A row without a readable name could be this registration: its absence is not proven.
+        if matches.is_empty()
+            && let Some(r) = listing.rows.iter().find(|r| r.name.is_none())
+        {
+            self.intent_failed(name);
+            self.report.fail(format!(
+                "registration {name} (its POST got no answer) was not found, but runner {} was listed without a name; not forgetting it, retrying",
+                r.id
             ));
             return None;
         }

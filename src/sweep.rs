@@ -13,6 +13,8 @@ pub const PAGE_LIMIT: u32 = 50;
 /// More pages than this (500,000 registrations) is treated as a misbehaving server. A server
 /// that ignores `page` is caught long before: its second page brings no new id.
 pub const MAX_PAGES: u32 = 10_000;
+/// Reads of the whole list, at most, when pages overlapped while the count stayed the same.
+pub const LIST_PASSES: u32 = 3;
 
 /// The rows of every page that the caller kept, de-duplicated by id. Rows whose id appears twice
 /// with different contents are returned in the second list: they are doubtful and never deleted.
@@ -21,16 +23,57 @@ pub struct Listing {
     pub rows: Vec<Runner>,
     pub conflicting: Vec<i64>,
     pub pages: u32,
-    /// False when the listing did not end on exactly `X-Total-Count` distinct rows (rows moved
-    /// between pages while we read them, or the count is wrong): absence from it proves nothing.
+    /// False when the listing ended short of `X-Total-Count` (rows moved between pages while we
+    /// read them): absence from it proves nothing.
     pub complete: bool,
     pub total: Option<u64>,
     /// Distinct ids listed, kept or not.
     pub distinct: usize,
 }
 
+/// What the pages showed so far: the kept rows whole, of the others only their ids.
+struct Seen<'a> {
+    keep: &'a dyn Fn(&Runner) -> bool,
+    by_id: BTreeMap<i64, Runner>,
+    others: HashSet<i64>,
+    conflicting: Vec<i64>,
+}
+
+impl Seen<'_> {
+    fn distinct(&self) -> usize {
+        self.by_id.len() + self.others.len()
+    }
+
+    /// Adds one page's rows; an id seen before with different contents is conflicting.
+    fn merge(&mut self, rows: Vec<Runner>) {
+        for r in rows {
+            let conflict = if (self.keep)(&r) {
+                match self.by_id.get(&r.id) {
+                    Some(seen) => *seen != r,
+                    None if self.others.contains(&r.id) => true,
+                    None => {
+                        self.by_id.insert(r.id, r);
+                        continue;
+                    }
+                }
+            } else if self.by_id.contains_key(&r.id) {
+                // Kept on an earlier page, not now: its contents differ.
+                true
+            } else {
+                self.others.insert(r.id);
+                false
+            };
+            if conflict && !self.conflicting.contains(&r.id) {
+                self.conflicting.push(r.id);
+            }
+        }
+    }
+}
+
 /// Lists all pages (`page=1..`, `limit=50`). Stops on an empty page, once `X-Total-Count` rows
-/// are collected, or on a short page when no count is given. Any failed page is an error.
+/// are collected, or on a short page when no count is given; when the pages overlapped while the
+/// count held, reads them again (`LIST_PASSES` reads in all). Any failed page is an error, and
+/// so is a full page of only ids already listed (a server that ignores `page`).
 ///
 /// Only the rows `keep` accepts are kept whole (the sweep keeps those with its prefix); of every
 /// other row just its id, which is what proves the list complete (distinct ids against
@@ -41,12 +84,17 @@ pub fn list_all(
     forgejo: &mut dyn Forgejo,
     keep: &dyn Fn(&Runner) -> bool,
 ) -> Result<Listing, String> {
-    let mut by_id: BTreeMap<i64, Runner> = BTreeMap::new();
-    let mut others: HashSet<i64> = HashSet::new();
-    let mut conflicting: Vec<i64> = Vec::new();
+    let mut seen = Seen {
+        keep,
+        by_id: BTreeMap::new(),
+        others: HashSet::new(),
+        conflicting: Vec::new(),
+    };
     let mut page = 0u32;
     let mut last_total = None;
     let mut totals: Vec<u64> = Vec::new();
+    // Rows received, repeats included.
+    let mut returned: u64 = 0;
     loop {
         page += 1;
         if page > MAX_PAGES {
@@ -58,35 +106,16 @@ pub fn list_all(
             .list_runners_page(page, PAGE_LIMIT)
             .map_err(|e| format!("listing runners failed on page {page}: {e}"))?;
         let n = p.rows.len();
-        let distinct_before = by_id.len() + others.len();
+        let distinct_before = seen.distinct();
+        returned += n as u64;
         last_total = p.total.or(last_total);
         if let Some(t) = p.total
             && !totals.contains(&t)
         {
             totals.push(t);
         }
-        for r in p.rows {
-            let conflict = if keep(&r) {
-                match by_id.get(&r.id) {
-                    Some(seen) => *seen != r,
-                    None if others.contains(&r.id) => true,
-                    None => {
-                        by_id.insert(r.id, r);
-                        continue;
-                    }
-                }
-            } else if by_id.contains_key(&r.id) {
-                // Kept on an earlier page, not now: its contents differ.
-                true
-            } else {
-                others.insert(r.id);
-                false
-            };
-            if conflict && !conflicting.contains(&r.id) {
-                conflicting.push(r.id);
-            }
-        }
-        let distinct = by_id.len() + others.len();
+        seen.merge(p.rows);
+        let distinct = seen.distinct();
         let done = match p.total {
             _ if n == 0 => true,
             Some(total) => distinct as u64 >= total,
@@ -96,17 +125,49 @@ pub fn list_all(
             break;
         }
         if distinct == distinct_before {
-            // More to come, yet this page held only ids already listed: the server ignores
+            if n < PAGE_LIMIT as usize {
+                // A short page of repeats: the end of the list (the count was not reached; the
+                // re-reads below may find what the overlap hid).
+                break;
+            }
+            // More to come, yet this full page held only ids already listed: the server ignores
             // `page` (or every row moved back a page while we read). Going on would repeat it.
             return Err(format!(
                 "page {page} of the runner list held only runners already listed (does the server honour `page`?); deleting nothing"
             ));
         }
     }
+    // Rows that tie on Forgejo's sort key (`last_online`: 0 for every registration that never
+    // connected) come in no stable order, so pages can overlap and skip rows while nothing
+    // changes. When every page agreed on the count and as many rows came back as it promised,
+    // but some twice, read the pages again: a skipped row shows up.
+    let pages = page;
+    let mut passes = 1;
+    while let [t] = totals.as_slice()
+        && (seen.distinct() as u64) < *t
+        && returned >= *t
+        && passes < LIST_PASSES
+    {
+        let t = *t;
+        passes += 1;
+        for again in 1..pages {
+            let p = forgejo
+                .list_runners_page(again, PAGE_LIMIT)
+                .map_err(|e| format!("listing runners failed on page {again}: {e}"))?;
+            if p.total.is_some_and(|pt| pt != t) {
+                totals.push(p.total.unwrap_or(t));
+                break;
+            }
+            seen.merge(p.rows);
+            if seen.distinct() as u64 >= t {
+                break;
+            }
+        }
+    }
     // Complete only when every page agreed on the count and we saw exactly that many distinct
     // rows: a count that changed while we paged means rows moved between pages, and more rows
     // than counted means the count is wrong (it may have ended the listing early).
-    let distinct = by_id.len() + others.len();
+    let distinct = seen.distinct();
     let complete = match totals.as_slice() {
         [] => true,
         [t] => distinct as u64 == *t,
@@ -114,9 +175,9 @@ pub fn list_all(
     };
     Ok(Listing {
         distinct,
-        rows: by_id.into_values().collect(),
-        conflicting,
-        pages: page,
+        rows: seen.by_id.into_values().collect(),
+        conflicting: seen.conflicting,
+        pages,
         complete,
         total: last_total,
     })
@@ -628,5 +689,63 @@ mod tests {
             1,
             "a failed delete fails the run"
         );
+    }
+
+    /// Answers list requests in order, whatever page is asked for.
+    struct InOrder {
+        answers: Vec<(Vec<Runner>, Option<u64>)>,
+        asked: Vec<u32>,
+    }
+
+    impl Forgejo for InOrder {
+        fn list_jobs(&mut self) -> Result<Vec<Job>, ApiError> {
+            Err(err("not used"))
+        }
+        fn get_runner(&mut self, _id: i64) -> Result<Option<Runner>, ApiError> {
+            Err(err("not used"))
+        }
+        fn delete_runner(&mut self, _id: i64, _reason: &str) -> Result<Deleted, ApiError> {
+            Err(err("not used"))
+        }
+        fn register_runner(&mut self, _name: &str) -> Result<NewRunner, ApiError> {
+            Err(err("not used"))
+        }
+        fn list_runners_page(&mut self, page: u32, _limit: u32) -> Result<RunnerPage, ApiError> {
+            self.asked.push(page);
+            let (rows, total) = match self.answers.get(self.asked.len() - 1) {
+                Some(a) => a.clone(),
+                None => (vec![], None),
+            };
+            Ok(RunnerPage { rows, total })
+        }
+    }
+
+    #[test]
+    fn pages_that_overlapped_while_the_count_held_are_read_again() {
+        // 60 rows that tie on the sort key: page 2 repeats ten rows of page 1 and ten are
+        // never shown; the second read of page 1 shows them.
+        let mut f = InOrder {
+            answers: vec![
+                (page(1, 50, "ephemeral"), Some(60)),
+                (page(41, 10, "ephemeral"), Some(60)),
+                (page(11, 50, "ephemeral"), Some(60)),
+            ],
+            asked: vec![],
+        };
+        let l = list_all(&mut f, &|_| true).unwrap();
+        // Page 2 is short and brought nothing new: the end of this read; page 1 again.
+        assert_eq!(f.asked, vec![1, 2, 1]);
+        assert!(l.complete);
+        assert_eq!(l.rows.len(), 60);
+        // A count that changes on the second read ends it: incomplete.
+        let mut f = InOrder {
+            answers: vec![
+                (page(1, 50, "ephemeral"), Some(60)),
+                (page(41, 10, "ephemeral"), Some(60)),
+                (page(11, 50, "ephemeral"), Some(61)),
+            ],
+            asked: vec![],
+        };
+        assert!(!list_all(&mut f, &|_| true).unwrap().complete);
     }
 }

@@ -1,0 +1,244 @@
+//! Runs one seed: invocations of the real `cycle::run` (as the systemd timer would start them),
+//! killed and restarted from what cycle.json holds, raced by a second invocation, until the
+//! faulty period ends; then the world goes quiet and the runs must converge to rest.
+
+use std::cell::RefCell;
+use std::panic::{self, AssertUnwindSafe};
+use std::rc::Rc;
+use std::sync::Once;
+use std::time::Duration;
+
+use ci_ephemeral_provisioner::app::lock_state_dir;
+use ci_ephemeral_provisioner::cycle::{self, CycleConfig, End, World};
+use ci_ephemeral_provisioner::planner::Policy;
+use ci_ephemeral_provisioner::report::Report;
+use ci_ephemeral_provisioner::time::Timestamp;
+
+use super::ports::{
+    Killed, Livelock, Port, Shared, SimClock, SimForgejo, SimLauncher, SimStore, SimTofu,
+};
+use super::world::{HTTP_TIMEOUT_MS, Invocation, LABEL, PREFIX, Sim, Stats, T0};
+
+const MIN: i64 = 60_000;
+/// Timer runs during the faulty period, at most.
+const MAX_FAULTY_RUNS: u32 = 60;
+/// Runs after the world went quiet before the seed counts as not converging.
+const MAX_QUIET_RUNS: u32 = 100;
+/// Consecutive runs that must end at rest.
+const AT_REST_RUNS: u32 = 3;
+
+thread_local! {
+    /// The state directory whose `cycle.lock` the invocations take (one per test thread).
+    static LOCK_DIR: tempfile::TempDir = tempfile::tempdir().expect("a temporary directory");
+}
+
+/// The configuration every simulated invocation runs with (short durations keep seeds cheap;
+/// the decisions are the same as with the defaults).
+pub fn config() -> CycleConfig {
+    let m = |n: u64| Duration::from_secs(60 * n);
+    CycleConfig {
+        policy: Policy {
+            runner_prefix: PREFIX.into(),
+            label_names: vec![LABEL.into()],
+            max_jobs_per_vm: 3,
+            idle_timeout: m(3),
+            registration_grace: m(3),
+            max_cycle_duration: m(40),
+            hard_deadline: m(60),
+            intent_settle: Duration::from_millis(2 * HTTP_TIMEOUT_MS as u64),
+        },
+        poll_interval: Duration::from_secs(10),
+        labels: format!("{LABEL}:host"),
+        forgejo_url: "https://forgejo.sim".into(),
+        sweep_max_deletions: 50,
+    }
+}
+
+/// Simulated SIGKILLs and livelocks unwind silently; real panics still print.
+pub fn quiet_kills() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        let previous = panic::take_hook();
+        panic::set_hook(Box::new(move |info| {
+            let p = info.payload();
+            if p.is::<Killed>() || p.is::<Livelock>() {
+                return;
+            }
+            previous(info)
+        }));
+    });
+}
+
+/// A second invocation while one runs (a manual run, a second timer): it must be refused by
+/// `cycle.lock`; if it were not, it would run for real against the same world.
+pub fn race(sim: &Shared) {
+    invoke(sim, true);
+}
+
+/// One process: take the lock as `run` does, then the real `cycle::run`.
+pub fn invoke(sim: &Shared, nested: bool) {
+    let mut lock = LOCK_DIR.with(|d| lock_state_dir(d.path()));
+    // A timer run is never raced in the simulation, yet once in a million seeds the kernel
+    // reported the lock of the previous, closed run as still held; try again as systemd would.
+    for _ in 0..50 {
+        if nested || lock.is_ok() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+        lock = LOCK_DIR.with(|d| lock_state_dir(d.path()));
+    }
+    let lock = match lock {
+        Ok(l) => l,
+        Err((code, msg)) => {
+            let mut s = sim.borrow_mut();
+            if nested {
+                s.stats.races_refused += 1;
+                s.log(format!(
+                    "second invocation refused by cycle.lock (exit {code})"
+                ));
+            } else {
+                s.violate(format!("a timer run could not take cycle.lock: {msg}"));
+            }
+            return;
+        }
+    };
+    let inv = {
+        let mut s = sim.borrow_mut();
+        s.invs.push(Invocation {
+            nested,
+            ..Invocation::default()
+        });
+        s.stats.invocations += 1;
+        let inv = s.invs.len() - 1;
+        s.log(format!(
+            "invocation {inv} starts{}",
+            if nested {
+                " (racing the running one)"
+            } else {
+                ""
+            }
+        ));
+        inv
+    };
+    let port = Port {
+        sim: sim.clone(),
+        inv,
+    };
+    let mut forgejo = SimForgejo(port.clone());
+    let mut tofu = SimTofu(port.clone());
+    let mut launcher = SimLauncher(port.clone());
+    let mut store = SimStore(port.clone());
+    let mut clock = SimClock(port);
+    let cfg = config();
+    let mut report = Report::new("run", false, Timestamp(sim.borrow().now));
+    let result = panic::catch_unwind(AssertUnwindSafe(|| {
+        let mut world = World {
+            forgejo: &mut forgejo,
+            tofu: &mut tofu,
+            launcher: &mut launcher,
+            store: &mut store,
+            clock: &mut clock,
+        };
+        cycle::run(&mut world, &cfg, &mut report)
+    }));
+    drop(lock);
+    let mut s = sim.borrow_mut();
+    match result {
+        Ok(end) => {
+            s.log(format!(
+                "invocation {inv} ends: {} ({} failure(s))",
+                report.outcome,
+                report.failures.len() as u64 + report.failures_not_listed
+            ));
+            for f in report.failures.iter().take(4) {
+                s.log(format!("  error: {f}"));
+            }
+            if let End::Config(m) = end {
+                s.violate(format!("configuration error: {m}"));
+            }
+        }
+        Err(p) => {
+            if p.is::<Killed>() {
+                s.log(format!("invocation {inv} killed"));
+            } else if let Some(Livelock(m)) = p.downcast_ref::<Livelock>() {
+                s.violate(m.clone());
+            } else {
+                let msg = p
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| p.downcast_ref::<&str>().map(|m| m.to_string()))
+                    .unwrap_or_default();
+                s.violate(format!("the driver panicked: {msg}"));
+            }
+        }
+    }
+}
+
+pub struct SeedOutcome {
+    pub violation: Option<String>,
+    pub tail: String,
+    pub hash: u64,
+    pub stats: Stats,
+}
+
+fn gap(sim: &Shared, lo: i64, hi: i64) {
+    let mut s = sim.borrow_mut();
+    let to = s.now + s.rng.range(lo, hi);
+    s.advance(to, true);
+}
+
+pub fn run_seed(seed: u64, trace_cap: usize, tracing: bool, echo: bool) -> SeedOutcome {
+    run_seed_with(seed, trace_cap, tracing, echo, |_| {})
+}
+
+/// `run_seed` with the world adjusted before the first run.
+pub fn run_seed_with(
+    seed: u64,
+    trace_cap: usize,
+    tracing: bool,
+    echo: bool,
+    adjust: impl FnOnce(&mut Sim),
+) -> SeedOutcome {
+    let sim: Shared = Rc::new(RefCell::new(Sim::new(seed, trace_cap, tracing, echo)));
+    adjust(&mut sim.borrow_mut());
+    let fault_end = {
+        let mut s = sim.borrow_mut();
+        let cfg = s.cfg;
+        s.log(format!("seed {seed}: {cfg:?}"));
+        T0 + s.rng.range(20 * MIN, 120 * MIN)
+    };
+    let mut runs = 0;
+    while sim.borrow().violation.is_none() && sim.borrow().now < fault_end && runs < MAX_FAULTY_RUNS
+    {
+        invoke(&sim, false);
+        runs += 1;
+        gap(&sim, 30_000, 3 * MIN);
+    }
+    sim.borrow_mut().go_quiet();
+    let mut at_rest = 0;
+    let mut quiet_runs = 0;
+    while sim.borrow().violation.is_none() && at_rest < AT_REST_RUNS && quiet_runs < MAX_QUIET_RUNS
+    {
+        invoke(&sim, false);
+        quiet_runs += 1;
+        gap(&sim, MIN, MIN + 1);
+        let left = sim.borrow().leftovers();
+        match left {
+            None => at_rest += 1,
+            Some(_) => at_rest = 0,
+        }
+    }
+    let mut s = sim.borrow_mut();
+    if s.violation.is_none()
+        && let Some(left) = s.leftovers()
+    {
+        s.violate(format!("not at rest after {quiet_runs} quiet runs: {left}"));
+    }
+    s.log("end");
+    SeedOutcome {
+        violation: s.violation.clone(),
+        tail: s.trace_tail(),
+        hash: s.trace_hash,
+        stats: s.stats.clone(),
+    }
+}

@@ -1,0 +1,633 @@
+//! The project's I/O traits implemented on the simulated world. Every call is one step: the
+//! process may be killed before it or after it (its effect applied, its answer never seen), a
+//! second invocation may race it, a stop signal may arrive, and the invariants are checked.
+
+use std::cell::RefCell;
+use std::rc::Rc;
+use std::time::Duration;
+
+use ci_ephemeral_provisioner::cycle::{Clock, Sleep};
+use ci_ephemeral_provisioner::forgejo::{ApiError, Deleted, Forgejo, NewRunner, RunnerPage};
+use ci_ephemeral_provisioner::launch::{LaunchRequest, Launcher};
+use ci_ephemeral_provisioner::model::{Job, Runner, RunnerStatus};
+use ci_ephemeral_provisioner::secret::Secret;
+use ci_ephemeral_provisioner::state::{CycleState, Phase, StateStore};
+use ci_ephemeral_provisioner::time::Timestamp;
+use ci_ephemeral_provisioner::tofu::{Output, Outputs, StepError, Tofu};
+
+use super::world::{ApiFault, HTTP_TIMEOUT_MS, Sim};
+
+pub type Shared = Rc<RefCell<Sim>>;
+
+/// The panic payload of a simulated SIGKILL.
+pub struct Killed;
+/// The panic payload of an invocation that never ends.
+pub struct Livelock(pub String);
+
+/// Steps one invocation may take before the simulation calls it a livelock.
+const MAX_STEPS_PER_INVOCATION: u64 = 20_000;
+
+/// One port: the shared world and which invocation (process) it belongs to.
+#[derive(Clone)]
+pub struct Port {
+    pub sim: Shared,
+    pub inv: usize,
+}
+
+impl Port {
+    /// A step boundary: counts the step, maybe races a second invocation, maybe raises a stop,
+    /// maybe kills the process here.
+    fn boundary(&self, when: &'static str, point: &str) {
+        let (kill, race) = {
+            let mut s = self.sim.borrow_mut();
+            s.step += 1;
+            s.stats.steps += 1;
+            s.invs[self.inv].steps += 1;
+            if s.invs[self.inv].steps > MAX_STEPS_PER_INVOCATION {
+                let msg = format!(
+                    "invocation {} took {MAX_STEPS_PER_INVOCATION} steps without ending (at {when} {point})",
+                    self.inv
+                );
+                drop(s);
+                std::panic::panic_any(Livelock(msg));
+            }
+            let on = s.faults_on;
+            let cfg = s.cfg;
+            if on && !s.invs[self.inv].stop && s.rng.chance(cfg.signal) {
+                s.invs[self.inv].stop = true;
+                s.count_fault("stop signal (SIGTERM)");
+                if s.tracing {
+                    s.log(format!("SIGTERM {when} {point}"));
+                }
+            }
+            let race = on && !s.invs[self.inv].nested && s.rng.chance(cfg.race);
+            let kill = on && s.rng.chance(cfg.crash);
+            if kill {
+                let key = if when.is_empty() {
+                    point.to_string()
+                } else {
+                    format!("{when} {point}")
+                };
+                if s.tracing {
+                    s.log(format!("KILLED {key}"));
+                }
+                *s.stats.crashes.entry(key).or_default() += 1;
+            }
+            (kill, race)
+        };
+        if race {
+            super::driver::race(&self.sim);
+        }
+        if kill {
+            std::panic::panic_any(Killed);
+        }
+    }
+
+    /// After a step: the invariants on what is stored.
+    fn checked(&self, after: &str) {
+        self.sim.borrow_mut().check_remembered(after);
+    }
+
+    fn stop(&self) -> bool {
+        self.sim.borrow().invs[self.inv].stop
+    }
+
+    /// One API request. `point` names the step boundary (coarse, for coverage); `what` is the
+    /// path suffix for the trace; `late_name` the registration name of a POST.
+    #[allow(clippy::too_many_arguments)]
+    fn api<T>(
+        &self,
+        method: &str,
+        point: &str,
+        what: &str,
+        write: bool,
+        late_name: Option<&str>,
+        op: impl FnOnce(&mut Sim, Option<ApiFault>) -> T,
+    ) -> Result<T, ApiError> {
+        let post = late_name.is_some();
+        self.boundary("before", point);
+        let result = {
+            let mut s = self.sim.borrow_mut();
+            let fault = s.api_fault(write, post);
+            let applied = fault.is_none_or(|f| f.applied());
+            let value = if applied {
+                Some(op(&mut s, fault))
+            } else {
+                None
+            };
+            if fault == Some(ApiFault::LatePost)
+                && let Some(name) = late_name
+            {
+                s.schedule_late_post(name);
+            }
+            let latency = match fault {
+                Some(ApiFault::Timeout | ApiFault::TimeoutApplied | ApiFault::LatePost) => {
+                    HTTP_TIMEOUT_MS
+                }
+                _ => s.rng.range(5, 120),
+            };
+            let now = s.now;
+            s.advance(now + latency, false);
+            let err = |status: Option<u16>, detail: &str| ApiError {
+                request: format!("{method} https://forgejo.sim/api/v1/admin/actions/runners{what}"),
+                detail: detail.to_string(),
+                status,
+            };
+            let result = match fault {
+                None | Some(ApiFault::OddRows) => Ok(value.expect("applied")),
+                Some(f) => Err(match f {
+                    ApiFault::Status5xx | ApiFault::Status5xxApplied => {
+                        let code = s.rng.pick(&[500, 502, 503]);
+                        err(Some(code), &format!("HTTP {code}: internal error"))
+                    }
+                    ApiFault::Timeout | ApiFault::TimeoutApplied | ApiFault::LatePost => err(
+                        None,
+                        "timed out (global); check that Forgejo is reachable or raise --http-timeout",
+                    ),
+                    ApiFault::Reset | ApiFault::ResetApplied => {
+                        err(None, "request failed: connection reset by peer")
+                    }
+                    ApiFault::Html => err(
+                        Some(502),
+                        "HTTP 502: \"<html><body><h1>502 Bad Gateway</h1></body></html>\"",
+                    ),
+                    ApiFault::HtmlApplied | ApiFault::Truncated => {
+                        err(None, "response is not JSON: EOF while parsing")
+                    }
+                    ApiFault::Rejected => {
+                        let code = if post { s.rng.pick(&[403, 422]) } else { 403 };
+                        err(Some(code), &format!("HTTP {code}: refused"))
+                    }
+                    ApiFault::Proxy404 => err(
+                        None,
+                        "HTTP 404 without Forgejo's JSON error body (\"<html>404</html>\"); not taken as \"gone\"",
+                    ),
+                    ApiFault::OddRows => unreachable!(),
+                }),
+            };
+            if s.tracing {
+                let text = match fault {
+                    None => format!("{method} {what} -> ok"),
+                    Some(f) => format!(
+                        "{method} {what} -> {} ({})",
+                        if result.is_ok() { "ok" } else { "err" },
+                        f.name()
+                    ),
+                };
+                s.log(text);
+            }
+            result
+        };
+        self.checked(point);
+        self.boundary("after", point);
+        result
+    }
+}
+
+// -- Forgejo ---------------------------------------------------------------------------------------
+
+pub struct SimForgejo(pub Port);
+
+impl Forgejo for SimForgejo {
+    fn list_jobs(&mut self) -> Result<Vec<Job>, ApiError> {
+        self.0.api("GET", "GET jobs", "/jobs", false, None, |s, _| {
+            s.srv_list_jobs()
+        })
+    }
+
+    fn get_runner(&mut self, id: i64) -> Result<Option<Runner>, ApiError> {
+        self.0.api(
+            "GET",
+            "GET runner",
+            &format!("/{id}"),
+            false,
+            None,
+            |s, f| {
+                let mut r = s.live(id).map(|r| s.wire_runner(r));
+                if f == Some(ApiFault::OddRows)
+                    && let Some(r) = &mut r
+                {
+                    odd(s, r);
+                }
+                r
+            },
+        )
+    }
+
+    fn delete_runner(&mut self, id: i64, reason: &str) -> Result<Deleted, ApiError> {
+        let inv = self.0.inv;
+        let point = format!("DELETE runner ({reason})");
+        self.0.api(
+            "DELETE",
+            &point,
+            &format!("/{id} ({reason})"),
+            true,
+            None,
+            |s, _| {
+                let destroy_ok = s.invs[inv].destroy_ok;
+                if s.srv_delete(id, reason, destroy_ok) {
+                    Deleted::Now
+                } else {
+                    Deleted::AlreadyGone
+                }
+            },
+        )
+    }
+
+    fn register_runner(&mut self, name: &str) -> Result<NewRunner, ApiError> {
+        self.0.api(
+            "POST",
+            "POST runner",
+            &format!(" {name}"),
+            true,
+            Some(name),
+            |s, _| {
+                let id = s.srv_register(name);
+                s.log(format!("forgejo: registered {name} as runner {id}"));
+                NewRunner {
+                    id,
+                    uuid: format!("00000000-0000-4000-8000-{id:012x}"),
+                    token: Secret::new(token_of(id)),
+                }
+            },
+        )
+    }
+
+    fn list_runners_page(&mut self, page: u32, limit: u32) -> Result<RunnerPage, ApiError> {
+        self.0.api(
+            "GET",
+            "GET runner page",
+            &format!("?page={page}&limit={limit}"),
+            false,
+            None,
+            |s, f| {
+                let (mut rows, total) = s.srv_page(page, limit);
+                if f == Some(ApiFault::OddRows) && !rows.is_empty() {
+                    let i = s.rng.below(rows.len() as u64) as usize;
+                    odd(s, &mut rows[i]);
+                }
+                RunnerPage {
+                    rows,
+                    total: Some(total),
+                }
+            },
+        )
+    }
+}
+
+/// The runner token Forgejo hands out for registration `id` (checked at launch).
+fn token_of(id: i64) -> String {
+    format!("{:040x}", id as u128 * 0x9E37_79B9)
+}
+
+/// What a proxy or an unexpected server version might do to one row.
+fn odd(s: &mut Sim, r: &mut Runner) {
+    match s.rng.below(3) {
+        0 => r.status = RunnerStatus::Missing,
+        1 => r.status = RunnerStatus::Unknown("Offline".into()),
+        _ => r.name = None,
+    }
+}
+
+// -- tofu ---------------------------------------------------------------------------------------------
+
+pub struct SimTofu(pub Port);
+
+#[derive(Clone, Copy, PartialEq)]
+enum TofuFault {
+    None,
+    FailBefore,
+    FailAfter,
+}
+
+impl SimTofu {
+    fn fault(&self, after_name: &'static str, before_name: &'static str) -> TofuFault {
+        let mut s = self.0.sim.borrow_mut();
+        let p = s.cfg.tofu;
+        if !s.faults_on || !s.rng.chance(p) {
+            return TofuFault::None;
+        }
+        if s.rng.chance(0.5) {
+            s.count_fault(before_name);
+            TofuFault::FailBefore
+        } else {
+            s.count_fault(after_name);
+            TofuFault::FailAfter
+        }
+    }
+
+    fn take(&self, lo: i64, hi: i64) {
+        let mut s = self.0.sim.borrow_mut();
+        let d = s.rng.range(lo, hi);
+        let to = s.now + d;
+        s.advance(to, true);
+    }
+}
+
+impl Tofu for SimTofu {
+    fn check_config(&self) -> Result<(), String> {
+        Ok(())
+    }
+
+    fn apply(&mut self, cycle_id: &str) -> Result<(), StepError> {
+        self.0.boundary("before", "tofu apply");
+        let stop = self.0.stop();
+        let fault = self.fault(
+            "tofu apply fails after creating the VM",
+            "tofu apply fails before creating the VM",
+        );
+        self.take(20_000, 90_000);
+        let create = match fault {
+            TofuFault::FailBefore => false,
+            _ => !stop || self.0.sim.borrow_mut().rng.chance(0.5),
+        };
+        if create {
+            self.0.sim.borrow_mut().create_vm(cycle_id);
+        }
+        let result = if stop {
+            Err(StepError {
+                message: "tofu apply was interrupted by a stop request".into(),
+                interrupted: true,
+            })
+        } else if fault != TofuFault::None {
+            Err(StepError::failed("`tofu apply` exited with status 1"))
+        } else {
+            Ok(())
+        };
+        self.0.sim.borrow_mut().log(format!(
+            "tofu apply {cycle_id} -> {}",
+            if result.is_ok() { "ok" } else { "err" }
+        ));
+        self.0.checked("tofu apply");
+        self.0.boundary("after", "tofu apply");
+        result
+    }
+
+    fn outputs(&mut self, cycle_id: &str) -> Result<Outputs, StepError> {
+        self.0.boundary("before", "tofu output");
+        let fail = {
+            let mut s = self.0.sim.borrow_mut();
+            let p = s.cfg.tofu / 3.0;
+            let f = s.faults_on && s.rng.chance(p);
+            if f {
+                s.count_fault("tofu output fails");
+            }
+            f
+        };
+        self.take(500, 2_000);
+        let mut o = Outputs::new();
+        o.insert(
+            "address".into(),
+            Output {
+                sensitive: false,
+                value: serde_json::Value::String(format!("10.0.0.{}", cycle_id.len())),
+            },
+        );
+        self.0.sim.borrow_mut().log(format!(
+            "tofu output {cycle_id} -> {}",
+            if fail { "err" } else { "ok" }
+        ));
+        self.0.boundary("after", "tofu output");
+        if fail {
+            Err(StepError::failed(
+                "`tofu output -json` exited with status 1",
+            ))
+        } else {
+            Ok(o)
+        }
+    }
+
+    fn destroy(&mut self, cycle_id: &str) -> Result<(), StepError> {
+        self.0.boundary("before", "tofu destroy");
+        let stop = self.0.stop();
+        let fault = self.fault(
+            "tofu destroy fails after the VM is gone",
+            "tofu destroy fails",
+        );
+        self.take(10_000, 40_000);
+        let gone = match fault {
+            TofuFault::FailBefore => false,
+            TofuFault::FailAfter => true,
+            TofuFault::None => !stop || self.0.sim.borrow_mut().rng.chance(0.5),
+        };
+        if gone {
+            self.0.sim.borrow_mut().destroy_vms();
+        }
+        let result = if stop {
+            Err(StepError {
+                message: "tofu destroy was interrupted by a stop request".into(),
+                interrupted: true,
+            })
+        } else if fault != TofuFault::None {
+            Err(StepError::failed("`tofu destroy` exited with status 1"))
+        } else {
+            Ok(())
+        };
+        {
+            let mut s = self.0.sim.borrow_mut();
+            if result.is_ok() {
+                let inv = self.0.inv;
+                s.invs[inv].destroy_ok = true;
+            }
+            s.log(format!(
+                "tofu destroy {cycle_id} -> {}",
+                if result.is_ok() { "ok" } else { "err" }
+            ));
+        }
+        self.0.checked("tofu destroy");
+        self.0.boundary("after", "tofu destroy");
+        result
+    }
+}
+
+// -- the launch command ---------------------------------------------------------------------------------
+
+pub struct SimLauncher(pub Port);
+
+impl Launcher for SimLauncher {
+    fn check_config(&self) -> Result<(), String> {
+        Ok(())
+    }
+
+    fn launch(&mut self, req: &LaunchRequest<'_>, token: &Secret) -> Result<(), StepError> {
+        self.0.boundary("before", "launch");
+        let stop = self.0.stop();
+        let result = {
+            let mut s = self.0.sim.borrow_mut();
+            if token.expose() != token_of(req.runner_id) {
+                let id = req.runner_id;
+                s.violate(format!("launch of runner {id} got the wrong token"));
+            }
+            let vm = s
+                .disk
+                .as_ref()
+                .map(|(_, st)| st.cycle_id.clone())
+                .unwrap_or_default();
+            let p = s.cfg.launch;
+            let fault = if s.faults_on && s.rng.chance(p) {
+                let f = s
+                    .rng
+                    .pick(&["launch fails", "launch fails after starting the runner"]);
+                s.count_fault(f);
+                Some(f)
+            } else {
+                None
+            };
+            let d = s.rng.range(1_000, 15_000);
+            let vm_ok = s.vm_exists(&vm);
+            if vm_ok && fault != Some("launch fails") {
+                s.start_runner_process(req.runner_id, req.job_handle, &vm);
+            }
+            let to = s.now + d;
+            s.advance(to, true);
+            let r = if !vm_ok {
+                Err(StepError::failed(format!("launch: VM {vm} is unreachable")))
+            } else if stop {
+                Err(StepError {
+                    message: "launch interrupted by a stop request".into(),
+                    interrupted: true,
+                })
+            } else if fault.is_some() {
+                Err(StepError::failed("launch command exited with status 1"))
+            } else {
+                Ok(())
+            };
+            s.log(format!(
+                "launch runner {} -> {}",
+                req.runner_id,
+                if r.is_ok() { "ok" } else { "err" }
+            ));
+            r
+        };
+        self.0.checked("launch");
+        self.0.boundary("after", "launch");
+        result
+    }
+}
+
+// -- cycle.json ---------------------------------------------------------------------------------------------
+
+pub struct SimStore(pub Port);
+
+impl SimStore {
+    fn disk_fault(&self, what: &'static str) -> bool {
+        let mut s = self.0.sim.borrow_mut();
+        let p = s.cfg.store;
+        let f = s.faults_on && s.rng.chance(p);
+        if f {
+            s.count_fault(what);
+        }
+        f
+    }
+}
+
+impl StateStore for SimStore {
+    fn load(&mut self) -> anyhow::Result<Option<CycleState>> {
+        self.0.boundary("before", "load");
+        if self.disk_fault("cycle.json read fails") {
+            self.0.sim.borrow_mut().log("load -> err");
+            return Err(anyhow::anyhow!("cannot read sim/cycle.json: I/O error"));
+        }
+        let s = self.0.sim.borrow();
+        let text = s
+            .disk
+            .as_ref()
+            .map(|(b, _)| String::from_utf8(b.clone()).expect("utf-8"));
+        drop(s);
+        let r = match text {
+            None => Ok(None),
+            Some(t) => ci_ephemeral_provisioner::state::parse_state(&t).map(Some),
+        };
+        let phase = self.0.sim.borrow().disk_phase();
+        self.0.sim.borrow_mut().log(format!("load -> {phase}"));
+        r
+    }
+
+    fn save(&mut self, state: &CycleState) -> anyhow::Result<()> {
+        let phase = match state.phase {
+            Phase::Applying => "applying",
+            Phase::Running => "running",
+            Phase::TearingDown => "tearing_down",
+            Phase::Destroyed => "destroyed",
+        };
+        let what = format!("save({phase})");
+        self.0.boundary("before", &what);
+        if self.disk_fault("cycle.json write fails") {
+            self.0.sim.borrow_mut().log(format!("{what} -> err"));
+            return Err(anyhow::anyhow!(
+                "cannot write sim/cycle.json: No space left on device"
+            ));
+        }
+        {
+            let mut s = self.0.sim.borrow_mut();
+            s.write_disk(state);
+            if s.tracing {
+                let regs: Vec<String> = state
+                    .registrations
+                    .iter()
+                    .map(|r| match r.id {
+                        Some(id) => format!("{id}:{:?}", r.launch).to_lowercase(),
+                        None => format!("?{}", r.name.rsplit('-').next().unwrap_or("")),
+                    })
+                    .collect();
+                s.log(format!("{what} [{}]", regs.join(" ")));
+            }
+        }
+        self.0.checked(&what);
+        self.0.boundary("after", &what);
+        Ok(())
+    }
+
+    fn remove(&mut self) -> anyhow::Result<()> {
+        self.0.boundary("before", "remove");
+        if self.disk_fault("cycle.json remove fails") {
+            self.0.sim.borrow_mut().log("remove -> err");
+            return Err(anyhow::anyhow!("cannot remove sim/cycle.json: I/O error"));
+        }
+        {
+            let mut s = self.0.sim.borrow_mut();
+            s.disk = None;
+            s.log("remove cycle.json");
+        }
+        self.0.checked("remove");
+        self.0.boundary("after", "remove");
+        Ok(())
+    }
+
+    fn describe(&self) -> String {
+        "sim/cycle.json".into()
+    }
+}
+
+// -- the clock -------------------------------------------------------------------------------------------------
+
+pub struct SimClock(pub Port);
+
+impl Clock for SimClock {
+    fn now(&self) -> Timestamp {
+        Timestamp(self.0.sim.borrow().now)
+    }
+
+    fn sleep(&mut self, d: Duration) -> Sleep {
+        self.0.boundary("", "sleep");
+        if self.0.stop() {
+            return Sleep::Interrupted;
+        }
+        {
+            let mut s = self.0.sim.borrow_mut();
+            let to = s.now + d.as_millis() as i64;
+            s.advance(to, true);
+        }
+        self.0.checked("sleep");
+        Sleep::Slept
+    }
+
+    fn stop_requested(&self) -> bool {
+        self.0.stop()
+    }
+
+    fn new_cycle_id(&mut self, now: Timestamp) -> String {
+        let r = self.0.sim.borrow_mut().rng.next_u64() as u16;
+        format!("{}-{r:04x}", now.compact())
+    }
+}
