@@ -471,6 +471,17 @@ fn is_forgejo_error(body: &str) -> bool {
     })
 }
 
+/// A DELETE's 404 proves the runner gone only when it is Forgejo's own error and not its
+/// "No permission to delete this runner" (also a 404, for a runner that exists but that this
+/// scope may not edit).
+fn forgejo_says_gone(body: &str) -> bool {
+    is_forgejo_error(body)
+        && !serde_json::from_str::<Value>(body)
+            .ok()
+            .and_then(|v| v.get("message").and_then(Value::as_str).map(str::to_string))
+            .is_some_and(|m| m.contains("No permission"))
+}
+
 fn not_forgejo_404(request: String, body: &str) -> ApiError {
     ApiError {
         status: None,
@@ -549,8 +560,13 @@ impl Forgejo for HttpForgejo {
         log::debug!("DELETE {url} ({reason})");
         let (status, _, body) = self.send("DELETE", &url, None)?;
         match status {
-            204 | 200 => Ok(Deleted::Now),
-            404 if is_forgejo_error(&body) => Ok(Deleted::AlreadyGone),
+            // Forgejo answers 204 and nothing else on success: any other 2xx (a proxy's page,
+            // say) proves nothing, and the registration must not be forgotten on it.
+            204 => Ok(Deleted::Now),
+            404 if forgejo_says_gone(&body) => Ok(Deleted::AlreadyGone),
+            404 if is_forgejo_error(&body) => {
+                Err(self.status_error(format!("DELETE {url}"), status, &body))
+            }
             404 => Err(not_forgejo_404(format!("DELETE {url}"), &body)),
             _ => Err(self.status_error(format!("DELETE {url}"), status, &body)),
         }
@@ -676,6 +692,18 @@ mod tests {
         assert!(!is_forgejo_error(""));
         assert!(!is_forgejo_error(r#"{"error":"not found"}"#));
         assert!(!is_forgejo_error(r#"{"message": 404}"#));
+    }
+
+    #[test]
+    fn a_delete_404_is_gone_only_when_forgejo_says_it_does_not_exist() {
+        let url = r#""url": "https://f.example/api/swagger""#;
+        assert!(forgejo_says_gone(&format!(
+            r#"{{"message": "runner with ID 7: resource does not exist", {url}}}"#
+        )));
+        assert!(!forgejo_says_gone(&format!(
+            r#"{{"message": "No permission to delete this runner", {url}}}"#
+        )));
+        assert!(!forgejo_says_gone("<html>404 Not Found</html>"));
     }
 
     /// A loopback HTTP/1.1 server answering every request `[]` on keep-alive connections; counts

@@ -1260,6 +1260,41 @@ fn a_404_that_is_not_forgejos_does_not_forget_a_busy_runner() {
 }
 
 #[test]
+fn a_delete_answered_200_by_something_else_does_not_forget_the_registration() {
+    let env = Env::new();
+    env.set_launch_mode("noop"); // never consumed: must be deleted
+    env.fake.add_job(&["debian"]);
+    // A proxy's page with 200 instead of Forgejo's 204, once; nothing was deleted.
+    env.fake
+        .inject("DELETE", "/actions/runners/", Fault::Html(200), 1);
+    let out = env.run(&["--output", "json", "--max-jobs-per-vm", "1"]);
+    let report = out.json();
+    assert_eq!(out.code, Some(1), "{report}");
+    assert!(
+        report["failures"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|f| f.as_str().unwrap().contains("HTTP 200")),
+        "{report}"
+    );
+    // Kept in cycle.json and deleted for real later in the same cycle, not left to a sweep.
+    let deletes: Vec<_> = report["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["step"] == "delete_runner" && e["ok"] == true)
+        .collect();
+    assert_eq!(deletes.len(), 1, "{report}");
+    assert_ne!(deletes[0]["reason"], "sweep", "{report}");
+    assert_eq!(
+        env.fake.deleted_ids(),
+        vec![deletes[0]["runner_id"].as_i64().unwrap()]
+    );
+    env.assert_at_rest();
+}
+
+#[test]
 fn a_registration_that_cannot_be_deleted_ends_the_vm_and_waits_in_cycle_json() {
     let env = Env::new();
     env.set_launch_mode("noop"); // never consumed: must be deleted
