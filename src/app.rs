@@ -500,10 +500,7 @@ fn cmd_run(a: RunArgs) -> Result<u8, Fatal> {
 }
 
 fn events_file(dir: &Path, common: &ForgejoArgs) -> Box<crate::audit::EventsFile> {
-    Box::new(crate::audit::EventsFile {
-        dir: dir.to_path_buf(),
-        max_bytes: common.events_max_bytes,
-    })
+    Box::new(crate::audit::EventsFile::new(dir, common.events_max_bytes))
 }
 
 /// The metrics file at the start of a run: the counters so far, and that a run is in progress.
@@ -594,7 +591,7 @@ fn finish(
     report.finished_at = Some(end_at);
     report.duration_ms = end_at.since(report.started_at).as_millis() as u64;
     report.settle(config_error);
-    report.flush_audit();
+    report.sync_audit();
     if let Some(dir) = dir {
         record_run(dir, metrics, &mut report);
     }

@@ -18,10 +18,16 @@ pub const DEFAULT_MAX_BYTES: u64 = 10 * 1024 * 1024;
 /// Smaller than this could not hold a few records (a record's detail is cut at 2 KiB).
 pub const MIN_MAX_BYTES: u64 = 16 * 1024;
 
-/// Appends to `<dir>/events.jsonl`, rotating past `max_bytes`.
+/// Appends to `<dir>/events.jsonl`, rotating past `max_bytes`. Each record is one `write(2)`
+/// (in the page cache at once, so a killed process loses nothing); `sync` makes them durable
+/// against a power cut, once per batch instead of once per line (a sweep of 2,000 registrations
+/// appends 4,000 records).
 pub struct EventsFile {
     pub dir: PathBuf,
     pub max_bytes: u64,
+    /// The open file and its length, once the first record was appended.
+    open: Option<(fs::File, u64)>,
+    unsynced: bool,
 }
 
 /// Pure: whether a file of `current` bytes must be rotated before a line of `line` bytes.
@@ -30,29 +36,53 @@ pub fn must_rotate(current: u64, line: u64, max_bytes: u64) -> bool {
 }
 
 impl EventsFile {
+    pub fn new(dir: &Path, max_bytes: u64) -> EventsFile {
+        EventsFile {
+            dir: dir.to_path_buf(),
+            max_bytes,
+            open: None,
+            unsynced: false,
+        }
+    }
+
     pub fn path(&self) -> PathBuf {
         self.dir.join(EVENTS_FILE)
     }
 
-    fn try_append(&self, line: &[u8]) -> io::Result<()> {
+    fn try_append(&mut self, line: &[u8]) -> io::Result<()> {
         let path = self.path();
-        let current = match fs::metadata(&path) {
-            Ok(m) => m.len(),
-            Err(e) if e.kind() == io::ErrorKind::NotFound => 0,
-            Err(e) => return Err(e),
+        let current = match &self.open {
+            Some((_, len)) => *len,
+            None => match fs::metadata(&path) {
+                Ok(m) => m.len(),
+                Err(e) if e.kind() == io::ErrorKind::NotFound => 0,
+                Err(e) => return Err(e),
+            },
         };
         if must_rotate(current, line.len() as u64, self.max_bytes) {
+            if let Some((f, _)) = self.open.take() {
+                f.sync_data()?;
+            }
             fs::rename(&path, self.dir.join(EVENTS_ROTATED))?;
         }
-        let mut f = fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .mode(0o600)
-            .open(&path)?;
+        let (f, len) = match &mut self.open {
+            Some(open) => open,
+            None => {
+                let f = fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .mode(0o600)
+                    .open(&path)?;
+                let len = f.metadata()?.len();
+                self.open.insert((f, len))
+            }
+        };
         // One write of a whole line (O_APPEND): a crash leaves at most a cut last line, which
         // readers skip.
         f.write_all(line)?;
-        f.sync_data()
+        *len += line.len() as u64;
+        self.unsynced = true;
+        Ok(())
     }
 }
 
@@ -68,6 +98,18 @@ impl AuditSink for EventsFile {
                 self.max_bytes
             )
         })
+    }
+
+    fn sync(&mut self) -> Result<(), String> {
+        if !self.unsynced {
+            return Ok(());
+        }
+        if let Some((f, _)) = &self.open {
+            f.sync_data()
+                .map_err(|e| format!("cannot fsync {}: {e}", self.path().display()))?;
+        }
+        self.unsynced = false;
+        Ok(())
     }
 }
 
@@ -168,10 +210,7 @@ mod tests {
     #[test]
     fn appends_rotates_and_tails_across_both_files() {
         let dir = tempfile::tempdir().unwrap();
-        let mut f = EventsFile {
-            dir: dir.path().to_path_buf(),
-            max_bytes: MIN_MAX_BYTES,
-        };
+        let mut f = EventsFile::new(dir.path(), MIN_MAX_BYTES);
         for i in 0..400 {
             f.append(&json!({"i": i, "pad": "x".repeat(60)})).unwrap();
         }

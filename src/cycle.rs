@@ -107,8 +107,9 @@ pub fn run(w: &mut World<'_>, cfg: &CycleConfig, report: &mut Report) -> End {
 
 impl Driver<'_, '_> {
     fn save(&mut self) -> Result<(), ()> {
-        // What was done so far is in the audit trail before the state that follows from it.
-        self.report.flush_audit();
+        // What was done so far is in the audit trail (durably) before the state that follows
+        // from it.
+        self.report.sync_audit();
         let Some(state) = &self.state else {
             return Ok(());
         };

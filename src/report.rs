@@ -22,6 +22,11 @@ pub const MAX_AUDIT_DETAIL: usize = 2048;
 pub trait AuditSink {
     /// Appends one record; the error names the file and what failed.
     fn append(&mut self, record: &Value) -> Result<(), String>;
+    /// Makes what was appended durable (fsync); called at the points that matter (before each
+    /// cycle.json write, at the end of the run), not after every record.
+    fn sync(&mut self) -> Result<(), String> {
+        Ok(())
+    }
 }
 
 /// The report's audit sink, if any (never serialized).
@@ -291,6 +296,17 @@ impl Report {
             let record = audit_record(self.cycle_id.as_deref(), &self.events[self.audited]);
             self.audited += 1;
             self.append(&record);
+        }
+    }
+
+    /// Appends what is pending and makes the audit trail durable.
+    pub fn sync_audit(&mut self) {
+        self.flush_audit();
+        let Some(sink) = self.audit.0.as_mut() else {
+            return;
+        };
+        if let Err(e) = sink.sync() {
+            self.keep_failure(format!("audit trail: {e}"));
         }
     }
 
