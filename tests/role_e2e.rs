@@ -686,7 +686,7 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
     }
 
     // Second run of the role: nothing to change.
-    let (ok, out, changed) = host.play("site", &vars(&fake, work, &local, two_pools));
+    let (ok, out, changed) = host.play("site-again", &vars(&fake, work, &local, two_pools));
     assert!(ok, "{out}");
     assert_eq!(changed, 0, "the second run changed something:\n{out}");
 
