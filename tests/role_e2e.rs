@@ -847,5 +847,40 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
         "our registrations left behind: {:?}",
         fake.runners()
     );
+
+    // A textfile directory that does not exist yet: the role creates it (root:root 0755, the
+    // service user's ACL entry), puts it in ReadWritePaths=, and the next run writes there.
+    let fresh_dir = "/var/lib/e2e-textfile";
+    let fresh = format!(
+        "{}\nci_ephemeral_provisioner_metrics_dir: {fresh_dir}\n",
+        vars(&fake, work, &local, one_pool)
+    );
+    let (ok, out, _) = host.play("fresh-metrics-dir", &fresh);
+    assert!(ok, "{out}");
+    assert_eq!(
+        host.sh_ok(&format!("stat -c '%U:%G' {fresh_dir}")).trim(),
+        "root:root"
+    );
+    let acl = host.sh_ok(&format!(
+        "getfacl --omit-header --absolute-names {fresh_dir}"
+    ));
+    for entry in [
+        "user::rwx",
+        "group::r-x",
+        "other::r-x",
+        "user:ci-ephemeral-provisioner:rwx",
+    ] {
+        assert!(acl.lines().any(|l| l == entry), "{entry} missing:\n{acl}");
+    }
+    let fresh_file = format!("{fresh_dir}/ci-ephemeral-provisioner-default.prom");
+    wait_until(
+        "a run to write its metrics into the new directory",
+        &host,
+        || host.file(&fresh_file[1..]).exists(),
+    );
+    assert_eq!(
+        host.sh_ok(&format!("stat -c '%a' {fresh_file}")).trim(),
+        "644"
+    );
     drop(host);
 }
