@@ -27,6 +27,46 @@ const UNIT: &str = "ci-ephemeral-provisioner@default.service";
 const STATE: &str = "var/lib/ci-ephemeral-provisioner/default";
 /// The default pool's secret_environment value (a stand-in for a cloud API token).
 const CLOUD_SECRET: &str = "cloud-5ecret-4c7e";
+/// node_exporter's textfile directory (the role's default), made by "someone else" before the
+/// role runs: owned by nobody:nogroup, mode 0755.
+const METRICS_DIR: &str = "/var/lib/prometheus/node-exporter";
+
+/// The metrics file a pool writes into the textfile directory.
+fn metrics_file(pool: &str) -> String {
+    format!("{METRICS_DIR}/ci-ephemeral-provisioner-{pool}.prom")
+}
+
+/// The value of the sample `series` (name and labels, as written) in a Prometheus text file.
+fn sample(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+/// The pool's metrics file: mode 0644, and every sample carries `pool="<pool>"` (so the files of
+/// several pools can share the textfile directory). Returns its text.
+fn pool_metrics(host: &Host, pool: &str) -> String {
+    let path = metrics_file(pool);
+    assert_eq!(
+        host.sh_ok(&format!("stat -c '%a %U' {path}")).trim(),
+        "644 ci-ephemeral-provisioner",
+        "{path}"
+    );
+    let text = host.sh_ok(&format!("cat {path}"));
+    let samples: Vec<&str> = text
+        .lines()
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .collect();
+    assert!(samples.len() > 10, "{path}:\n{text}");
+    let label = format!("{{pool=\"{pool}\"");
+    for l in &samples {
+        assert!(
+            l.contains(&label),
+            "a sample without {label}}} in {path}: {l}"
+        );
+    }
+    text
+}
 
 fn manifest() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -313,6 +353,11 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
 
     let host = Host::boot(work, &rootfs);
     let local = Source::Local(&binary);
+    // node_exporter's textfile directory exists already, owned by someone else; setfacl is not
+    // installed (the role installs the acl package).
+    host.sh_ok(&format!(
+        "install -d -o nobody -g nogroup -m 0755 {METRICS_DIR} && ! command -v setfacl"
+    ));
     // The default pool has a cloud secret for tofu (secret_environment).
     let two_pools = "  - name: default\n    runner_prefix: ephemeral-\n    labels: debian:host\n\
                      \x20   secret_environment:\n      E2E_CLOUD_TOKEN: cloud-5ecret-4c7e\n\
@@ -342,6 +387,12 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
         &host,
         || {
             let s = host.show(UNIT);
+            assert_ne!(
+                s["ActiveState"],
+                "failed",
+                "a run of the default pool failed:\n{}",
+                host.journal(UNIT)
+            );
             fake.jobs()
                 .iter()
                 .any(|j| j.id == job && j.status == "success")
@@ -588,8 +639,54 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
         g["ExecMainExitTimestampMonotonic"] != "0" && g["Result"] == "success"
     });
 
+    // Metrics: each pool's file in node_exporter's textfile directory, its samples labelled
+    // with the pool, a success recorded. (Runs go on every 2 s; a run in progress writes the
+    // counters so far, which keep these values.)
+    let default_metrics = pool_metrics(&host, "default");
+    let success = sample(
+        &default_metrics,
+        "ci_ephemeral_provisioner_last_success_timestamp_seconds{pool=\"default\"}",
+    );
+    assert!(success.is_some_and(|t| t > 0.0), "{default_metrics}");
+    assert_eq!(
+        sample(
+            &default_metrics,
+            "ci_ephemeral_provisioner_last_run_exit_code{pool=\"default\"}"
+        ),
+        Some(0.0),
+        "{default_metrics}"
+    );
+    let gpu_metrics = pool_metrics(&host, "gpu");
+    assert!(
+        sample(
+            &gpu_metrics,
+            "ci_ephemeral_provisioner_last_success_timestamp_seconds{pool=\"gpu\"}"
+        )
+        .is_some_and(|t| t > 0.0),
+        "{gpu_metrics}"
+    );
+    // The directory is still node_exporter's: same owner and group, same permission entries;
+    // the service user has its own ACL entry. (With an ACL, the group bits `stat` shows are the
+    // mask, rwx; the owning group's own entry stays r-x.)
+    assert_eq!(
+        host.sh_ok(&format!("stat -c '%U:%G' {METRICS_DIR}")).trim(),
+        "nobody:nogroup"
+    );
+    let acl = host.sh_ok(&format!(
+        "getfacl --omit-header --absolute-names {METRICS_DIR}"
+    ));
+    for entry in [
+        "user::rwx",
+        "group::r-x",
+        "other::r-x",
+        "user:ci-ephemeral-provisioner:rwx",
+        "mask::rwx",
+    ] {
+        assert!(acl.lines().any(|l| l == entry), "{entry} missing:\n{acl}");
+    }
+
     // Second run of the role: nothing to change.
-    let (ok, out, changed) = host.play("site", &vars(&fake, work, &local, two_pools));
+    let (ok, out, changed) = host.play("site-again", &vars(&fake, work, &local, two_pools));
     assert!(ok, "{out}");
     assert_eq!(changed, 0, "the second run changed something:\n{out}");
 
@@ -640,6 +737,11 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
         !host.file("etc/ci-ephemeral-provisioner/pools/gpu").exists(),
         "{out}"
     );
+    // Its metrics file goes too: left behind, it would keep a dead pool in the alerts.
+    assert!(
+        !host.file(&metrics_file("gpu")[1..]).exists(),
+        "the retired pool's metrics file is still there:\n{out}"
+    );
     assert_eq!(
         host.sh_ok("systemctl is-enabled ci-ephemeral-provisioner@default.timer")
             .trim(),
@@ -689,6 +791,24 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
         host.file(&format!("{STATE}/cycle.json")).exists(),
         "cycle.json vanished while the VM still exists"
     );
+    // The metrics say so: the failed runs' exit status, and that destroys are failing.
+    let failing = pool_metrics(&host, "default");
+    assert_eq!(
+        sample(
+            &failing,
+            "ci_ephemeral_provisioner_last_run_exit_code{pool=\"default\"}"
+        ),
+        Some(1.0),
+        "{failing}"
+    );
+    assert_eq!(
+        sample(
+            &failing,
+            "ci_ephemeral_provisioner_destroy_failing{pool=\"default\"}"
+        ),
+        Some(1.0),
+        "{failing}"
+    );
 
     // The role refuses to remove a pool while it has a cycle in progress.
     let spare = "  - name: spare\n    runner_prefix: spare-\n    labels: spare:host\n";
@@ -726,6 +846,41 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
             .all(|r| !r.name.starts_with("ephemeral-") || r.id == online),
         "our registrations left behind: {:?}",
         fake.runners()
+    );
+
+    // A textfile directory that does not exist yet: the role creates it (root:root 0755, the
+    // service user's ACL entry), puts it in ReadWritePaths=, and the next run writes there.
+    let fresh_dir = "/var/lib/e2e-textfile";
+    let fresh = format!(
+        "{}\nci_ephemeral_provisioner_metrics_dir: {fresh_dir}\n",
+        vars(&fake, work, &local, one_pool)
+    );
+    let (ok, out, _) = host.play("fresh-metrics-dir", &fresh);
+    assert!(ok, "{out}");
+    assert_eq!(
+        host.sh_ok(&format!("stat -c '%U:%G' {fresh_dir}")).trim(),
+        "root:root"
+    );
+    let acl = host.sh_ok(&format!(
+        "getfacl --omit-header --absolute-names {fresh_dir}"
+    ));
+    for entry in [
+        "user::rwx",
+        "group::r-x",
+        "other::r-x",
+        "user:ci-ephemeral-provisioner:rwx",
+    ] {
+        assert!(acl.lines().any(|l| l == entry), "{entry} missing:\n{acl}");
+    }
+    let fresh_file = format!("{fresh_dir}/ci-ephemeral-provisioner-default.prom");
+    wait_until(
+        "a run to write its metrics into the new directory",
+        &host,
+        || host.file(&fresh_file[1..]).exists(),
+    );
+    assert_eq!(
+        host.sh_ok(&format!("stat -c '%a' {fresh_file}")).trim(),
+        "644"
     );
     drop(host);
 }
