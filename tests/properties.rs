@@ -160,7 +160,8 @@ fn any_registration() -> impl Strategy<Value = Registration> {
 
 fn any_state() -> impl Strategy<Value = CycleState> {
     (
-        ".{0,30}",
+        // The ids this tool writes (cycle.json refuses any other).
+        "[a-z0-9-]{1,30}",
         ".{0,12}",
         any_timestamp(),
         prop_oneof![
