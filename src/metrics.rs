@@ -5,8 +5,7 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::fs;
-use std::io::{self, Write};
-use std::os::unix::fs::PermissionsExt;
+use std::io;
 use std::path::Path;
 
 use anyhow::{Context, Result, anyhow};
@@ -360,35 +359,8 @@ pub fn render(
 /// node_exporter can read it. The temp name does not end in `.prom`, so the collector never
 /// reads a half-written file.
 pub fn write_textfile(path: &Path, text: &str) -> Result<()> {
-    let dir = match path.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d,
-        _ => Path::new("."),
-    };
-    let mut tmp = tempfile::Builder::new()
-        .prefix(".ci-ephemeral-provisioner-")
-        .suffix(".tmp")
-        .tempfile_in(dir)
-        .with_context(|| {
-            format!(
-                "cannot create a temporary file in {} for --metrics-file (does the directory exist and is it writable?)",
-                dir.display()
-            )
-        })?;
-    tmp.write_all(text.as_bytes())
-        .and_then(|()| {
-            tmp.as_file()
-                .set_permissions(fs::Permissions::from_mode(0o644))
-        })
-        .and_then(|()| tmp.as_file().sync_all())
-        .with_context(|| format!("cannot write a temporary file in {}", dir.display()))?;
-    tmp.persist(path).map_err(|e| {
-        anyhow!(
-            "cannot rename a temporary file onto {}: {}",
-            path.display(),
-            e.error
-        )
-    })?;
-    Ok(())
+    crate::state::write_atomic_mode(path, text.as_bytes(), 0o644)
+        .context("does the directory exist, and may this user write there?")
 }
 
 #[cfg(test)]

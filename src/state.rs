@@ -7,6 +7,7 @@
 use std::collections::BTreeMap;
 use std::fs;
 use std::io::{self, Read, Write};
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, anyhow};
@@ -228,14 +229,25 @@ pub fn read_state_file(path: &Path) -> Result<Option<CycleState>> {
 /// Atomically replaces `path` with `bytes` (mode 0600): temp file in the same directory, fsync,
 /// rename, fsync of the directory.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let dir = path
-        .parent()
-        .ok_or_else(|| anyhow!("{} has no parent directory", path.display()))?;
+    write_atomic_mode(path, bytes, 0o600)
+}
+
+/// [`write_atomic`] with another mode. The temporary file is named `.tmp-…` (never `*.json` or
+/// `*.prom`, so no reader picks up a half-written one).
+pub fn write_atomic_mode(path: &Path, bytes: &[u8], mode: u32) -> Result<()> {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
     let mut tmp = tempfile::Builder::new()
         .prefix(".tmp-")
         .tempfile_in(dir)
         .with_context(|| format!("cannot create a temporary file in {}", dir.display()))?;
     tmp.write_all(bytes)
+        .and_then(|_| {
+            tmp.as_file()
+                .set_permissions(fs::Permissions::from_mode(mode))
+        })
         .and_then(|_| tmp.as_file().sync_all())
         .with_context(|| format!("cannot write a temporary file in {}", dir.display()))?;
     tmp.persist(path).map_err(|e| {
