@@ -6,7 +6,7 @@ use std::fs;
 use std::time::Duration;
 
 use support::fake_forgejo::{Conn, Fault};
-use support::harness::{API_TOKEN, Env, wait_for};
+use support::harness::{API_TOKEN, Env, wait_for, walk};
 
 fn posts(env: &Env) -> usize {
     env.fake
@@ -726,21 +726,6 @@ fn secrets_never_leak_into_output_files_or_children() {
             );
         }
     }
-}
-
-fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
-    let mut out = Vec::new();
-    if let Ok(rd) = fs::read_dir(dir) {
-        for e in rd.filter_map(|e| e.ok()) {
-            let p = e.path();
-            if p.is_dir() {
-                out.extend(walk(&p));
-            } else {
-                out.push(p);
-            }
-        }
-    }
-    out
 }
 
 fn has_hex_run(s: &str, len: usize) -> bool {

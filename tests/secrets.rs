@@ -7,25 +7,10 @@
 mod support;
 
 use std::fs;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use support::fake_forgejo::Fault;
-use support::harness::{API_TOKEN, Env, Outcome, tofu_bin};
-
-fn walk(dir: &Path) -> Vec<PathBuf> {
-    let mut out = Vec::new();
-    if let Ok(rd) = fs::read_dir(dir) {
-        for e in rd.filter_map(|e| e.ok()) {
-            let p = e.path();
-            if p.is_dir() {
-                out.extend(walk(&p));
-            } else {
-                out.push(p);
-            }
-        }
-    }
-    out
-}
+use support::harness::{API_TOKEN, Env, Outcome, tofu_bin, walk};
 
 /// Where a secret was found: `(haystack name, which secret)`. Any 12 characters of a secret count
 /// (a hex dump or a wrapped log line splits it).

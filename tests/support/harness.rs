@@ -28,6 +28,22 @@ pub fn tofu_bin() -> String {
     panic!("neither tofu nor terraform is on PATH; .ci/run installs terraform");
 }
 
+/// Every file below `dir`, recursively (none when it does not exist).
+pub fn walk(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    if let Ok(rd) = fs::read_dir(dir) {
+        for e in rd.filter_map(|e| e.ok()) {
+            let p = e.path();
+            if p.is_dir() {
+                out.extend(walk(&p));
+            } else {
+                out.push(p);
+            }
+        }
+    }
+    out
+}
+
 /// Polls `cond` until it holds (panics after 60 s, naming `what`).
 pub fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
     let start = Instant::now();
