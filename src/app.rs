@@ -408,6 +408,7 @@ fn policy(a: &RunArgs, labels: &str) -> Policy {
         hard_deadline: a.hard_deadline,
         // Twice the longest a POST can take from our side: by then it has landed or never will.
         intent_settle: a.common.http_timeout.saturating_mul(2),
+        job_pickup_timeout: a.job_pickup_timeout,
     }
 }
 
@@ -435,6 +436,7 @@ fn cmd_run(a: RunArgs) -> Result<u8, Fatal> {
     }
     for (flag, d) in [
         ("--poll-interval", a.poll_interval),
+        ("--job-pickup-timeout", a.job_pickup_timeout),
         ("--launch-timeout", a.launch_timeout),
         ("--http-timeout", a.common.http_timeout),
     ] {
@@ -623,33 +625,40 @@ fn dry_run(a: &RunArgs, policy: Policy, labels: String) -> Result<u8, Fatal> {
     let plan: Plan = Plan::default();
     let mut tofu = DryTofu { plan: plan.clone() };
     let mut launcher = DryLauncher { plan: plan.clone() };
-    let (inner, cycle, now, url): (Box<dyn Forgejo>, _, _, String) = match &a.common.fixture {
-        Some(path) => {
-            let fx = Fixture::load(path).map_err(|e| Fatal(EXIT_FAILED, format!("{e:#}")))?;
-            let inner = FixtureForgejo {
-                runners: fx.runners,
-                jobs: fx.jobs,
-                label_names: policy.label_names.clone(),
-            };
-            (
-                Box::new(inner),
-                fx.cycle,
-                fx.now.unwrap_or_else(Timestamp::now),
-                "https://forgejo.invalid".into(),
-            )
-        }
-        None => {
-            let (url, scope) = forgejo_target(&a.common)?;
-            let token = read_token(&a.common.token_file)?;
-            let dir = state_dir(&a.common.local.state_dir);
-            let cycle = read_state_file(&dir.join(crate::state::STATE_FILE))
-                .map_err(|e| Fatal(EXIT_FAILED, format!("{e:#}")))?;
-            let inner = http_forgejo(&a.common, &url, scope, &token, &policy.label_names)?;
-            (Box::new(inner), cycle, Timestamp::now(), url)
-        }
-    };
+    let (inner, cycle, holds, now, url): (Box<dyn Forgejo>, _, _, _, String) =
+        match &a.common.fixture {
+            Some(path) => {
+                let fx = Fixture::load(path).map_err(|e| Fatal(EXIT_FAILED, format!("{e:#}")))?;
+                let inner = FixtureForgejo {
+                    runners: fx.runners,
+                    jobs: fx.jobs,
+                    label_names: policy.label_names.clone(),
+                };
+                (
+                    Box::new(inner),
+                    fx.cycle,
+                    crate::holds::Holds::default(),
+                    fx.now.unwrap_or_else(Timestamp::now),
+                    "https://forgejo.invalid".into(),
+                )
+            }
+            None => {
+                let (url, scope) = forgejo_target(&a.common)?;
+                let token = read_token(&a.common.token_file)?;
+                let dir = state_dir(&a.common.local.state_dir);
+                let cycle = read_state_file(&dir.join(crate::state::STATE_FILE))
+                    .map_err(|e| Fatal(EXIT_FAILED, format!("{e:#}")))?;
+                let holds = crate::state::read_holds_file(&dir.join(crate::holds::HOLDS_FILE))
+                    .map_err(|e| Fatal(EXIT_FAILED, format!("{e:#}")))?;
+                let inner = http_forgejo(&a.common, &url, scope, &token, &policy.label_names)?;
+                (Box::new(inner), cycle, holds, Timestamp::now(), url)
+            }
+        };
     let mut forgejo = DryForgejo::new(inner, plan.clone());
-    let mut store = MemoryStore { state: cycle };
+    let mut store = MemoryStore {
+        state: cycle,
+        holds,
+    };
     let mut clock = DryClock { now };
     let cfg = cycle_config(a, policy, labels, url);
     let mut report = Report::new("run", true, now);

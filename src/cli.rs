@@ -31,6 +31,8 @@ pub struct Cli {
 }
 
 #[derive(Debug, Subcommand)]
+// One value per process, parsed once: boxing the larger variant would buy nothing.
+#[allow(clippy::large_enum_variant)]
 pub enum Command {
     /// Run one provisioner cycle (the timer's job).
     Run(RunArgs),
@@ -191,10 +193,17 @@ pub struct RunArgs {
     #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_IDLE_TIMEOUT", default_value = "5m", value_parser = parse_duration, value_name = "DURATION")]
     pub idle_timeout: Duration,
 
-    /// How long a launched registration may stay offline (starting) before it counts as
-    /// unconsumed and is deleted; also how long an idle runner may outlive its job.
+    /// How long a launched registration may stay offline (starting) before it is deleted (as
+    /// never connected when Forgejo never saw it idle or active: a failed start); also how long an
+    /// idle runner may outlive its job.
     #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_REGISTRATION_GRACE", default_value = "3m", value_parser = parse_duration, value_name = "DURATION")]
     pub registration_grace: Duration,
+
+    /// How long our runner may sit idle while its job is still listed as waiting (Forgejo holds
+    /// it back, e.g. behind a concurrency group) before the VM goes and the job is held: no
+    /// runner is registered for it again for this long, doubling each time, at most 1h.
+    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_JOB_PICKUP_TIMEOUT", default_value = "10m", value_parser = parse_duration, value_name = "DURATION")]
+    pub job_pickup_timeout: Duration,
 
     /// How often Forgejo is asked while a cycle runs.
     #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_POLL_INTERVAL", default_value = "5s", value_parser = parse_duration, value_name = "DURATION")]

@@ -9,9 +9,9 @@ use crate::launch::{LaunchRequest, Launcher};
 use crate::model::may_delete;
 use crate::planner::{self, DeleteReason, Observation, Policy, RunContext, Step, TeardownReason};
 use crate::report::{ALREADY_GONE, DELETED, Report, Stopwatch};
-use crate::state::{CycleState, Launch, Phase, StateStore};
+use crate::state::{CycleState, Launch, NotServed, Phase, StateStore};
 use crate::sweep;
-use crate::time::Timestamp;
+use crate::time::{Timestamp, format_duration};
 use crate::tofu::{Outputs, Tofu};
 
 pub enum Sleep {
@@ -86,12 +86,23 @@ pub fn run(w: &mut World<'_>, cfg: &CycleConfig, report: &mut Report) -> End {
         }
     };
     report.cycle_id = state.as_ref().map(|s| s.cycle_id.clone());
+    // Held jobs are advice, not a safety record: an unreadable file is a failure of the run, and
+    // the run goes on without holds (at worst a held job gets a runner once more).
+    let holds = w.store.load_holds().unwrap_or_else(|e| {
+        report.fail(format!(
+            "{e:#}; going on without held jobs (the file is written again at the next hold)"
+        ));
+        crate::holds::Holds::default()
+    });
     let mut d = Driver {
         w,
         cfg,
         report,
         state,
-        ctx: RunContext::default(),
+        ctx: RunContext {
+            holds,
+            ..RunContext::default()
+        },
         outputs: None,
         progressed: false,
         seen: BTreeMap::new(),
@@ -129,6 +140,13 @@ impl Driver<'_, '_> {
         }
     }
 
+    /// Writes the held jobs; a failure is a failure of the run, not a reason to stop it.
+    fn save_holds(&mut self) {
+        if let Err(e) = self.w.store.save_holds(&self.ctx.holds) {
+            self.report.fail(format!("{e:#}"));
+        }
+    }
+
     fn observe(&mut self) -> (Observation, bool) {
         let mut obs = Observation::default();
         let mut failed = false;
@@ -145,7 +163,13 @@ impl Driver<'_, '_> {
         };
         if want_jobs {
             match self.w.forgejo.list_jobs() {
-                Ok(jobs) => obs.jobs = Some(jobs),
+                Ok(jobs) => {
+                    // A held job that is no longer listed (done, cancelled, re-run) is forgotten.
+                    if self.ctx.holds.prune(&jobs) {
+                        self.save_holds();
+                    }
+                    obs.jobs = Some(jobs);
+                }
                 Err(e) => {
                     failed = true;
                     self.report
@@ -280,6 +304,13 @@ impl Driver<'_, '_> {
             Step::Apply => self.apply(),
             Step::ResolveIntent { name } => self.resolve_intent(&name),
             Step::Forget { id } => {
+                // A launched runner whose registration Forgejo removed ran its job: a start
+                // that worked.
+                if let Some(s) = &mut self.state
+                    && s.registration(id).is_some_and(|r| r.launch == Launch::Done)
+                {
+                    s.start_failures = 0;
+                }
                 let name = self.forget(id, now);
                 let e = self.report.event(
                     "forget_runner",
@@ -299,6 +330,7 @@ impl Driver<'_, '_> {
                     if let Some(r) = s.registration_mut(id) {
                         r.launch = Launch::Done;
                         r.launched_at.get_or_insert(now);
+                        r.connected = true;
                     }
                     s.jobs_started += 1;
                     s.start_failures = 0;
@@ -306,6 +338,16 @@ impl Driver<'_, '_> {
                 log::warn!(
                     "runner {id} is up although its launch was not recorded as done; adopting it"
                 );
+                self.save().err().map(|_| End::Done)
+            }
+            Step::MarkConnected { id } => {
+                let s = self.state.as_mut()?;
+                if let Some(r) = s.registration_mut(id) {
+                    r.connected = true;
+                    log::info!("runner {id} ({}) connected", r.name);
+                }
+                // The start worked: only failed starts in a row mean a broken VM.
+                s.start_failures = 0;
                 self.save().err().map(|_| End::Done)
             }
             Step::MarkJobGone { id } | Step::ClearJobGone { id } => {
@@ -324,7 +366,10 @@ impl Driver<'_, '_> {
                 // (a cycle must never outlive its configuration).
                 Err(e) => self.teardown(TeardownReason::LaunchUnusable { problem: e }),
             },
-            Step::Teardown { reason } => self.teardown(reason),
+            Step::Teardown { reason } => {
+                self.not_served(&reason, now);
+                self.teardown(reason)
+            }
             Step::Destroy => self.destroy(),
             Step::Sweep => {
                 let sw = Stopwatch::start();
@@ -379,6 +424,54 @@ impl Driver<'_, '_> {
             }
             Step::Idle | Step::Wait { .. } | Step::GiveUp { .. } | Step::Finish => None,
         }
+    }
+
+    /// Before a teardown because our runner was not given its waiting job: the registration
+    /// says why (its deletion reason later), and after a pickup timeout the job is held first,
+    /// so that neither this nor the next cycle registers for it again until the hold ends.
+    fn not_served(&mut self, reason: &TeardownReason, now: Timestamp) {
+        let (runner_id, why) = match reason {
+            TeardownReason::PickupTimeout { runner_id, .. } => {
+                (*runner_id, NotServed::PickupTimeout)
+            }
+            TeardownReason::WrongLabels { runner_id, .. } => (*runner_id, NotServed::WrongLabels),
+            _ => return,
+        };
+        let Some(reg) = self
+            .state
+            .as_mut()
+            .and_then(|s| s.registration_mut(runner_id))
+        else {
+            return;
+        };
+        reg.not_served = Some(why);
+        if why != NotServed::PickupTimeout {
+            return;
+        }
+        let (job_id, handle, name) = (reg.job_id, reg.job_handle.clone(), reg.name.clone());
+        let pickup = self.cfg.policy.job_pickup_timeout;
+        let hold = self.ctx.holds.hold(job_id, &handle, pickup, now);
+        log::warn!(
+            "job {job_id} is listed as waiting, but Forgejo did not give it to runner {runner_id} ({name}) within {}; not registering for it again before {} (hold {})",
+            format_duration(pickup),
+            hold.until,
+            hold.times
+        );
+        self.save_holds();
+        let e = self.report.event(
+            "hold_job",
+            true,
+            format!(
+                "job {job_id} waited {} without Forgejo giving it to our idle runner (a concurrency group holds it, most likely); held until {} (hold {})",
+                format_duration(pickup),
+                hold.until,
+                hold.times
+            ),
+        );
+        e.runner_id = Some(runner_id);
+        e.runner_name = Some(name);
+        e.reason = Some(DeleteReason::PickupTimeout.as_str().into());
+        e.job_id = Some(job_id);
     }
 
     fn teardown(&mut self, reason: TeardownReason) -> Option<End> {
@@ -514,6 +607,9 @@ impl Driver<'_, '_> {
                     name.as_deref().unwrap_or("?"),
                     reason.as_str()
                 );
+                if reason == DeleteReason::NeverConnected {
+                    self.never_connected(id, name.as_deref());
+                }
                 self.forget(id, now);
                 let e = self.report.event("delete_runner", true, detail);
                 e.runner_id = Some(id);
@@ -542,6 +638,19 @@ impl Driver<'_, '_> {
                 None
             }
         }
+    }
+
+    /// A launch that exited 0 whose runner never connected is a failed start: counted with failed
+    /// POSTs and launches (three in a row and the VM goes), and a failure of this run.
+    fn never_connected(&mut self, id: i64, name: Option<&str>) {
+        let grace = format_duration(self.cfg.policy.registration_grace);
+        if let Some(s) = &mut self.state {
+            s.start_failures += 1;
+        }
+        self.report.fail(format!(
+            "runner {id} ({}) never connected: its launch command exited 0, but Forgejo still showed it offline {grace} later; check forgejo-runner on the VM (installed, version 12.8 or newer, its log) and what the launch command starts",
+            name.unwrap_or("?")
+        ));
     }
 
     /// A lost-POST lookup failed (or was inconclusive): retried after the next wait, and counted.
@@ -685,6 +794,8 @@ impl Driver<'_, '_> {
             launch: Launch::Pending,
             launched_at: None,
             job_gone_since: None,
+            connected: false,
+            not_served: None,
         });
         if self.save().is_err() {
             return Some(End::Done);
@@ -732,6 +843,7 @@ impl Driver<'_, '_> {
             .event("register_runner", true, format!("for job {job_id}"));
         ev.runner_id = Some(new.id);
         ev.runner_name = Some(name.clone());
+        ev.job_id = Some(job_id);
         ev.duration_ms = sw.ms();
 
         // Launch. The token lives only in `new` and dies with it.
@@ -777,8 +889,8 @@ impl Driver<'_, '_> {
                     r.launch = Launch::Done;
                     r.launched_at = Some(launched_at);
                 }
+                // Not a start that worked yet: that is the runner connecting (or running its job).
                 s.jobs_started += 1;
-                s.start_failures = 0;
                 if self.save().is_err() {
                     return Some(End::Done);
                 }
@@ -788,6 +900,7 @@ impl Driver<'_, '_> {
                     .event("launch_runner", true, format!("for job {job_id}"));
                 ev.runner_id = Some(new.id);
                 ev.runner_name = Some(name);
+                ev.job_id = Some(job_id);
                 ev.duration_ms = sw.ms();
                 None
             }
@@ -902,6 +1015,7 @@ mod tests {
                 id,
                 name: Some(n.clone()),
                 status: RunnerStatus::Offline,
+                labels: None,
             }))
         }
         fn delete_runner(&mut self, id: i64, _: &str) -> Result<Deleted, ApiError> {
@@ -932,6 +1046,7 @@ mod tests {
                     id: *id,
                     name: Some(n.clone()),
                     status: RunnerStatus::Offline,
+                    labels: None,
                 })
                 .collect();
             Ok(RunnerPage {
@@ -1004,7 +1119,7 @@ mod tests {
         let mut forgejo = shared.clone();
         let mut launcher = shared.clone();
         let mut tofu = NoopTofu;
-        let mut store = MemoryStore { state: None };
+        let mut store = MemoryStore::default();
         let mut clock = StepClock(Timestamp(1_760_000_000_000));
         let cfg = CycleConfig {
             policy: Policy {
@@ -1016,6 +1131,7 @@ mod tests {
                 max_cycle_duration: Duration::from_secs(3600),
                 hard_deadline: Duration::from_secs(7200),
                 intent_settle: Duration::from_secs(10),
+                job_pickup_timeout: Duration::from_secs(600),
             },
             poll_interval: Duration::from_secs(5),
             labels: "debian".into(),

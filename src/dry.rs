@@ -35,7 +35,7 @@ struct QuickFixture {
     #[serde(default)]
     cycle: Option<Value>,
     #[serde(default)]
-    runners: Option<Vec<crate::model::SlimRunner>>,
+    runners: Option<Vec<crate::model::FixtureRunner>>,
     #[serde(default)]
     jobs: Option<Vec<Value>>,
     #[serde(default)]
@@ -170,7 +170,7 @@ impl Forgejo for FixtureForgejo {
 
     fn get_runner(&mut self, id: i64) -> Result<Option<Runner>, ApiError> {
         for v in &self.runners {
-            let r = Runner::from_json(v).map_err(|e| fixture_error("runners", e))?;
+            let r = Runner::from_json_with_labels(v).map_err(|e| fixture_error("runners", e))?;
             if r.id == id {
                 return Ok(Some(r));
             }
@@ -259,6 +259,7 @@ impl Forgejo for DryForgejo {
                 id,
                 name: Some(name.clone()),
                 status: RunnerStatus::Offline,
+                labels: None,
             }));
         }
         let r = self.inner.get_runner(id);
@@ -402,15 +403,22 @@ mod tests {
         let full: Vec<Value> = serde_json::from_str(rows).unwrap();
         assert_eq!(fx.runners.len(), full.len());
         for (slim, full) in fx.runners.iter().zip(&full) {
-            match (Runner::from_json(slim), Runner::from_json(full)) {
+            match (
+                Runner::from_json_with_labels(slim),
+                Runner::from_json_with_labels(full),
+            ) {
                 (Ok(a), Ok(b)) => assert_eq!(a, b),
                 (Err(_), Err(_)) => {}
                 (a, b) => panic!("{slim} read as {a:?}, {full} as {b:?}"),
             }
         }
         assert!(
-            fx.runners[0].get("labels").is_none(),
+            fx.runners[0].get("uuid").is_none(),
             "other fields are skipped"
+        );
+        assert!(
+            fx.runners[0].get("labels").is_some(),
+            "the labels a fetched runner shows are kept"
         );
     }
 

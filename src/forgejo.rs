@@ -535,7 +535,7 @@ impl Forgejo for HttpForgejo {
                     request: format!("GET {url}"),
                     detail: format!("response is not JSON: {e}: {}", snippet(&body)),
                 })?;
-                let r = Runner::from_json(&v).map_err(|e| ApiError {
+                let r = Runner::from_json_with_labels(&v).map_err(|e| ApiError {
                     status: None,
                     request: format!("GET {url}"),
                     detail: e,

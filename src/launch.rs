@@ -90,10 +90,17 @@ impl Launcher for CommandLauncher {
             .command
             .clone()
             .ok_or_else(|| StepError::failed("--launch-command is not set"))?;
+        let mut env = launch_env(req);
+        // `--launch-timeout` in whole seconds (at least 1): what a launch that waits for the VM
+        // to answer may spend before it is killed.
+        env.push((
+            "LAUNCH_TIMEOUT_SECONDS".to_string(),
+            self.timeout.as_secs().max(1).to_string(),
+        ));
         let spec = ChildSpec {
             program: program.clone(),
             args: vec![],
-            env: launch_env(req),
+            env,
             stdin: Some(token.clone()),
             timeout: Some(self.timeout),
         };

@@ -24,6 +24,7 @@ pub mod crashpoint;
 pub mod cycle;
 pub mod dry;
 pub mod forgejo;
+pub mod holds;
 pub mod launch;
 pub mod metrics;
 pub mod model;

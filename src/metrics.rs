@@ -20,12 +20,15 @@ pub const COUNTERS_FILE: &str = "counters.json";
 const COUNTERS_VERSION: u32 = 1;
 pub const PREFIX: &str = "ci_ephemeral_provisioner";
 
-const DELETE_REASONS: [DeleteReason; 7] = [
+const DELETE_REASONS: [DeleteReason; 10] = [
     DeleteReason::Unconsumed,
+    DeleteReason::NeverConnected,
     DeleteReason::LaunchFailed,
     DeleteReason::LaunchCutOff,
     DeleteReason::Teardown,
     DeleteReason::Stranded,
+    DeleteReason::PickupTimeout,
+    DeleteReason::WrongLabels,
     DeleteReason::LostRegistration,
     DeleteReason::Sweep,
 ];
@@ -62,6 +65,8 @@ pub struct Counters {
     /// Sweeps that failed (listing error or any failed DELETE).
     pub sweep_failures: u64,
     pub sweep_left_over_cap: u64,
+    /// Jobs held because our runner sat idle past `--job-pickup-timeout` next to them.
+    pub job_pickup_timeouts: u64,
 }
 
 impl Default for Counters {
@@ -83,6 +88,7 @@ impl Default for Counters {
             sweep_deletions: 0,
             sweep_failures: 0,
             sweep_left_over_cap: 0,
+            job_pickup_timeouts: 0,
         }
     }
 }
@@ -108,6 +114,7 @@ impl Counters {
         for (reason, n) in &report.summary.deleted {
             *self.deleted.entry(reason.clone()).or_default() += u64::from(*n);
         }
+        self.job_pickup_timeouts += u64::from(report.summary.held);
         // The last destroy of the run decides whether destroys are failing.
         for e in report.events.iter().filter(|e| e.step == "tofu_destroy") {
             if e.ok {
@@ -322,6 +329,12 @@ pub fn render(
     for (r, n) in reasons {
         o.sample("registrations_deleted_total", &[("reason", r)], n);
     }
+    o.one(
+        "job_pickup_timeouts_total",
+        "counter",
+        "Jobs Forgejo listed as waiting but did not give our idle runner within --job-pickup-timeout (then held).",
+        c.job_pickup_timeouts,
+    );
     o.one(
         "destroy_failures_total",
         "counter",

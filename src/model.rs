@@ -48,6 +48,10 @@ pub struct Runner {
     pub id: i64,
     pub name: Option<String>,
     pub status: RunnerStatus,
+    /// The label names the runner declared when it connected (`GET …/runners/{id}` only; list
+    /// rows leave it `None`). `None` also when the field is missing or not a list of strings:
+    /// unknown, so nothing is concluded from it.
+    pub labels: Option<Vec<String>>,
 }
 
 impl Runner {
@@ -66,7 +70,28 @@ impl Runner {
             id,
             name,
             status: RunnerStatus::from_json(obj.get("status")),
+            labels: None,
         })
+    }
+
+    /// [`Runner::from_json`] of one fetched runner, with the labels it declared.
+    pub fn from_json_with_labels(v: &Value) -> Result<Runner, String> {
+        let mut r = Runner::from_json(v)?;
+        r.labels = v.get("labels").and_then(declared_labels);
+        Ok(r)
+    }
+}
+
+/// A runner's `labels`: the names it declared (Forgejo encodes "none" as `null`). Anything but
+/// `null` or a list of strings is unknown (`None`).
+fn declared_labels(v: &Value) -> Option<Vec<String>> {
+    match v {
+        Value::Null => Some(Vec::new()),
+        Value::Array(items) => items
+            .iter()
+            .map(|i| i.as_str().map(str::to_string))
+            .collect(),
+        _ => None,
     }
 }
 
@@ -147,76 +172,81 @@ pub fn parse_jobs(body: &str) -> Result<Vec<Job>, String> {
 }
 
 /// A runner row as a JSON value holding only `id`, `name` and `status` (what
-/// `Runner::from_json` reads); its other fields are skipped while parsing instead of being built
-/// and freed again, which was half the instructions of a sweep's listing and most of a dry-run's
-/// on a fixture of 10,000 runners. A row that is not an object is kept as it is, so that it
-/// fails in `Runner::from_json` exactly as before.
-pub struct SlimRunner(pub Value);
+/// `Runner::from_json` reads), and with `LABELS` also `labels`; its other fields are skipped
+/// while parsing instead of being built and freed again. A row that is not an object is kept as
+/// it is, so that it fails in `Runner::from_json` exactly as a full reading would.
+pub struct SlimRow<const LABELS: bool>(pub Value);
 
-impl<'de> serde::Deserialize<'de> for SlimRunner {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<SlimRunner, D::Error> {
+/// A list row: what the sweep and the lost-POST lookup read.
+pub type SlimRunner = SlimRow<false>;
+/// A fixture row: also the labels, which a fetched runner shows.
+pub type FixtureRunner = SlimRow<true>;
+
+impl<'de, const LABELS: bool> serde::Deserialize<'de> for SlimRow<LABELS> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<SlimRow<LABELS>, D::Error> {
         #[derive(serde::Deserialize)]
         #[serde(field_identifier, rename_all = "lowercase")]
         enum Field {
             Id,
             Name,
             Status,
+            Labels,
             #[serde(other)]
             Other,
         }
-        struct Slim;
-        impl<'de> serde::de::Visitor<'de> for Slim {
-            type Value = SlimRunner;
+        struct Slim<const LABELS: bool>;
+        impl<'de, const LABELS: bool> serde::de::Visitor<'de> for Slim<LABELS> {
+            type Value = SlimRow<LABELS>;
             fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
                 f.write_str("a runner")
             }
             fn visit_map<A: serde::de::MapAccess<'de>>(
                 self,
                 mut map: A,
-            ) -> Result<SlimRunner, A::Error> {
+            ) -> Result<SlimRow<LABELS>, A::Error> {
                 let mut obj = serde_json::Map::new();
                 while let Some(field) = map.next_key::<Field>()? {
                     let key = match field {
                         Field::Id => "id",
                         Field::Name => "name",
                         Field::Status => "status",
-                        Field::Other => {
+                        Field::Labels if LABELS => "labels",
+                        Field::Labels | Field::Other => {
                             map.next_value::<serde::de::IgnoredAny>()?;
                             continue;
                         }
                     };
                     obj.insert(key.to_string(), map.next_value::<Value>()?);
                 }
-                Ok(SlimRunner(Value::Object(obj)))
+                Ok(SlimRow(Value::Object(obj)))
             }
             fn visit_seq<A: serde::de::SeqAccess<'de>>(
                 self,
                 seq: A,
-            ) -> Result<SlimRunner, A::Error> {
+            ) -> Result<SlimRow<LABELS>, A::Error> {
                 use serde::Deserialize;
-                Value::deserialize(serde::de::value::SeqAccessDeserializer::new(seq))
-                    .map(SlimRunner)
+                Value::deserialize(serde::de::value::SeqAccessDeserializer::new(seq)).map(SlimRow)
             }
-            fn visit_bool<E>(self, v: bool) -> Result<SlimRunner, E> {
-                Ok(SlimRunner(Value::Bool(v)))
+            fn visit_bool<E>(self, v: bool) -> Result<SlimRow<LABELS>, E> {
+                Ok(SlimRow(Value::Bool(v)))
             }
-            fn visit_i64<E>(self, v: i64) -> Result<SlimRunner, E> {
-                Ok(SlimRunner(Value::from(v)))
+            fn visit_i64<E>(self, v: i64) -> Result<SlimRow<LABELS>, E> {
+                Ok(SlimRow(Value::from(v)))
             }
-            fn visit_u64<E>(self, v: u64) -> Result<SlimRunner, E> {
-                Ok(SlimRunner(Value::from(v)))
+            fn visit_u64<E>(self, v: u64) -> Result<SlimRow<LABELS>, E> {
+                Ok(SlimRow(Value::from(v)))
             }
-            fn visit_f64<E>(self, v: f64) -> Result<SlimRunner, E> {
-                Ok(SlimRunner(Value::from(v)))
+            fn visit_f64<E>(self, v: f64) -> Result<SlimRow<LABELS>, E> {
+                Ok(SlimRow(Value::from(v)))
             }
-            fn visit_str<E>(self, v: &str) -> Result<SlimRunner, E> {
-                Ok(SlimRunner(Value::from(v)))
+            fn visit_str<E>(self, v: &str) -> Result<SlimRow<LABELS>, E> {
+                Ok(SlimRow(Value::from(v)))
             }
-            fn visit_unit<E>(self) -> Result<SlimRunner, E> {
-                Ok(SlimRunner(Value::Null))
+            fn visit_unit<E>(self) -> Result<SlimRow<LABELS>, E> {
+                Ok(SlimRow(Value::Null))
             }
         }
-        d.deserialize_any(Slim)
+        d.deserialize_any(Slim::<LABELS>)
     }
 }
 
@@ -248,10 +278,13 @@ pub fn label_names(labels: &str) -> Vec<String> {
         .collect()
 }
 
-/// Forgejo's matching rule: a job runs on us when every entry of its `runs_on` is one of our
-/// label names (and it names at least one).
+/// Forgejo's matching rule (`ActionRunJob.ItRunsOn`, models/actions/run_job.go): a job runs on
+/// a runner when every entry of its `runs_on` is one of the runner's label names, and both name
+/// at least one. A runner without labels is given no job at all.
 pub fn job_matches(job: &Job, names: &[String]) -> bool {
-    !job.runs_on.is_empty() && job.runs_on.iter().all(|r| names.iter().any(|n| n == r))
+    !names.is_empty()
+        && !job.runs_on.is_empty()
+        && job.runs_on.iter().all(|r| names.iter().any(|n| n == r))
 }
 
 /// The waiting jobs we could serve, oldest (lowest id) first.

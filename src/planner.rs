@@ -6,8 +6,9 @@ use std::time::Duration;
 
 use serde::Serialize;
 
-use crate::model::{Job, Runner, RunnerStatus, may_delete, waiting_jobs};
-use crate::state::{CycleState, Launch, Phase, Registration};
+use crate::holds::Holds;
+use crate::model::{Job, Runner, RunnerStatus, job_matches, may_delete, waiting_jobs};
+use crate::state::{CycleState, Launch, NotServed, Phase, Registration};
 use crate::time::{Timestamp, format_duration};
 
 /// Failed attempts in a row to start a runner (POST or launch) after which the VM is presumed
@@ -36,6 +37,9 @@ pub struct Policy {
     /// How long after its POST an unanswered registration is looked up by name: long enough
     /// that a POST still in flight (a slow answer, a run killed mid-request) has landed.
     pub intent_settle: Duration,
+    /// How long our runner may sit idle while its job is still listed as waiting before we
+    /// conclude that Forgejo does not give it that job now (`--job-pickup-timeout`).
+    pub job_pickup_timeout: Duration,
 }
 
 /// What the driver learned from Forgejo just before this decision.
@@ -62,13 +66,19 @@ pub struct RunContext {
     /// `MAX_CLEANUP_FAILURES` the VM is torn down rather than kept for a registration that
     /// cannot be cleaned up.
     pub cleanup_failures: BTreeMap<String, u32>,
+    /// Jobs not registered for until their hold ends (`held-jobs.json`, read at the start).
+    pub holds: Holds,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum DeleteReason {
-    /// Launched, but offline for longer than the registration grace: it never consumed itself.
+    /// Its runner connected, then went offline for longer than the registration grace without
+    /// running its job: it never consumed itself.
     Unconsumed,
+    /// The launch command exited 0, yet the runner never connected: still `offline` (never
+    /// seen `idle` or `active`) past the registration grace. A failed start.
+    NeverConnected,
     /// The launch command failed, so the registration can never be used.
     LaunchFailed,
     /// The launch was cut off (crash or stop) before it reported back; the token is gone.
@@ -78,6 +88,12 @@ pub enum DeleteReason {
     /// Its runner sat idle after its job ended or went away (stranded); deleted once the
     /// teardown took it offline.
     Stranded,
+    /// Its runner sat idle for `--job-pickup-timeout` while its job waited (Forgejo did not
+    /// give it the job); deleted once the teardown took it offline.
+    PickupTimeout,
+    /// Its runner declared labels that do not cover its job's `runs_on`; deleted once the
+    /// teardown took it offline.
+    WrongLabels,
     /// A POST whose answer was lost, found again by its exact name.
     LostRegistration,
     /// Offline registration with our prefix, found by the sweep after a successful destroy.
@@ -88,10 +104,13 @@ impl DeleteReason {
     pub fn as_str(self) -> &'static str {
         match self {
             DeleteReason::Unconsumed => "unconsumed",
+            DeleteReason::NeverConnected => "never_connected",
             DeleteReason::LaunchFailed => "launch_failed",
             DeleteReason::LaunchCutOff => "launch_cut_off",
             DeleteReason::Teardown => "teardown",
             DeleteReason::Stranded => "stranded",
+            DeleteReason::PickupTimeout => "pickup_timeout",
+            DeleteReason::WrongLabels => "wrong_labels",
             DeleteReason::LostRegistration => "lost_registration",
             DeleteReason::Sweep => "sweep",
         }
@@ -121,6 +140,18 @@ pub enum TeardownReason {
     CleanupFailing { name: String },
     /// The launch command cannot be run (unset, missing, not executable) while a job waits.
     LaunchUnusable { problem: String },
+    /// Our runner sat idle for `--job-pickup-timeout` while its job was listed as waiting:
+    /// Forgejo does not give it that job now (a concurrency group holds it, most likely). An
+    /// idle runner is alive, so it is not deleted; destroying the VM stops it. The job is held.
+    PickupTimeout { runner_id: i64, job_id: i64 },
+    /// Our runner connected with labels that do not cover its job's `runs_on`, so Forgejo will
+    /// never give it the job: the launch command does not pass the labels (an error).
+    WrongLabels {
+        runner_id: i64,
+        job_id: i64,
+        declared: Vec<String>,
+        runs_on: Vec<String>,
+    },
 }
 
 impl TeardownReason {
@@ -145,6 +176,19 @@ impl TeardownReason {
             TeardownReason::CleanupFailing { name } => format!(
                 "registration {name} could not be cleaned up {MAX_CLEANUP_FAILURES} times; the VM goes, the registration is retried after the destroy"
             ),
+            TeardownReason::PickupTimeout { runner_id, job_id } => format!(
+                "runner {runner_id} sat idle past --job-pickup-timeout while job {job_id} waited: Forgejo does not give it that job now (a concurrency group holds it, most likely); the job is held and the VM goes, which stops the runner"
+            ),
+            TeardownReason::WrongLabels {
+                runner_id,
+                job_id,
+                declared,
+                runs_on,
+            } => format!(
+                "runner {runner_id} declared the labels [{}] but job {job_id} runs on [{}], so Forgejo never gives it the job: the launch command must pass every entry of RUNNER_LABELS to forgejo-runner as --label",
+                declared.join(", "),
+                runs_on.join(", ")
+            ),
         }
     }
 
@@ -156,6 +200,7 @@ impl TeardownReason {
                 | TeardownReason::BrokenVm
                 | TeardownReason::ApplyFailed
                 | TeardownReason::LaunchUnusable { .. }
+                | TeardownReason::WrongLabels { .. }
         )
     }
 }
@@ -182,6 +227,11 @@ pub enum Step {
     },
     /// The launch outcome was never recorded, but the runner is up: it was launched.
     AdoptLaunch {
+        id: i64,
+    },
+    /// Forgejo reports the runner `idle` or `active` for the first time: it connected (a start
+    /// that worked).
+    MarkConnected {
         id: i64,
     },
     MarkJobGone {
@@ -226,6 +276,18 @@ fn who(reg: &Registration, id: i64) -> String {
     format!("runner {id} {}", reg.name)
 }
 
+/// The waiting jobs a runner of ours could take and that are not held, oldest (lowest id) first.
+pub fn servable_jobs<'a>(
+    jobs: &'a [Job],
+    policy: &Policy,
+    ctx: &RunContext,
+    now: Timestamp,
+) -> Vec<&'a Job> {
+    let mut w = waiting_jobs(jobs, &policy.label_names);
+    w.retain(|j| !ctx.holds.is_held(&j.handle, now));
+    w
+}
+
 /// Decides the next step. Pure: the same inputs always give the same step.
 pub fn decide(
     state: Option<&CycleState>,
@@ -236,7 +298,7 @@ pub fn decide(
 ) -> Step {
     let Some(state) = state else {
         return match &obs.jobs {
-            Some(jobs) if !waiting_jobs(jobs, &policy.label_names).is_empty() => Step::StartCycle,
+            Some(jobs) if !servable_jobs(jobs, policy, ctx, now).is_empty() => Step::StartCycle,
             Some(_) => Step::Idle,
             None => Step::GiveUp {
                 why: "without the jobs list no cycle can start; the next run asks again".into(),
@@ -332,21 +394,27 @@ fn decide_running(
                 }
             }
         }
+        if !reg.connected && matches!(runner.status, RunnerStatus::Idle | RunnerStatus::Active) {
+            return Step::MarkConnected { id };
+        }
         match &runner.status {
             RunnerStatus::Active => waiting_on.push(format!("{} (active)", who(reg, id))),
             RunnerStatus::Idle => {
-                let job_live = obs.jobs.as_ref().map(|jobs| {
+                let job = obs.jobs.as_ref().map(|jobs| {
                     jobs.iter()
-                        .any(|j| j.handle == reg.job_handle && j.is_live())
+                        .find(|j| j.handle == reg.job_handle && j.is_live())
                 });
-                match (job_live, reg.job_gone_since) {
+                match (job, reg.job_gone_since) {
                     (None, _) => waiting_on.push(format!("{} (idle; jobs unknown)", who(reg, id))),
-                    (Some(true), Some(_)) => return Step::ClearJobGone { id },
-                    (Some(true), None) => {
+                    (Some(Some(_)), Some(_)) => return Step::ClearJobGone { id },
+                    (Some(Some(job)), None) => {
+                        if let Some(step) = unserved(reg, id, runner, job, policy, now) {
+                            return step;
+                        }
                         waiting_on.push(format!("{} (idle, its job waits)", who(reg, id)))
                     }
-                    (Some(false), None) => return Step::MarkJobGone { id },
-                    (Some(false), Some(since)) => {
+                    (Some(None), None) => return Step::MarkJobGone { id },
+                    (Some(None), Some(since)) => {
                         if now.since(since) >= grace {
                             return Step::Teardown {
                                 reason: TeardownReason::Stranded { runner_id: id },
@@ -365,10 +433,12 @@ fn decide_running(
                         cycle_prefix(state, policy),
                     )
                 {
-                    return Step::Delete {
-                        id,
-                        reason: DeleteReason::Unconsumed,
+                    let reason = if reg.connected {
+                        DeleteReason::Unconsumed
+                    } else {
+                        DeleteReason::NeverConnected
                     };
+                    return Step::Delete { id, reason };
                 }
                 waiting_on.push(format!(
                     "{} (offline; starting, within the {} grace)",
@@ -408,7 +478,7 @@ fn decide_running(
     if let Some(job) = obs
         .jobs
         .as_deref()
-        .and_then(|jobs| waiting_jobs(jobs, &policy.label_names).first().copied())
+        .and_then(|jobs| servable_jobs(jobs, policy, ctx, now).first().copied())
     {
         return Step::Register {
             job_id: job.id,
@@ -435,13 +505,50 @@ fn decide_running(
     }
 }
 
+/// Our runner is idle and its job is still listed: when the job waits and Forgejo will not (or
+/// did not in time) give it to the runner, the VM goes. Labels first: a runner whose declared
+/// labels do not cover the job's `runs_on` is never given it (`ItRunsOn`), so there is nothing
+/// to wait for; else `--job-pickup-timeout` after the launch.
+fn unserved(
+    reg: &Registration,
+    id: i64,
+    runner: &Runner,
+    job: &Job,
+    policy: &Policy,
+    now: Timestamp,
+) -> Option<Step> {
+    if !job.is_waiting() {
+        return None;
+    }
+    if let Some(declared) = &runner.labels
+        && !job_matches(job, declared)
+    {
+        return Some(Step::Teardown {
+            reason: TeardownReason::WrongLabels {
+                runner_id: id,
+                job_id: job.id,
+                declared: declared.clone(),
+                runs_on: job.runs_on.clone(),
+            },
+        });
+    }
+    (now.since(reg.grace_start()) >= policy.job_pickup_timeout).then_some(Step::Teardown {
+        reason: TeardownReason::PickupTimeout {
+            runner_id: id,
+            job_id: job.id,
+        },
+    })
+}
+
 /// Why a registration still there at teardown is deleted: `stranded` when its runner was seen
-/// idle after its job had gone, else `teardown`.
+/// idle after its job had gone, `pickup_timeout`/`wrong_labels` when its runner was not given
+/// its waiting job, else `teardown`.
 fn leftover_reason(reg: &Registration) -> DeleteReason {
-    if reg.job_gone_since.is_some() {
-        DeleteReason::Stranded
-    } else {
-        DeleteReason::Teardown
+    match (reg.job_gone_since, reg.not_served) {
+        (Some(_), _) => DeleteReason::Stranded,
+        (None, Some(NotServed::PickupTimeout)) => DeleteReason::PickupTimeout,
+        (None, Some(NotServed::WrongLabels)) => DeleteReason::WrongLabels,
+        (None, None) => DeleteReason::Teardown,
     }
 }
 

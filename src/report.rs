@@ -55,6 +55,9 @@ pub struct Event {
     pub runner_name: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
+    /// The job a registration was made for, or the job held (`hold_job`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub job_id: Option<i64>,
     /// For deletions: the status Forgejo reported just before (the evidence it was deletable).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub status: Option<String>,
@@ -113,6 +116,8 @@ pub struct Summary {
     /// DELETEs answered 404: someone (or the runner itself) removed them first.
     pub already_gone: u32,
     pub delete_failed: u32,
+    /// Jobs held after our runner sat idle past `--job-pickup-timeout` next to them.
+    pub held: u32,
 }
 
 impl Summary {
@@ -129,6 +134,7 @@ impl Summary {
                 ("launch_runner", true) => &mut s.launched,
                 ("launch_runner", false) => &mut s.launch_failed,
                 ("forget_runner", true) => &mut s.consumed,
+                ("hold_job", true) => &mut s.held,
                 ("delete_runner", false) => &mut s.delete_failed,
                 ("delete_runner", true) if e.detail == ALREADY_GONE => &mut s.already_gone,
                 ("delete_runner", true) => s
@@ -176,6 +182,9 @@ impl Summary {
         }
         if self.delete_failed > 0 {
             parts.push(n(self.delete_failed, "deletion(s) failed"));
+        }
+        if self.held > 0 {
+            parts.push(n(self.held, "job(s) held"));
         }
         if self.vm_destroyed > 0 {
             parts.push("VM destroyed".into());
@@ -333,6 +342,7 @@ impl Report {
             runner_id: None,
             runner_name: None,
             reason: None,
+            job_id: None,
             status: None,
             destroyed_cycle_id: None,
             evidence: None,

@@ -14,6 +14,7 @@ use anyhow::{Context, Result, anyhow};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use crate::holds::{HOLDS_FILE, Holds, parse_holds};
 use crate::time::Timestamp;
 
 pub const STATE_VERSION: u64 = 1;
@@ -63,6 +64,25 @@ pub struct Registration {
     pub launched_at: Option<Timestamp>,
     /// When its job was first seen neither waiting nor running while the runner was idle.
     pub job_gone_since: Option<Timestamp>,
+    /// Forgejo has reported the runner `idle` or `active` at least once: it connected. One that
+    /// stays `offline` past the grace without ever connecting is a failed start.
+    #[serde(default)]
+    pub connected: bool,
+    /// Set when the VM was torn down because this runner sat idle while its job waited.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub not_served: Option<NotServed>,
+}
+
+/// Why a connected runner was not given its waiting job, and the VM went.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum NotServed {
+    /// Idle for `--job-pickup-timeout` while its job waited: Forgejo did not hand it out (a
+    /// concurrency group holds it, most likely). The job is held (`held-jobs.json`).
+    PickupTimeout,
+    /// The runner declared labels that do not cover its job's `runs_on`: Forgejo never gives
+    /// it that job (the launch command does not pass `RUNNER_LABELS` as `--label`).
+    WrongLabels,
 }
 
 impl Registration {
@@ -169,12 +189,16 @@ fn is_plain_cycle_id(id: &str) -> bool {
             .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
 }
 
-/// Where cycle.json lives. Chosen once in `main`: a directory on disk, or memory for dry-runs.
+/// Where cycle.json (and the held jobs, which outlive a cycle) live. Chosen once in `main`: a
+/// directory on disk, or memory for dry-runs.
 pub trait StateStore {
     fn load(&mut self) -> Result<Option<CycleState>>;
     fn save(&mut self, state: &CycleState) -> Result<()>;
     fn remove(&mut self) -> Result<()>;
     fn describe(&self) -> String;
+    /// The held jobs (`held-jobs.json`); none when there is no file.
+    fn load_holds(&mut self) -> Result<Holds>;
+    fn save_holds(&mut self, holds: &Holds) -> Result<()>;
 }
 
 pub struct FileStore {
@@ -289,12 +313,51 @@ impl StateStore for FileStore {
     fn describe(&self) -> String {
         self.path().display().to_string()
     }
+
+    fn load_holds(&mut self) -> Result<Holds> {
+        read_holds_file(&self.dir.join(HOLDS_FILE))
+    }
+
+    fn save_holds(&mut self, holds: &Holds) -> Result<()> {
+        let path = self.dir.join(HOLDS_FILE);
+        if holds.jobs.is_empty() {
+            // Nothing held: no file (at rest the state directory holds only what must stay).
+            return match fs::remove_file(&path) {
+                Ok(()) => Ok(()),
+                Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+                Err(e) => Err(anyhow!("cannot remove {}: {e}", path.display())),
+            };
+        }
+        let mut bytes = serde_json::to_vec_pretty(holds).context("cannot encode the held jobs")?;
+        bytes.push(b'\n');
+        write_atomic(&path, &bytes)
+    }
 }
 
-/// A store that never touches the disk: dry-runs start from what the real file (or the fixture)
-/// holds and keep every change in memory.
+/// Reads `held-jobs.json` without changing it; none when it does not exist.
+pub fn read_holds_file(path: &Path) -> Result<Holds> {
+    let meta = match fs::symlink_metadata(path) {
+        Ok(m) => m,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Holds::default()),
+        Err(e) => return Err(anyhow!("cannot read {}: {e}", path.display())),
+    };
+    if !meta.file_type().is_file() || meta.len() > MAX_STATE_BYTES {
+        return Err(anyhow!(
+            "{} is not a regular file of at most {MAX_STATE_BYTES} bytes",
+            path.display()
+        ));
+    }
+    let text =
+        fs::read_to_string(path).map_err(|e| anyhow!("cannot read {}: {e}", path.display()))?;
+    parse_holds(&text).map_err(|e| anyhow!("{} is unusable: {e:#}", path.display()))
+}
+
+/// A store that never touches the disk: dry-runs start from what the real files (or the
+/// fixture) hold and keep every change in memory.
+#[derive(Default)]
 pub struct MemoryStore {
     pub state: Option<CycleState>,
+    pub holds: Holds,
 }
 
 impl StateStore for MemoryStore {
@@ -315,6 +378,15 @@ impl StateStore for MemoryStore {
     fn describe(&self) -> String {
         "cycle state (in memory, dry-run)".into()
     }
+
+    fn load_holds(&mut self) -> Result<Holds> {
+        Ok(self.holds.clone())
+    }
+
+    fn save_holds(&mut self, holds: &Holds) -> Result<()> {
+        self.holds = holds.clone();
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -334,6 +406,8 @@ mod tests {
             launch: Launch::Done,
             launched_at: Some(Timestamp(1_760_000_002_000)),
             job_gone_since: None,
+            connected: false,
+            not_served: None,
         });
         s
     }

@@ -346,6 +346,8 @@ struct SummaryView {
     already_gone: u32,
     #[serde(default)]
     delete_failed: u32,
+    #[serde(default)]
+    held: u32,
 }
 
 impl SummaryView {
@@ -363,6 +365,7 @@ impl SummaryView {
             deleted: self.deleted,
             already_gone: self.already_gone,
             delete_failed: self.delete_failed,
+            held: self.held,
         }
         .line()
     }

@@ -422,6 +422,7 @@ mod tests {
             id,
             name: Some(name.into()),
             status,
+            labels: None,
         }
     }
 
@@ -574,6 +575,7 @@ mod tests {
                 id: 606,
                 name: None,
                 status: RunnerStatus::Offline,
+                labels: None,
             },
         ];
         let listing = Listing {

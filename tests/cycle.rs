@@ -211,7 +211,7 @@ fn failed_destroy_keeps_cycle_and_sweeps_nothing_then_converges() {
 #[test]
 fn unconsumed_registration_is_deleted_before_it_is_forgotten() {
     let env = Env::new();
-    env.set_launch_mode("noop"); // launched, but the runner never connects
+    env.set_launch_mode("die"); // the runner connects, then dies before taking its job
     env.fake.add_job(&["debian"]);
     let out = env.run(&["--output", "json", "--max-jobs-per-vm", "2"]);
     assert_eq!(out.code, Some(0), "{out:?}");
@@ -880,7 +880,7 @@ fn sigterm_during_destroy_persists_and_the_next_run_converges() {
 #[test]
 fn a_failed_delete_keeps_the_registration_until_forgejo_confirms() {
     let env = Env::new();
-    env.set_launch_mode("noop");
+    env.set_launch_mode("die");
     env.fake.add_job(&["debian"]);
     env.fake
         .inject("DELETE", "/actions/runners/", Fault::Status(500), 2);

@@ -89,6 +89,47 @@ fn reuse_deletes_the_unconsumed_registration_before_registering_again() {
 }
 
 #[test]
+fn a_registration_whose_runner_never_connected_is_deleted_as_a_failed_start() {
+    // The same world, but the runner was never seen up (and Forgejo shows no version): its
+    // launch exited 0, yet nothing connected.
+    let mut world: Value = serde_json::from_str(
+        &std::fs::read_to_string(
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/reuse-unconsumed.json"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    world["cycle"]["registrations"][0]["connected"] = json!(false);
+    world["runners"][0]["version"] = json!("");
+    world["runners"][0]["labels"] = Value::Null;
+    let tmp = tempfile::tempdir().unwrap();
+    let fixture = tmp.path().join("never-connected.json");
+    std::fs::write(&fixture, world.to_string()).unwrap();
+    let out = Command::new(BIN)
+        .args([
+            "run",
+            "--dry-run",
+            "--output",
+            "json",
+            "--labels",
+            "debian",
+            "--fixture",
+        ])
+        .arg(&fixture)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0));
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let a = actions(&v);
+    assert_eq!(
+        a[0],
+        json!({"action": "delete_runner", "runner_id": 514, "reason": "never_connected"})
+    );
+    // One failed start is not yet a broken VM: the next job gets a runner.
+    assert_eq!(a[1]["action"], "register_runner", "{v}");
+}
+
+#[test]
 fn within_the_grace_an_offline_registration_is_left_alone() {
     // The same world, five minutes after launch: with a 30 m grace it is still "starting".
     let (code, v, stderr) = plan("reuse-unconsumed.json", &["--registration-grace", "30m"]);

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 use support::fake_forgejo::{Conn, FakeForgejo, Fault};
+use support::forgejo_rules;
 
 const TOKEN: &str = "admin-write-token";
 const RO_TOKEN: &str = "admin-read-token";
@@ -301,8 +302,13 @@ fn list_without_page_returns_every_row_but_link_still_advertises_page_two() {
         "default limit"
     );
 
+    // Every row ties (never connected): no order is promised, but while nothing changes the
+    // pages hold every row once.
     let p2 = api.get(&format!("{ADMIN}?page=2&limit=30"));
-    assert_eq!(ids(&p2.json()), (31..=35).collect::<Vec<i64>>());
+    let mut both = ids(&p1.json());
+    both.extend(ids(&p2.json()));
+    both.sort();
+    assert_eq!(both, (1..=35).collect::<Vec<i64>>());
     assert_eq!(p2.total_count.as_deref(), Some("35"));
     assert_eq!(
         p2.link.as_deref(),
@@ -328,7 +334,8 @@ fn limit_is_clamped_to_50_and_total_count_counts_all_matching_rows() {
     let api = Api::admin(&fake);
 
     let r = api.get(&format!("{ADMIN}?limit=100&page=1"));
-    assert_eq!(ids(&r.json()), (1..=50).collect::<Vec<i64>>());
+    let mut seen = ids(&r.json());
+    assert_eq!(seen.len(), 50);
     assert_eq!(
         r.total_count.as_deref(),
         Some("60"),
@@ -343,7 +350,10 @@ fn limit_is_clamped_to_50_and_total_count_counts_all_matching_rows() {
         )
     );
     let r = api.get(&format!("{ADMIN}?limit=100&page=2"));
-    assert_eq!(ids(&r.json()), (51..=60).collect::<Vec<i64>>());
+    assert_eq!(ids(&r.json()).len(), 10);
+    seen.extend(ids(&r.json()));
+    seen.sort();
+    assert_eq!(seen, (1..=60).collect::<Vec<i64>>());
 
     let r = api.get(&format!("{ADMIN}?page=1&limit=0"));
     assert_eq!(r.json().as_array().expect("array").len(), 30);
@@ -353,7 +363,7 @@ fn limit_is_clamped_to_50_and_total_count_counts_all_matching_rows() {
 }
 
 #[test]
-fn list_order_is_last_online_desc_then_id() {
+fn list_order_is_last_online_desc_and_ties_come_in_no_promised_order() {
     let fake = FakeForgejo::start(TOKEN);
     let a = fake.add_runner("a", true, Conn::NeverConnected);
     let b = fake.add_runner("b", true, Conn::OfflineFor(Duration::from_secs(600)));
@@ -361,11 +371,39 @@ fn list_order_is_last_online_desc_then_id() {
     let d = fake.add_runner("d", true, Conn::NeverConnected);
     let e = fake.add_runner("e", true, Conn::OfflineFor(Duration::from_secs(120)));
     let api = Api::admin(&fake);
-    assert_eq!(ids(&api.get(ADMIN).json()), vec![c, e, b, a, d]);
+    let all = ids(&api.get(ADMIN).json());
+    assert_eq!(all[..3], [c, e, b], "last_online DESC");
+    let mut tied = all[3..].to_vec();
+    tied.sort();
+    assert_eq!(tied, [a, d], "the two never-connected rows tie at 0, last");
+    // The same reading gives the same order while nothing changes...
+    assert_eq!(ids(&api.get(ADMIN).json()), all);
     assert_eq!(
         ids(&api.get(&format!("{ADMIN}?page=2&limit=2")).json()),
-        vec![b, a]
+        vec![b, all[3]]
     );
+}
+
+#[test]
+fn rows_that_tie_are_reordered_by_inserts_and_deletes() {
+    // `ToOrders` is only `last_online DESC` (models/actions/runner.go): ties among the
+    // never-connected rows come in whatever order the database gives, which is not promised
+    // across changes. The fake's order depends on the table's version.
+    let fake = FakeForgejo::start(TOKEN);
+    for i in 0..20 {
+        fake.add_runner(&format!("r{i}"), true, Conn::NeverConnected);
+    }
+    let api = Api::admin(&fake);
+    let before = ids(&api.get(ADMIN).json());
+    assert_ne!(
+        before,
+        (1..=20).collect::<Vec<i64>>(),
+        "ties are not broken by id"
+    );
+    let extra = fake.add_runner("extra", true, Conn::NeverConnected);
+    let mut after = ids(&api.get(ADMIN).json());
+    after.retain(|id| *id != extra);
+    assert_ne!(after, before, "an insert reorders the tied rows");
 }
 
 #[test]
@@ -470,7 +508,9 @@ fn delete_is_soft_and_a_second_delete_is_404() {
         404,
         "runner with ID 99999: resource does not exist",
     );
-    assert_eq!(ids(&api.get(ADMIN).json()), vec![keep, 501]);
+    let mut left = ids(&api.get(ADMIN).json());
+    left.sort();
+    assert_eq!(left, vec![keep, 501]);
     assert_eq!(api.get(ADMIN).total_count.as_deref(), Some("2"));
     assert_eq!(fake.deleted_ids(), vec![id]);
     assert!(fake.runner(id).is_none());
@@ -491,7 +531,7 @@ fn register_validates_name_and_allows_duplicates() {
         "not json",
         "",
     ] {
-        assert_error(&api.post(ADMIN, body), 422, "Name: Required");
+        assert_error(&api.post(ADMIN, body), 422, "[Name]: Required");
     }
     assert!(fake.runners().is_empty());
 
@@ -676,19 +716,28 @@ fn take_makes_the_runner_active_until_finish() {
     let (id, uuid, token) = api.register(ADMIN, "ephemeral-2", true);
     let (keep, keep_uuid, keep_token) = api.register(ADMIN, "persistent", false);
 
-    let r = api.runner_call(&format!("take?handle={handle}"), &uuid, &token);
+    let r = api.runner_call(
+        &format!("take?handle={handle}&labels=debian:host"),
+        &uuid,
+        &token,
+    );
     assert_eq!(r.status, 200, "{}", r.body);
     let runner = api.get(&format!("{ADMIN}/{id}")).json();
     assert_eq!(runner["status"], "active");
     assert_eq!(runner["version"], "12.8.2");
+    assert_eq!(runner["labels"], json!(["debian"]), "the declared names");
     let listed = api.get(&format!("{ADMIN}/jobs")).json();
     assert_eq!(listed[0]["status"], "running");
     assert!(listed[0]["task_id"].as_i64().expect("task id") > 0);
     assert_eq!(fake.jobs()[0].runner_id, Some(id));
     // The job is no longer waiting, and an ephemeral runner gets only one task.
     assert_eq!(
-        api.runner_call(&format!("take?handle={handle}"), &keep_uuid, &keep_token)
-            .status,
+        api.runner_call(
+            &format!("take?handle={handle}&labels=debian"),
+            &keep_uuid,
+            &keep_token
+        )
+        .status,
         409
     );
     fake.add_job(&["debian"]);
@@ -701,7 +750,7 @@ fn take_makes_the_runner_active_until_finish() {
     assert!(fake.runner(id).is_none());
 
     // A non-ephemeral runner survives its job (active for 10 s after its last report).
-    let r = api.runner_call("one-job", &keep_uuid, &keep_token);
+    let r = api.runner_call("one-job?labels=debian", &keep_uuid, &keep_token);
     assert_eq!(r.status, 200, "{}", r.body);
     assert_eq!(fake.runner(keep).expect("kept").status, "active");
     assert_eq!(fake.jobs()[1].status, "success");
@@ -950,5 +999,150 @@ fn unknown_paths_and_methods() {
     assert_eq!(
         api.get("/api/v1/version").json(),
         json!({"version": "15.0.3+gitea-1.22.0"})
+    );
+}
+
+/// Runs one case of Forgejo's assignment rule through the fake's HTTP API: a runner registered
+/// over REST, declaring its labels by connecting, asks for the case's job.
+fn fake_takes(c: &forgejo_rules::Case) -> bool {
+    let fake = FakeForgejo::start(TOKEN);
+    let api = Api::admin(&fake);
+    let repo = "/api/v1/repos/acme/app/actions/runners";
+    let (id, uuid, token) = match c.same_repo {
+        None => api.register(ADMIN, "ephemeral-case", true),
+        Some(_) => api.register(repo, "ephemeral-case", true),
+    };
+    let job_repo = match c.same_repo {
+        Some(false) => fake.repo_id("acme/other"),
+        _ => fake.repo_id("acme/app"),
+    };
+    let labels = c.runner_labels.join(",");
+    let r = api.runner_call(&format!("connect?labels={labels}"), &uuid, &token);
+    assert_eq!(r.status, 200, "{}: {}", c.what, r.body);
+    if c.ephemeral_with_task {
+        let (first, _) = fake.add_scoped_job(&["debian"], 1, job_repo);
+        let r = api.runner_call("take", &uuid, &token);
+        assert_eq!(r.status, 200, "{}: {}", c.what, r.body);
+        assert_eq!(fake.jobs()[0].id, first);
+    }
+    let (job, handle) = fake.add_scoped_job(c.job_runs_on, 1, job_repo);
+    if c.job_status != "waiting" {
+        fake.set_job_status(job, c.job_status);
+    }
+    fake.set_job_queued(job, c.queued_behind);
+    let query = match c.with_handle {
+        None => "take".to_string(),
+        Some(true) => format!("take?handle={handle}"),
+        Some(false) => "take?handle=00000000-0000-4000-8000-000000000000".to_string(),
+    };
+    let r = api.runner_call(&query, &uuid, &token);
+    let taken = r.status == 200;
+    if taken {
+        assert_eq!(
+            fake.jobs()
+                .iter()
+                .find(|j| j.id == job)
+                .and_then(|j| j.runner_id),
+            Some(id),
+            "{}",
+            c.what
+        );
+    } else {
+        assert_eq!(r.status, 409, "{}: {}", c.what, r.body);
+    }
+    taken
+}
+
+#[test]
+fn the_fake_follows_forgejos_assignment_rule_in_every_case_of_the_table() {
+    forgejo_rules::check_rule_against_the_table();
+    for c in forgejo_rules::CASES {
+        assert_eq!(fake_takes(c), c.taken, "{}", c.what);
+    }
+}
+
+#[test]
+fn a_job_queued_behind_its_concurrency_group_is_listed_waiting_and_given_to_nobody() {
+    let fake = FakeForgejo::start(TOKEN);
+    let api = Api::admin(&fake);
+    let (job, handle) = fake.add_job(&["debian"]);
+    fake.set_job_queued(job, true);
+    let listed = api.get(&format!("{ADMIN}/jobs?labels=debian")).json();
+    assert_eq!(listed[0]["id"], job);
+    assert_eq!(
+        listed[0]["status"], "waiting",
+        "the REST list does not filter"
+    );
+    let (_, uuid, token) = api.register(ADMIN, "ephemeral-q", true);
+    let take = format!("take?handle={handle}&labels=debian");
+    assert_eq!(api.runner_call(&take, &uuid, &token).status, 409);
+    // Once the run ahead of it ends, the polling runner gets it.
+    fake.set_job_queued(job, false);
+    assert_eq!(api.runner_call(&take, &uuid, &token).status, 200);
+}
+
+#[test]
+fn cancelling_a_running_job_deletes_its_ephemeral_runner() {
+    // services/actions/rerun.go cancelSingleJob -> StopTask deletes an ephemeral runner.
+    let fake = FakeForgejo::start(TOKEN);
+    let api = Api::admin(&fake);
+    let (job, handle) = fake.add_job(&["debian"]);
+    let (id, uuid, token) = api.register(ADMIN, "ephemeral-c", true);
+    let take = format!("take?handle={handle}&labels=debian");
+    assert_eq!(api.runner_call(&take, &uuid, &token).status, 200);
+    fake.set_job_status(job, "cancelled");
+    assert!(fake.runner(id).is_none(), "deleted by Forgejo");
+    assert!(fake.deleted_ids().is_empty(), "not through the API");
+    assert_eq!(api.get(&format!("{ADMIN}/{id}")).status, 404);
+    // A cancelled job that was still waiting deletes nothing.
+    let (waiting, _) = fake.add_job(&["debian"]);
+    let (other, _, _) = api.register(ADMIN, "ephemeral-d", true);
+    fake.set_job_status(waiting, "cancelled");
+    assert!(fake.runner(other).is_some());
+}
+
+#[test]
+fn the_endless_task_clean_up_deletes_a_runner_whose_process_goes_on() {
+    let fake = FakeForgejo::start(TOKEN);
+    let api = Api::admin(&fake);
+    let (job, handle) = fake.add_job(&["debian"]);
+    let (id, uuid, token) = api.register(ADMIN, "ephemeral-e", true);
+    let take = format!("take?handle={handle}&labels=debian");
+    assert_eq!(api.runner_call(&take, &uuid, &token).status, 200);
+    assert!(
+        fake.stop_endless_tasks(Duration::from_millis(
+            forgejo_rules::ENDLESS_TASK_TIMEOUT_MS as u64
+        ))
+        .is_empty(),
+        "younger than Forgejo's 3 h"
+    );
+    std::thread::sleep(Duration::from_millis(20));
+    assert_eq!(
+        fake.stop_endless_tasks(Duration::from_millis(10)),
+        vec![job]
+    );
+    assert_eq!(fake.jobs()[0].status, "failure");
+    assert_eq!(api.get(&format!("{ADMIN}/{id}")).status, 404);
+    // The process is not told: it can only find out that it no longer authenticates.
+    assert_eq!(api.runner_call("connect", &uuid, &token).status, 401);
+}
+
+#[test]
+fn a_long_name_is_cut_as_forgejo_cuts_it() {
+    let fake = FakeForgejo::start(TOKEN);
+    let api = Api::admin(&fake);
+    let long = format!("ephemeral-{}", "é".repeat(200));
+    let (id, _, _) = api.register(ADMIN, &long, true);
+    let name = fake.runner(id).expect("exists").name;
+    assert!(name.len() <= 255 && name.ends_with('…'), "{name}");
+    assert!(long.starts_with(name.trim_end_matches('…')));
+    // 10 bytes of prefix and 121 two-byte characters fit in 252; then "…" (3 bytes).
+    assert_eq!(name.len(), 255);
+    let odd = format!("ephemeral-x{}", "é".repeat(200));
+    let (id, _, _) = api.register(ADMIN, &odd, true);
+    assert_eq!(
+        fake.runner(id).expect("exists").name.len(),
+        251 + 3,
+        "a character is never split: 251 bytes and the ellipsis"
     );
 }

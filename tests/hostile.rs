@@ -39,6 +39,8 @@ fn valid_cycle_json() -> Vec<u8> {
         launch: Launch::Done,
         launched_at: Some(Timestamp(1_764_414_062_000)),
         job_gone_since: None,
+        connected: false,
+        not_served: None,
     });
     s.outputs
         .insert("address".into(), json!("192.0.2.7 — vm ✓"));
@@ -588,9 +590,11 @@ fn a_registration_in_doubt_is_never_deleted_until_forgejo_answers_plainly() {
 fn a_count_that_lies_low_never_makes_a_lost_registration_forgotten() {
     let env = Env::new();
     env.fake.add_job(&["debian"]);
+    // Online runners come first (`last_online DESC`): the new registration, never connected,
+    // is listed after all 60 of them, on page 2.
     for i in 0..60 {
         env.fake
-            .add_runner(&format!("static-{i}"), false, Conn::NeverConnected);
+            .add_runner(&format!("static-{i}"), false, Conn::Idle);
     }
     env.fake
         .inject("POST", "/actions/runners", Fault::ApplyThenDrop, 1);

@@ -123,8 +123,9 @@ fn a_cycle_leaves_a_report_an_audit_trail_metrics_and_a_status() {
         false,
         Conn::OfflineFor(Duration::from_secs(600)),
     );
-    // The runner never connects: its registration is deleted as unconsumed; one job per VM.
-    env.set_launch_mode("noop");
+    // The runner connects, then dies before taking its job: its registration is deleted as
+    // unconsumed; one job per VM.
+    env.set_launch_mode("die");
     env.fake.add_job(&["debian"]);
     // An audit trail just under its bound: this run's first record rotates it.
     fs::create_dir_all(&env.state).unwrap();

@@ -8,7 +8,8 @@ use ci_ephemeral_provisioner::model::{
     Job, Runner, RunnerStatus, may_delete, parse_jobs, parse_runner_page,
 };
 use ci_ephemeral_provisioner::state::{
-    CycleState, FileStore, Launch, Phase, Registration, StateStore, parse_state, read_state_file,
+    CycleState, FileStore, Launch, NotServed, Phase, Registration, StateStore, parse_state,
+    read_state_file,
 };
 use ci_ephemeral_provisioner::sweep::{Listing, PAGE_LIMIT, list_all, select};
 use ci_ephemeral_provisioner::time::Timestamp;
@@ -96,6 +97,7 @@ fn any_runner() -> impl Strategy<Value = Runner> {
             id,
             name,
             status: canonical(status),
+            labels: None,
         })
 }
 
@@ -139,10 +141,28 @@ fn any_registration() -> impl Strategy<Value = Registration> {
             Just(Launch::Failed)
         ],
         proptest::option::of(any_timestamp()),
-        proptest::option::of(any_timestamp()),
+        (
+            proptest::option::of(any_timestamp()),
+            any::<bool>(),
+            prop_oneof![
+                Just(None),
+                Just(Some(NotServed::PickupTimeout)),
+                Just(Some(NotServed::WrongLabels))
+            ],
+        ),
     )
         .prop_map(
-            |(name, id, uuid, job_id, job_handle, requested_at, launch, launched_at, gone)| {
+            |(
+                name,
+                id,
+                uuid,
+                job_id,
+                job_handle,
+                requested_at,
+                launch,
+                launched_at,
+                (gone, connected, not_served),
+            )| {
                 Registration {
                     name,
                     id,
@@ -153,6 +173,8 @@ fn any_registration() -> impl Strategy<Value = Registration> {
                     launch,
                     launched_at,
                     job_gone_since: gone,
+                    connected,
+                    not_served,
                 }
             },
         )

@@ -286,6 +286,8 @@ fn a_lost_post_is_not_forgotten_when_a_listed_row_has_no_name() {
             launch: Launch::Pending,
             launched_at: None,
             job_gone_since: None,
+            connected: false,
+            not_served: None,
         });
         s.write_disk(&st);
         s.create_vm("c1");

@@ -19,6 +19,7 @@ const IDLE: i64 = 5 * MIN;
 const MAX_CYCLE: i64 = 6 * HOUR;
 const HARD: i64 = 24 * HOUR;
 const AFTER_DESTROY: i64 = 120 * SEC;
+const PICKUP: i64 = 10 * MIN;
 /// When every registration built by `reg` was requested.
 const REQUESTED: i64 = 10 * SEC;
 /// The job every registration built by `reg` was made for.
@@ -40,6 +41,7 @@ fn policy() -> Policy {
         max_cycle_duration: Duration::from_secs(6 * 3600),
         hard_deadline: Duration::from_secs(24 * 3600),
         intent_settle: Duration::ZERO,
+        job_pickup_timeout: Duration::from_secs(PICKUP as u64 / 1000),
     }
 }
 
@@ -65,7 +67,8 @@ fn handle(job_id: i64) -> String {
     format!("handle-{job_id}")
 }
 
-/// A registration with a known id, made for job `JOB`, requested at `at(REQUESTED)`.
+/// A registration with a known id, made for job `JOB`, requested at `at(REQUESTED)`. A launched
+/// one (`Launch::Done`) has been seen connected; see `never_seen` for one that has not.
 fn reg(id: i64, launch: Launch, launched_at: Option<Timestamp>) -> Registration {
     Registration {
         name: reg_name(id),
@@ -77,6 +80,8 @@ fn reg(id: i64, launch: Launch, launched_at: Option<Timestamp>) -> Registration 
         launch,
         launched_at,
         job_gone_since: None,
+        connected: launch == Launch::Done,
+        not_served: None,
     }
 }
 
@@ -92,7 +97,15 @@ fn intent(name: &str) -> Registration {
         launch: Launch::Pending,
         launched_at: None,
         job_gone_since: None,
+        connected: false,
+        not_served: None,
     }
+}
+
+/// The same registration, its runner never seen `idle` or `active`.
+fn never_seen(mut r: Registration) -> Registration {
+    r.connected = false;
+    r
 }
 
 fn gone_since(mut r: Registration, since: Timestamp) -> Registration {
@@ -105,6 +118,7 @@ fn runner(id: i64, name: &str, status: RunnerStatus) -> Runner {
         id,
         name: Some(name.into()),
         status,
+        labels: None,
     }
 }
 
@@ -503,6 +517,7 @@ fn running_launch_not_done_offline_without_prefix_is_not_deleted() {
             id: 1,
             name: None,
             status: RunnerStatus::Offline,
+            labels: None,
         };
         let s = plan(
             &st,
@@ -575,11 +590,16 @@ fn running_idle_runner_whose_job_is_live_waits() {
         // Its job is listed live (with labels that would not even match: the handle decides).
         let jobs = vec![waiting_debian(99), job(JOB, status, &["gpu"])];
         let o = obs(Some(jobs), vec![seen(ours(1, RunnerStatus::Idle))]);
-        for now in [at(MIN + 1), at(MIN + GRACE + HOUR)] {
+        for now in [at(MIN + 1), at(MIN + PICKUP - 1)] {
             let s = plan(&st, &o, &ctx(), now);
             assert!(is_wait(&s), "{status} at {now:?}: {s:?}");
         }
     }
+    // A job that runs (elsewhere: ours is idle) is no pickup failure, however long it takes.
+    let jobs = vec![job(JOB, "running", &["debian"])];
+    let o = obs(Some(jobs), vec![seen(ours(1, RunnerStatus::Idle))]);
+    let s = plan(&st, &o, &ctx(), at(MIN + PICKUP + HOUR));
+    assert!(is_wait(&s), "{s:?}");
 }
 
 #[test]
@@ -715,6 +735,7 @@ fn running_offline_runner_past_the_grace_without_prefix_is_not_deleted() {
         id: 1,
         name: None,
         status: RunnerStatus::Offline,
+        labels: None,
     };
     let s = plan(&st, &obs(Some(vec![]), vec![seen(nameless)]), &ctx(), now);
     assert!(is_wait(&s), "{s:?}");
@@ -1501,6 +1522,7 @@ fn put(runners: &mut BTreeMap<i64, Option<Runner>>, id: i64, name: &Option<Strin
                     id,
                     name: name.clone(),
                     status: status.clone(),
+                    labels: None,
                 }),
             );
         }
@@ -1788,4 +1810,232 @@ fn a_settling_post_after_the_destroy_waits_past_the_offline_bound() {
         decide(Some(&st), &obs(None, vec![]), &destroyed_ctx(), &p, settled),
         Step::ResolveIntent { name }
     );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Runners that never connect, runners Forgejo does not give their job, held jobs
+// ---------------------------------------------------------------------------------------------
+
+/// Runner `id` as `GET …/runners/{id}` shows it once it has declared these label names.
+fn declared(id: i64, status: RunnerStatus, labels: &[&str]) -> Runner {
+    Runner {
+        labels: Some(labels.iter().map(|l| l.to_string()).collect()),
+        ..ours(id, status)
+    }
+}
+
+fn held(job_id: i64, until: i64) -> RunContext {
+    let mut c = ctx();
+    c.holds.jobs.push(crate::holds::Hold {
+        job_id,
+        handle: handle(job_id),
+        held_at: at(0),
+        until: at(until),
+        times: 1,
+    });
+    c
+}
+
+#[test]
+fn a_launched_runner_never_seen_up_is_deleted_as_never_connected_after_the_grace() {
+    let launched = MIN;
+    let st = state_with(
+        Phase::Running,
+        vec![never_seen(reg(1, Launch::Done, Some(at(launched))))],
+    );
+    let o = obs(Some(vec![]), vec![seen(ours(1, RunnerStatus::Offline))]);
+    assert!(is_wait(&plan(&st, &o, &ctx(), at(launched + GRACE - 1))));
+    assert_eq!(
+        plan(&st, &o, &ctx(), at(launched + GRACE)),
+        delete(1, DeleteReason::NeverConnected)
+    );
+    // One that connected and then went offline did not fail to start: it is unconsumed.
+    let st = state_with(
+        Phase::Running,
+        vec![reg(1, Launch::Done, Some(at(launched)))],
+    );
+    assert_eq!(
+        plan(&st, &o, &ctx(), at(launched + GRACE)),
+        delete(1, DeleteReason::Unconsumed)
+    );
+}
+
+#[test]
+fn a_runner_seen_idle_or_active_for_the_first_time_is_marked_connected() {
+    let st = state_with(
+        Phase::Running,
+        vec![never_seen(reg(1, Launch::Done, Some(at(MIN))))],
+    );
+    for status in [RunnerStatus::Idle, RunnerStatus::Active] {
+        for jobs in [None, Some(vec![]), Some(vec![waiting_debian(JOB)])] {
+            // Before anything else, whatever its job does and however late it is.
+            let o = obs(jobs.clone(), vec![seen(ours(1, status.clone()))]);
+            for now in [at(MIN + 1), at(MIN + PICKUP + HOUR)] {
+                assert_eq!(
+                    plan(&st, &o, &ctx(), now),
+                    Step::MarkConnected { id: 1 },
+                    "{status:?} {jobs:?}"
+                );
+            }
+        }
+    }
+    // Offline, or unknown: nothing to mark.
+    for status in [RunnerStatus::Offline, RunnerStatus::Missing] {
+        let o = obs(Some(vec![]), vec![seen(ours(1, status.clone()))]);
+        assert!(is_wait(&plan(&st, &o, &ctx(), at(MIN + 1))), "{status:?}");
+    }
+}
+
+#[test]
+fn an_idle_runner_whose_job_still_waits_past_the_pickup_timeout_takes_the_vm_down() {
+    let launched = MIN;
+    let st = state_with(
+        Phase::Running,
+        vec![reg(1, Launch::Done, Some(at(launched)))],
+    );
+    let o = obs(
+        Some(vec![waiting_debian(JOB)]),
+        vec![seen(ours(1, RunnerStatus::Idle))],
+    );
+    assert!(is_wait(&plan(&st, &o, &ctx(), at(launched + PICKUP - 1))));
+    let s = plan(&st, &o, &ctx(), at(launched + PICKUP));
+    assert_eq!(
+        s,
+        Step::Teardown {
+            reason: TeardownReason::PickupTimeout {
+                runner_id: 1,
+                job_id: JOB
+            }
+        }
+    );
+    let Step::Teardown { reason } = s else {
+        unreachable!()
+    };
+    assert!(
+        !reason.is_failure(),
+        "a job held back by Forgejo is no failure of ours"
+    );
+    // An active runner has its job: no timeout however long it runs.
+    let o = obs(
+        Some(vec![waiting_debian(JOB)]),
+        vec![seen(ours(1, RunnerStatus::Active))],
+    );
+    assert!(is_wait(&plan(
+        &st,
+        &o,
+        &ctx(),
+        at(launched + PICKUP + HOUR)
+    )));
+}
+
+#[test]
+fn an_idle_runner_whose_labels_do_not_cover_its_job_takes_the_vm_down_at_once() {
+    let st = state_with(Phase::Running, vec![reg(1, Launch::Done, Some(at(MIN)))]);
+    let jobs = Some(vec![job(JOB, "waiting", &["debian", "docker"])]);
+    for labels in [&[][..], &["debian"], &["docker", "gpu"]] {
+        let o = obs(
+            jobs.clone(),
+            vec![seen(declared(1, RunnerStatus::Idle, labels))],
+        );
+        let s = plan(&st, &o, &ctx(), at(MIN + 1));
+        let Step::Teardown {
+            reason: reason @ TeardownReason::WrongLabels { .. },
+        } = &s
+        else {
+            panic!("{labels:?}: {s:?}");
+        };
+        assert!(
+            reason.is_failure(),
+            "a launch without the labels is an error"
+        );
+        assert!(
+            reason.describe().contains("--label"),
+            "{}",
+            reason.describe()
+        );
+    }
+    // Labels that cover the job: wait (up to the pickup timeout).
+    let o = obs(
+        jobs.clone(),
+        vec![seen(declared(
+            1,
+            RunnerStatus::Idle,
+            &["docker", "debian", "x"],
+        ))],
+    );
+    assert!(is_wait(&plan(&st, &o, &ctx(), at(MIN + 1))));
+    // Labels unknown (not in the answer): nothing is concluded from them.
+    let o = obs(jobs, vec![seen(ours(1, RunnerStatus::Idle))]);
+    assert!(is_wait(&plan(&st, &o, &ctx(), at(MIN + 1))));
+    // A job that is not waiting (running elsewhere) is not ours to judge.
+    let o = obs(
+        Some(vec![job(JOB, "running", &["debian"])]),
+        vec![seen(declared(1, RunnerStatus::Idle, &[]))],
+    );
+    assert!(is_wait(&plan(&st, &o, &ctx(), at(MIN + 1))));
+}
+
+#[test]
+fn a_held_job_gets_no_runner_until_its_hold_ends() {
+    let jobs = obs(Some(vec![waiting_debian(5)]), vec![]);
+    // No cycle: a held job starts none (the idle tick stays one request).
+    assert_eq!(
+        decide(None, &jobs, &held(5, HOUR), &policy(), at(0)),
+        Step::Idle
+    );
+    assert_eq!(
+        decide(None, &jobs, &held(5, HOUR), &policy(), at(HOUR)),
+        Step::StartCycle
+    );
+    // A held job of another attempt (another handle) holds nothing here.
+    assert_eq!(
+        decide(None, &jobs, &held(6, HOUR), &policy(), at(0)),
+        Step::StartCycle
+    );
+    // A free VM serves the next waiting job, not the held one, and idles out on held ones.
+    let mut st = state(Phase::Running);
+    st.vm_ready_at = Some(at(0));
+    st.free_since = Some(at(0));
+    let both = obs(Some(vec![waiting_debian(5), waiting_debian(9)]), vec![]);
+    assert_eq!(
+        plan(&st, &both, &held(5, HOUR), at(MIN)),
+        Step::Register {
+            job_id: 9,
+            job_handle: handle(9)
+        }
+    );
+    assert!(is_wait(&plan(&st, &jobs, &held(5, HOUR), at(MIN))));
+    assert_eq!(
+        plan(&st, &jobs, &held(5, HOUR), at(IDLE)),
+        Step::Teardown {
+            reason: TeardownReason::Idle
+        }
+    );
+    assert_eq!(
+        plan(&st, &jobs, &held(5, HOUR), at(HOUR)),
+        Step::Register {
+            job_id: 5,
+            job_handle: handle(5)
+        }
+    );
+}
+
+#[test]
+fn a_registration_not_given_its_job_is_deleted_for_that_reason_after_the_destroy() {
+    for (why, reason) in [
+        (NotServed::PickupTimeout, DeleteReason::PickupTimeout),
+        (NotServed::WrongLabels, DeleteReason::WrongLabels),
+    ] {
+        let mut r = reg(1, Launch::Done, Some(at(MIN)));
+        r.not_served = Some(why);
+        let o = obs(None, vec![seen(ours(1, RunnerStatus::Offline))]);
+        let st = state_with(Phase::TearingDown, vec![r.clone()]);
+        assert_eq!(plan(&st, &o, &ctx(), at(HOUR)), delete(1, reason));
+        let mut st = state_with(Phase::Destroyed, vec![r]);
+        st.destroyed_at = Some(at(HOUR));
+        assert_eq!(
+            plan(&st, &o, &destroyed_ctx(), at(HOUR + SEC)),
+            delete(1, reason)
+        );
+    }
 }

@@ -1,9 +1,17 @@
 #!/bin/sh
-# Test launch command: plays `forgejo-runner one-job` on the VM against the fake Forgejo.
+# Test launch command: plays `forgejo-runner one-job --handle H --label L… --wait` on the VM
+# against the fake Forgejo. The runner declares the label names of RUNNER_LABELS (as the real
+# one declares those of its --label flags) and the fake gives it its job only by Forgejo's rule
+# (tests/support/forgejo_rules.rs). Like `--wait`, a runner that is given no task keeps asking,
+# in the background, until it gets its job or its VM is gone ($VM_DIR/vm-* removed by the
+# module's destroy; a deleted registration does not stop it).
+#
 # Mode from $VM_DIR/launch-mode: one-job (default: connect, take the job, finish it), take (take
-# the job and keep running), connect (connect, never take a job), noop (never connect), fail
-# (exit 3), hang (never return), leak (print the token on stdout and stderr, then exit 3: what
-# reaches our logs must be redacted).
+# the job and keep running), connect (connect, never take a job), nolabels (one-job without any
+# --label: Forgejo gives it nothing), die (connect, the process dies a second later before taking
+# its job), noop (exit 0 but never
+# connect), fail (exit 3), hang (never return), leak (print the token on stdout and stderr, then
+# exit 3: what reaches our logs must be redacted).
 set -eu
 env | sort > "$VM_DIR/launch-env.$RUNNER_ID"
 echo "$0 $*" > "$VM_DIR/launch-argv.$RUNNER_ID"
@@ -17,13 +25,39 @@ noop) exit 0 ;;
 esac
 mkdir -p "$VM_DIR/runners"
 # The token file on the VM (what `--token-url file:` would read).
-(umask 077 && printf '%s\n' "$token" > "$VM_DIR/runners/$RUNNER_UUID")
+tokenfile="$VM_DIR/runners/$RUNNER_UUID"
+(umask 077 && printf '%s\n' "$token" > "$tokenfile")
+labels="labels=$RUNNER_LABELS"
+[ "$mode" = nolabels ] && labels="labels="
+# POST /_fake/$1 as this runner; prints the HTTP status.
 post() {
-    curl -fsS -X POST -H "X-Runner-UUID: $RUNNER_UUID" \
-        --data-binary @"$VM_DIR/runners/$RUNNER_UUID" "$FORGEJO_URL/_fake/$1" > /dev/null
+    curl -sS -o /dev/null -w '%{http_code}' -X POST -H "X-Runner-UUID: $RUNNER_UUID" \
+        --data-binary @"$tokenfile" "$FORGEJO_URL/_fake/$1" || echo 000
+}
+# `--wait`: ask again every 200 ms while the VM lives (at most 2 minutes in a test).
+wait_for_job() {
+    (
+        i=0
+        while [ "$i" -lt 600 ] && ls "$VM_DIR"/vm-* > /dev/null 2>&1; do
+            [ "$(post "one-job?handle=$JOB_HANDLE")" = 200 ] && { rm -f "$tokenfile"; break; }
+            sleep 0.2
+            i=$((i + 1))
+        done
+    ) < /dev/null > /dev/null 2>&1 &
 }
 case "$mode" in
-one-job) post "one-job?handle=$JOB_HANDLE"; rm -f "$VM_DIR/runners/$RUNNER_UUID" ;;
-take) post "take?handle=$JOB_HANDLE" ;;
-connect) post "connect" ;;
+one-job | nolabels)
+    code=$(post "one-job?handle=$JOB_HANDLE&$labels")
+    case "$code" in
+    200) rm -f "$tokenfile" ;;
+    409) wait_for_job ;; # connected, given no task (yet)
+    *) echo "runner: the fake Forgejo answered $code" >&2; exit 1 ;;
+    esac
+    ;;
+take) [ "$(post "take?handle=$JOB_HANDLE&$labels")" = 200 ] ;;
+connect) [ "$(post "connect?$labels")" = 200 ] ;;
+die)
+    [ "$(post "connect?$labels")" = 200 ]
+    (sleep 1 && post disconnect) < /dev/null > /dev/null 2>&1 &
+    ;;
 esac

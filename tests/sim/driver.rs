@@ -46,6 +46,7 @@ pub fn config() -> CycleConfig {
             max_cycle_duration: m(40),
             hard_deadline: m(60),
             intent_settle: Duration::from_millis(2 * HTTP_TIMEOUT_MS as u64),
+            job_pickup_timeout: m(10),
         },
         poll_interval: Duration::from_secs(10),
         labels: format!("{LABEL}:host"),

@@ -597,6 +597,26 @@ impl StateStore for SimStore {
     fn describe(&self) -> String {
         "sim/cycle.json".into()
     }
+
+    fn load_holds(&mut self) -> anyhow::Result<ci_ephemeral_provisioner::holds::Holds> {
+        let s = self.0.sim.borrow();
+        match &s.holds_disk {
+            None => Ok(Default::default()),
+            Some(b) => {
+                ci_ephemeral_provisioner::holds::parse_holds(std::str::from_utf8(b).expect("utf-8"))
+            }
+        }
+    }
+
+    fn save_holds(&mut self, holds: &ci_ephemeral_provisioner::holds::Holds) -> anyhow::Result<()> {
+        let mut s = self.0.sim.borrow_mut();
+        s.holds_disk = if holds.jobs.is_empty() {
+            None
+        } else {
+            Some(serde_json::to_vec(holds).expect("holds encode"))
+        };
+        Ok(())
+    }
 }
 
 // -- the clock -------------------------------------------------------------------------------------------------

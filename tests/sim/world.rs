@@ -275,6 +275,8 @@ pub struct Sim {
     pub vms: Vec<String>,
     /// cycle.json: the bytes written and what they parse to.
     pub disk: Option<(Vec<u8>, CycleState)>,
+    /// held-jobs.json: the bytes written (none: no file).
+    pub holds_disk: Option<Vec<u8>>,
     pub cfg: FaultCfg,
     pub faults_on: bool,
     pub arrivals_on: bool,
@@ -326,6 +328,7 @@ impl Sim {
             random_ties: std::env::var("SIM_RANDOM_TIES").is_ok_and(|v| v == "1"),
             vms: Vec::new(),
             disk: None,
+            holds_disk: None,
             cfg,
             faults_on: true,
             arrivals_on: true,
@@ -956,6 +959,7 @@ impl Sim {
             id: r.id,
             name: Some(r.name.clone()),
             status: r.status(self.now),
+            labels: None,
         }
     }
 

@@ -8,7 +8,9 @@
 //! deletes, `{"message","url"}` error bodies and the 401/403/404/422 codes.
 //!
 //! `/_fake/*` endpoints simulate a `forgejo-runner` process (connect, take a job, finish it,
-//! disconnect); they authenticate with the runner's own token, not the API token.
+//! disconnect); they authenticate with the runner's own token, not the API token. Which runner
+//! is given which job, the status thresholds and the clean-up timeouts are Forgejo's, from
+//! `forgejo_rules.rs` (shared with the simulation and the benchmarks' server).
 //!
 //! Faults can be injected per request (status codes, HTML pages, truncated or mistyped JSON,
 //! delays, dropped connections, effects applied but the answer lost).
@@ -27,6 +29,10 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde_json::{Value, json};
 
+use super::forgejo_rules::{
+    self as rules, DEFAULT_PAGING_NUM, JobView, MAX_RESPONSE_ITEMS, RunnerView,
+};
+
 /// `url` of every API error body.
 pub const SWAGGER_URL: &str = "https://forgejo.invalid/api/swagger";
 /// Default `ROOT_URL` used in `Link` headers.
@@ -39,14 +45,6 @@ pub const FORGEJO_VERSION: &str = "15.0.3+gitea-1.22.0";
 pub const TOKEN_USER_ID: i64 = 1;
 
 const JSON_CONTENT_TYPE: &str = "application/json;charset=utf-8";
-/// `RunnerOfflineTime` (models/actions/runner.go).
-const OFFLINE_AFTER_MS: i64 = 60_000;
-/// `RunnerIdleTime` (models/actions/runner.go).
-const IDLE_AFTER_MS: i64 = 10_000;
-/// `[api].DEFAULT_PAGING_NUM`.
-const DEFAULT_PAGING_NUM: i64 = 30;
-/// `[api].MAX_RESPONSE_ITEMS`.
-const MAX_RESPONSE_ITEMS: i64 = 50;
 const WORKER_THREADS: usize = 8;
 const FIRST_ORG_ID: i64 = 100;
 const FIRST_REPO_ID: i64 = 1000;
@@ -170,15 +168,8 @@ impl RunnerRow {
     /// `ActionRunner.Status()`: offline after 1 min without contact, idle after 10 s without
     /// task activity, else active.
     fn status(&self, now: i64) -> &'static str {
-        let last_online = self.effective_last_online(now);
         let last_active = if self.busy { now } else { self.last_active_ms };
-        if now - last_online > OFFLINE_AFTER_MS {
-            "offline"
-        } else if now - last_active > IDLE_AFTER_MS {
-            "idle"
-        } else {
-            "active"
-        }
+        rules::status(now, self.effective_last_online(now), last_active)
     }
 
     fn is_instance(&self) -> bool {
@@ -271,9 +262,25 @@ struct JobRow {
     task_id: i64,
     status: String,
     runner_id: Option<i64>,
+    /// Its run waits behind another of its concurrency group: listed `waiting`, given to nobody.
+    queued_behind: bool,
+    /// When its task started (Unix ms), for the endless-task clean-up.
+    started_ms: i64,
 }
 
 impl JobRow {
+    fn view(&self) -> JobView<'_> {
+        JobView {
+            status: &self.status,
+            task_id: self.task_id,
+            handle: &self.handle,
+            runs_on: &self.runs_on,
+            owner_id: self.owner_id,
+            repo_id: self.repo_id,
+            queued_behind: self.queued_behind,
+        }
+    }
+
     fn json(&self) -> Value {
         json!({
             "id": self.id,
@@ -388,6 +395,10 @@ struct World {
     requests: Vec<Request>,
     faults: Vec<FaultRule>,
     rng: u64,
+    /// Bumped whenever a row is added or deleted: rows that tie on `last_online` are listed in
+    /// an order that depends on it (see `list_runners`).
+    rows_version: u64,
+    tie_seed: u64,
 }
 
 /// A request as the handler needs it.
@@ -478,6 +489,8 @@ impl World {
             requests: Vec::new(),
             faults: Vec::new(),
             rng: seed | 1,
+            rows_version: 0,
+            tie_seed: seed.rotate_left(17),
         }
     }
 
@@ -571,7 +584,7 @@ impl World {
             id,
             uuid: uuid.clone(),
             token: token.clone(),
-            name: truncate_bytes(name, 255),
+            name: truncate_name(name),
             description: description.to_string(),
             owner_id,
             repo_id,
@@ -588,6 +601,7 @@ impl World {
         };
         row.apply_conn(conn, now);
         self.runners.insert(id, row);
+        self.rows_version += 1;
         (id, uuid, token)
     }
 
@@ -598,6 +612,7 @@ impl World {
     /// Soft delete (`DeleteRunner`): the UUID is rewritten so the runner can no longer
     /// authenticate, and the row disappears from list/get.
     fn soft_delete(&mut self, id: i64, via_api: bool) {
+        self.rows_version += 1;
         if let Some(r) = self.runners.get_mut(&id) {
             r.deleted = true;
             r.polling = false;
@@ -778,11 +793,18 @@ impl World {
             .values()
             .filter(|r| !r.deleted && scope.lists(r, visible))
             .collect();
-        // ORDER BY last_online DESC; ties by id so the fake is deterministic.
+        // `ToOrders` is only `last_online DESC` (models/actions/runner.go): rows that tie (every
+        // never-connected one has 0) come in no promised order. Here their order is a hash of
+        // the row and of the table's version: the same while nothing is added or deleted (as one
+        // database plan would give), shuffled by every insert and delete, so pages read across a
+        // change overlap or skip rows as they can on Forgejo.
+        let tie = |id: i64| {
+            mix(id as u64 ^ self.tie_seed ^ self.rows_version.wrapping_mul(0x9E37_79B9_7F4A_7C15))
+        };
         rows.sort_by(|a, b| {
             b.effective_last_online(now)
                 .cmp(&a.effective_last_online(now))
-                .then(a.id.cmp(&b.id))
+                .then(tie(a.id).cmp(&tie(b.id)))
         });
         let total = rows.len() as i64;
         // Quirk: LIMIT/OFFSET only applies when page >= 1; without `page` every row comes back.
@@ -820,8 +842,9 @@ impl World {
             .and_then(|o| o.get("name"))
             .and_then(Value::as_str)
             .filter(|n| !n.is_empty());
-        let Some(name) = name else {
-            return Reply::error(422, "Name: Required");
+        let Some(name) = name.map(str::to_string) else {
+            // `bind()` formats the field names of the error, a slice.
+            return Reply::error(422, "[Name]: Required");
         };
         let description = obj
             .and_then(|o| o.get("description"))
@@ -833,7 +856,7 @@ impl World {
             .unwrap_or(false);
         let (id, uuid, token) = self.insert_runner(
             None,
-            name,
+            &name,
             description,
             scope.owner_id,
             scope.repo_id,
@@ -950,8 +973,9 @@ impl World {
         })
     }
 
-    /// FetchTask / FetchSingleTask: the runner declares itself if needed, then takes a waiting
-    /// job (the one with `handle`, else the oldest one it can run).
+    /// FetchTask / FetchSingleTask: the runner declares itself if needed, then is given the
+    /// job Forgejo's rule picks for it (`forgejo_rules::pick`: waiting, not queued behind its
+    /// concurrency group, in scope, its handle, its labels).
     fn take(
         &mut self,
         id: i64,
@@ -964,23 +988,24 @@ impl World {
             r.declare(labels, now);
         }
         r.last_online_ms = now;
-        let ephemeral = r.ephemeral;
+        let (ephemeral, owner_id, repo_id) = (r.ephemeral, r.owner_id, r.repo_id);
         let runner_labels = r.labels.clone().unwrap_or_default();
-        if ephemeral && self.jobs.values().any(|j| j.runner_id == Some(id)) {
+        let has_task = self.jobs.values().any(|j| j.runner_id == Some(id));
+        if ephemeral && has_task {
             return Err(Reply::error(
                 409,
                 "no task: ephemeral runner already has an assigned task",
             ));
         }
-        let job_id = self
-            .jobs
-            .values()
-            .filter(|j| j.status == "waiting")
-            .filter(|j| handle.is_none_or(|h| j.handle == h))
-            .find(|j| {
-                runner_labels.is_empty() || j.runs_on.iter().all(|l| runner_labels.contains(l))
-            })
-            .map(|j| j.id);
+        let runner = RunnerView {
+            owner_id,
+            repo_id,
+            labels: &runner_labels,
+            ephemeral,
+            has_task,
+            handle,
+        };
+        let job_id = rules::pick(&runner, self.jobs.values().map(|j| (j.id, j.view())));
         let Some(job_id) = job_id else {
             return Err(Reply::error(409, "no task available"));
         };
@@ -990,10 +1015,29 @@ impl World {
         job.status = "running".to_string();
         job.task_id = task_id;
         job.runner_id = Some(id);
+        job.started_ms = now;
         let r = self.live_runner_mut(id).expect("runner exists");
         r.busy = true;
         r.last_active_ms = now;
         Ok(job_id)
+    }
+
+    /// `StopTask` (services/actions/task.go): the job ends with `status`, and the ephemeral
+    /// runner that had its task is deleted, whether or not its process still runs.
+    fn stop_task(&mut self, job_id: i64, status: &str) {
+        let Some(job) = self.jobs.get_mut(&job_id) else {
+            return;
+        };
+        job.status = status.to_string();
+        let runner = job.runner_id;
+        if let Some(id) = runner
+            && self
+                .runners
+                .get(&id)
+                .is_some_and(|r| r.ephemeral && !r.deleted)
+        {
+            self.soft_delete(id, false);
+        }
     }
 
     /// Final UpdateTask: the job succeeds; an ephemeral runner is deleted by Forgejo.
@@ -1213,20 +1257,58 @@ impl FakeForgejo {
                 task_id: 0,
                 status: "waiting".to_string(),
                 runner_id: None,
+                queued_behind: false,
+                started_ms: 0,
             },
         );
         (id, handle)
     }
 
+    /// Queues a job's run behind another run of its concurrency group (`true`), or lets it go
+    /// (`false`). A queued job is still listed `waiting` by the REST jobs list, but Forgejo gives
+    /// it to no runner (`CONCURRENCY_GROUP_QUEUE_ENABLED`, on by default). Panics on an unknown id.
+    pub fn set_job_queued(&self, job_id: i64, queued: bool) {
+        let mut w = self.world();
+        let job = w
+            .jobs
+            .get_mut(&job_id)
+            .unwrap_or_else(|| panic!("fake forgejo: no job {job_id}"));
+        job.queued_behind = queued;
+    }
+
+    /// The `stop_endless_tasks` cron with this `ENDLESS_TASK_TIMEOUT` (Forgejo's default is
+    /// 3 h, `forgejo_rules::ENDLESS_TASK_TIMEOUT_MS`): every task running longer fails, and its
+    /// ephemeral runner is deleted (`StopTask`), while the runner's process may still run.
+    /// Returns the jobs stopped.
+    pub fn stop_endless_tasks(&self, older_than: Duration) -> Vec<i64> {
+        let now = now_ms();
+        let mut w = self.world();
+        let endless: Vec<i64> = w
+            .jobs
+            .values()
+            .filter(|j| j.status == "running" && now - j.started_ms > older_than.as_millis() as i64)
+            .map(|j| j.id)
+            .collect();
+        for id in &endless {
+            w.stop_task(*id, "failure");
+        }
+        endless
+    }
+
     /// Sets a job's status (`waiting`, `running`, `success`, `failure`, `cancelled`,
-    /// `skipped`, `blocked`). Panics on an unknown id.
+    /// `skipped`, `blocked`). A running job that ends this way (a cancel, say) stops its task,
+    /// and Forgejo deletes the ephemeral runner that had it (`StopTask`). Panics on an unknown id.
     pub fn set_job_status(&self, job_id: i64, status: &str) {
         let mut w = self.world();
         let job = w
             .jobs
             .get_mut(&job_id)
             .unwrap_or_else(|| panic!("fake forgejo: no job {job_id}"));
-        job.status = status.to_string();
+        if job.status == "running" && is_done(status) {
+            w.stop_task(job_id, status);
+        } else {
+            job.status = status.to_string();
+        }
     }
 
     /// Runners not deleted, id ascending.
@@ -1603,15 +1685,30 @@ fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-fn truncate_bytes(s: &str, max: usize) -> String {
-    if s.len() <= max {
+/// The stored name: `util.SplitStringAtByteN(name, 255)` (`modules/util/truncate.go`), i.e. a
+/// longer name keeps at most 252 bytes (whole characters) and gets "…" (3 bytes).
+fn truncate_name(s: &str) -> String {
+    const MAX: usize = 255;
+    if s.len() <= MAX {
         return s.to_string();
     }
-    let mut end = max;
+    let mut end = MAX - 3;
     while !s.is_char_boundary(end) {
         end -= 1;
     }
-    s[..end].to_string()
+    format!("{}…", &s[..end])
+}
+
+/// SplitMix64's finaliser: a well-spread hash of one number.
+fn mix(mut x: u64) -> u64 {
+    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^ (x >> 31)
+}
+
+/// A final job status (`Status.IsDone`, models/actions/status.go).
+fn is_done(status: &str) -> bool {
+    matches!(status, "success" | "failure" | "cancelled" | "skipped")
 }
 
 /// `Authorization: token T` (exact scheme) or `Bearer T` (any case), as Forgejo accepts.

@@ -1,3 +1,4 @@
 #![allow(dead_code)]
 pub mod fake_forgejo;
+pub mod forgejo_rules;
 pub mod harness;

@@ -1,0 +1,223 @@
+//! Jobs this pool does not register for again for a while: Forgejo listed them as `waiting`, yet
+//! our runner sat idle next to them for `--job-pickup-timeout` without being given them (Forgejo
+//! 15 queues a run behind a running one of its concurrency group and still lists its jobs as
+//! waiting). A hold outlives the teardown and the cycle (`held-jobs.json` in the state
+//! directory), so the pool serves the next waiting job instead of booting VMs for the blocked
+//! one; once the hold ends, a later cycle tries the job again. Pure data and decisions; the
+//! store reads and writes the file.
+
+use std::time::Duration;
+
+use anyhow::{Context, Result, anyhow};
+use serde::{Deserialize, Serialize};
+
+use crate::model::Job;
+use crate::time::Timestamp;
+
+pub const HOLDS_FILE: &str = "held-jobs.json";
+pub const HOLDS_VERSION: u32 = 1;
+/// The longest one hold lasts, however often the job was tried: a job that can run again is
+/// served at most this long after it could.
+pub const MAX_HOLD: Duration = Duration::from_secs(3600);
+/// Holds kept at most (the oldest go first); each is a job Forgejo lists as waiting.
+pub const MAX_HOLDS: usize = 1000;
+
+/// One held job.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Hold {
+    pub job_id: i64,
+    /// The job attempt's handle: a re-run gets a new one, and is not held.
+    pub handle: String,
+    /// When our runner last gave up waiting for it.
+    pub held_at: Timestamp,
+    /// No registration for it before this.
+    pub until: Timestamp,
+    /// How many times a runner of ours waited for it in vain (each hold is twice the last).
+    pub times: u32,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Holds {
+    pub version: u32,
+    pub jobs: Vec<Hold>,
+}
+
+impl Default for Holds {
+    fn default() -> Holds {
+        Holds {
+            version: HOLDS_VERSION,
+            jobs: Vec::new(),
+        }
+    }
+}
+
+impl Holds {
+    /// The job attempt with this handle is held at `now`.
+    pub fn is_held(&self, handle: &str, now: Timestamp) -> bool {
+        self.jobs
+            .iter()
+            .any(|h| h.handle == handle && now < h.until)
+    }
+
+    /// Holds the job after a pickup timeout: for `pickup_timeout` the first time, twice as long
+    /// each time after, at most [`MAX_HOLD`] (never shorter than `pickup_timeout`). A job held
+    /// already is left as it is (a run that died between the hold and the teardown decides the
+    /// same again). Returns the hold.
+    pub fn hold(
+        &mut self,
+        job_id: i64,
+        handle: &str,
+        pickup_timeout: Duration,
+        now: Timestamp,
+    ) -> Hold {
+        if let Some(h) = self
+            .jobs
+            .iter()
+            .find(|h| h.handle == handle && now < h.until)
+        {
+            return h.clone();
+        }
+        let times = self
+            .jobs
+            .iter()
+            .find(|h| h.handle == handle)
+            .map_or(1, |h| h.times.saturating_add(1));
+        let length = pickup_timeout
+            .saturating_mul(1u32 << (times - 1).min(16))
+            .min(MAX_HOLD)
+            .max(pickup_timeout);
+        let hold = Hold {
+            job_id,
+            handle: handle.to_string(),
+            held_at: now,
+            until: now.plus(length),
+            times,
+        };
+        self.jobs.retain(|h| h.handle != handle);
+        self.jobs.push(hold.clone());
+        if self.jobs.len() > MAX_HOLDS {
+            self.jobs.sort_by_key(|h| h.held_at);
+            let extra = self.jobs.len() - MAX_HOLDS;
+            self.jobs.drain(..extra);
+        }
+        hold
+    }
+
+    /// Forgets the holds of job attempts Forgejo no longer lists (`jobs` is a complete jobs
+    /// list: done, cancelled, or re-run under a new handle). True when something changed.
+    pub fn prune(&mut self, jobs: &[Job]) -> bool {
+        let before = self.jobs.len();
+        self.jobs
+            .retain(|h| jobs.iter().any(|j| j.handle == h.handle && j.is_live()));
+        self.jobs.len() != before
+    }
+
+    /// The holds in effect at `now`.
+    pub fn active(&self, now: Timestamp) -> impl Iterator<Item = &Hold> {
+        self.jobs.iter().filter(move |h| now < h.until)
+    }
+}
+
+/// Parses `held-jobs.json`; the caller names the file.
+pub fn parse_holds(text: &str) -> Result<Holds> {
+    let holds: Holds = serde_json::from_str(text)
+        .context("it is not a held-jobs file this build writes (empty or truncated?)")?;
+    if holds.version != HOLDS_VERSION {
+        return Err(anyhow!(
+            "its version {} is not one this build understands (expected {HOLDS_VERSION})",
+            holds.version
+        ));
+    }
+    Ok(holds)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIN: u64 = 60;
+
+    fn job(id: i64, status: &str) -> Job {
+        Job {
+            id,
+            handle: format!("h{id}"),
+            status: status.into(),
+            runs_on: vec!["debian".into()],
+        }
+    }
+
+    fn t(min: i64) -> Timestamp {
+        Timestamp(1_760_000_000_000 + min * 60_000)
+    }
+
+    #[test]
+    fn a_hold_doubles_each_time_up_to_an_hour_and_ends() {
+        let pickup = Duration::from_secs(10 * MIN);
+        let mut h = Holds::default();
+        let j = job(7, "waiting");
+        let mut now = t(0);
+        let mut lengths = Vec::new();
+        for _ in 0..5 {
+            let hold = h.hold(j.id, &j.handle, pickup, now);
+            assert!(h.is_held("h7", now));
+            lengths.push(hold.until.since(now).as_secs() / MIN);
+            now = hold.until;
+            assert!(!h.is_held("h7", now), "a hold ends at its `until`");
+        }
+        assert_eq!(lengths, vec![10, 20, 40, 60, 60]);
+        assert_eq!(h.jobs.len(), 1);
+        assert_eq!(h.jobs[0].times, 5);
+        // A pickup timeout longer than the cap still holds that long.
+        let mut long = Holds::default();
+        let hold = long.hold(j.id, &j.handle, Duration::from_secs(120 * MIN), t(0));
+        assert_eq!(hold.until, t(120));
+    }
+
+    #[test]
+    fn holding_a_held_job_again_changes_nothing() {
+        let pickup = Duration::from_secs(10 * MIN);
+        let mut h = Holds::default();
+        let first = h.hold(7, "h7", pickup, t(0));
+        let again = h.hold(7, "h7", pickup, t(3));
+        assert_eq!(first, again);
+        assert_eq!(h.jobs.len(), 1);
+        assert!(!h.is_held("h8", t(3)), "only that job attempt");
+    }
+
+    #[test]
+    fn holds_of_jobs_no_longer_listed_are_forgotten() {
+        let pickup = Duration::from_secs(10 * MIN);
+        let mut h = Holds::default();
+        h.hold(7, "h7", pickup, t(0));
+        h.hold(8, "h8", pickup, t(0));
+        assert!(!h.prune(&[job(7, "waiting"), job(8, "running")]));
+        assert!(h.prune(&[job(8, "running")]));
+        assert_eq!(h.jobs.iter().map(|j| j.job_id).collect::<Vec<_>>(), [8]);
+        assert!(h.prune(&[]));
+        assert!(h.jobs.is_empty());
+    }
+
+    #[test]
+    fn the_file_round_trips_and_refuses_what_it_does_not_know() {
+        let mut h = Holds::default();
+        h.hold(7, "h7", Duration::from_secs(600), t(0));
+        let text = serde_json::to_string(&h).unwrap();
+        assert_eq!(parse_holds(&text).unwrap(), h);
+        assert!(parse_holds("").is_err());
+        assert!(parse_holds(r#"{"version": 2, "jobs": []}"#).is_err());
+        assert!(parse_holds(r#"{"version": 1}"#).is_err());
+    }
+
+    #[test]
+    fn the_number_of_holds_is_bounded() {
+        let mut h = Holds::default();
+        for i in 0..(MAX_HOLDS as i64 + 5) {
+            h.hold(i, &format!("h{i}"), Duration::from_secs(600), t(i));
+        }
+        assert_eq!(h.jobs.len(), MAX_HOLDS);
+        assert!(
+            !h.jobs.iter().any(|j| j.job_id < 5),
+            "the oldest went first"
+        );
+    }
+}
