@@ -16,6 +16,10 @@
 //! next poll is one poll interval away; the launch command reports when it started. With no
 //! arguments (as `cargo test --all-targets` runs benchmark targets) it only prints its usage.
 
+// Forgejo's assignment rule and constants, shared with the tests' models of Forgejo.
+#[path = "../tests/support/forgejo_rules.rs"]
+mod forgejo_rules;
+
 use std::collections::HashSet;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -298,6 +302,13 @@ fn register(w: &mut World, body: &[u8]) -> Reply {
     )
 }
 
+/// The `runs_on` of every job the pickup benchmark hands out.
+const PICKUP_RUNS_ON: &str = "debian";
+
+fn job_handle(job: i64) -> String {
+    format!("00000000-0000-4000-9000-{job:012}")
+}
+
 fn jobs(w: &mut World) -> Reply {
     w.counts.jobs += 1;
     let Some(p) = w.pickup.as_mut() else {
@@ -308,7 +319,8 @@ fn jobs(w: &mut World) -> Reply {
         return reply(
             200,
             format!(
-                "[{{\"id\":{job},\"attempt\":1,\"handle\":\"00000000-0000-4000-9000-{job:012}\",\"repo_id\":1,\"owner_id\":1,\"name\":\"build\",\"needs\":null,\"runs_on\":[\"debian\"],\"task_id\":0,\"status\":\"waiting\"}}]"
+                "[{{\"id\":{job},\"attempt\":1,\"handle\":\"{}\",\"repo_id\":1,\"owner_id\":1,\"name\":\"build\",\"needs\":null,\"runs_on\":[\"{PICKUP_RUNS_ON}\"],\"task_id\":0,\"status\":\"waiting\"}}]",
+                job_handle(job)
             ),
         );
     }
@@ -395,6 +407,39 @@ fn control_request(w: &mut World, what: &str, query: &str) -> Reply {
             let (Some(id), Some(t)) = (id, t) else {
                 return reply(400, "{\"message\":\"id and t are required\"}");
             };
+            // The runner asks for its job as forgejo-runner would: Forgejo's rule decides.
+            if let Some(p) = &w.pickup
+                && let Some((job, _)) = p.current
+            {
+                let labels: Vec<String> = query_param(query, "labels")
+                    .unwrap_or("")
+                    .split(',')
+                    .filter(|l| !l.is_empty())
+                    .map(|l| forgejo_rules::label_name(l).to_string())
+                    .collect();
+                let handle = job_handle(job);
+                let runs_on = [PICKUP_RUNS_ON.to_string()];
+                let runner = forgejo_rules::RunnerView {
+                    owner_id: 0,
+                    repo_id: 0,
+                    labels: &labels,
+                    ephemeral: true,
+                    has_task: false,
+                    handle: query_param(query, "handle"),
+                };
+                let offered = forgejo_rules::JobView {
+                    status: "waiting",
+                    task_id: 0,
+                    handle: &handle,
+                    runs_on: &runs_on,
+                    owner_id: 1,
+                    repo_id: 1,
+                    queued_behind: false,
+                };
+                if !forgejo_rules::may_take(&runner, &offered) {
+                    return reply(409, "{\"message\":\"no task for this runner\"}");
+                }
+            }
             // The runner took its job and ran it: Forgejo removes an ephemeral registration.
             if w.find(id).is_some() {
                 w.dead.insert(id);
@@ -594,6 +639,8 @@ fn launched() -> Result<(), String> {
         .read_line(&mut token)
         .map_err(|e| format!("stdin: {e}"))?;
     let id = std::env::var("RUNNER_ID").map_err(|_| "RUNNER_ID is not set".to_string())?;
+    let labels = std::env::var("RUNNER_LABELS").unwrap_or_default();
+    let handle = std::env::var("JOB_HANDLE").unwrap_or_default();
     let url = std::env::var("FORGEJO_URL").map_err(|_| "FORGEJO_URL is not set".to_string())?;
     let host = url
         .strip_prefix("http://")
@@ -601,7 +648,7 @@ fn launched() -> Result<(), String> {
     let mut s = TcpStream::connect(host).map_err(|e| format!("connect {host}: {e}"))?;
     write!(
         s,
-        "GET /_bench/launched?id={id}&t={started} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
+        "GET /_bench/launched?id={id}&t={started}&labels={labels}&handle={handle} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
     )
     .map_err(|e| format!("write: {e}"))?;
     let mut answer = String::new();

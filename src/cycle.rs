@@ -86,13 +86,17 @@ pub fn run(w: &mut World<'_>, cfg: &CycleConfig, report: &mut Report) -> End {
         }
     };
     report.cycle_id = state.as_ref().map(|s| s.cycle_id.clone());
-    // Held jobs are advice, not a safety record: an unreadable file is a failure of the run, and
-    // the run goes on without holds (at worst a held job gets a runner once more).
+    // Held jobs are advice, not a safety record: an unusable file is a failure of this run, is
+    // replaced by none (or the next run would fail the same way), and the run goes on without
+    // holds (at worst a held job gets a runner once more).
     let holds = w.store.load_holds().unwrap_or_else(|e| {
-        report.fail(format!(
-            "{e:#}; going on without held jobs (the file is written again at the next hold)"
-        ));
-        crate::holds::Holds::default()
+        let empty = crate::holds::Holds::default();
+        let replaced = match w.store.save_holds(&empty) {
+            Ok(()) => "it was removed".to_string(),
+            Err(e) => format!("removing it failed too: {e:#}"),
+        };
+        report.fail(format!("{e:#}; {replaced}; going on without held jobs"));
+        empty
     });
     let mut d = Driver {
         w,

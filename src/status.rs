@@ -160,6 +160,14 @@ pub fn gather(dir: &Path, limits: &Limits, now: Timestamp) -> Value {
             (None, Some(format!("{e:#}")))
         }
     };
+    let held: Vec<crate::holds::Hold> =
+        match crate::state::read_holds_file(&dir.join(crate::holds::HOLDS_FILE)) {
+            Ok(h) => h.active(now).cloned().collect(),
+            Err(e) => {
+                unreadable.push(format!("{e:#}"));
+                Vec::new()
+            }
+        };
     let (events, events_error) = match audit::tail(dir, EVENTS_SHOWN) {
         Ok(e) => (e, None),
         Err(e) => (Vec::new(), Some(e)),
@@ -190,6 +198,7 @@ pub fn gather(dir: &Path, limits: &Limits, now: Timestamp) -> Value {
         "last_success_at": f.last_success,
         "last_success_age_seconds": secs_since(f.last_success),
         "counters_error": counters_error,
+        "held_jobs": held,
         "events": events,
         "events_error": events_error,
     })
@@ -260,6 +269,14 @@ pub fn text(doc: &Value) -> String {
         if let Some(e) = c["last_error"].as_str() {
             o.push(format!("  last error: {e}"));
         }
+    }
+    for h in doc["held_jobs"].as_array().into_iter().flatten() {
+        o.push(format!(
+            "held job {}: listed as waiting, but not given to our runner within --job-pickup-timeout; no runner for it before {} (hold {})",
+            h["job_id"],
+            s(&h["until"]),
+            h["times"]
+        ));
     }
     let r = &doc["last_run"];
     if let Some(e) = doc["last_run_error"].as_str() {

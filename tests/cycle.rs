@@ -1441,3 +1441,320 @@ fn a_refused_post_is_not_looked_up_as_if_it_might_exist() {
     assert!(env.cycle_json().is_none());
     assert!(env.live_vms().is_empty());
 }
+
+fn events<'a>(report: &'a serde_json::Value, step: &str) -> Vec<&'a serde_json::Value> {
+    report["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["step"] == step)
+        .collect()
+}
+
+fn held_jobs(env: &Env) -> Option<serde_json::Value> {
+    fs::read_to_string(env.state.join("held-jobs.json"))
+        .ok()
+        .map(|t| serde_json::from_str(&t).expect("held-jobs.json is JSON"))
+}
+
+/// Rewrites the `until` of every hold (a hold that ends in the far future, or has ended).
+fn set_holds_until(env: &Env, until: &str) {
+    let mut h = held_jobs(env).expect("held-jobs.json");
+    for j in h["jobs"].as_array_mut().unwrap() {
+        j["until"] = serde_json::json!(until);
+    }
+    fs::write(env.state.join("held-jobs.json"), h.to_string()).unwrap();
+}
+
+#[test]
+fn runners_that_never_connect_are_failed_starts_and_three_take_the_vm_down() {
+    let env = Env::new();
+    env.set_launch_mode("noop"); // the launch exits 0, the runner never connects
+    let (job, _) = env.fake.add_job(&["debian"]);
+    let prom = env.tmp.path().join("m.prom");
+    let out = env.run(&["--output", "json", "--metrics-file", prom.to_str().unwrap()]);
+    assert_eq!(
+        out.code,
+        Some(1),
+        "a launch that starts nothing is a failure: {out:?}"
+    );
+    let report = out.json();
+    let reasons: Vec<&str> = events(&report, "delete_runner")
+        .iter()
+        .map(|e| e["reason"].as_str().unwrap())
+        .collect();
+    assert_eq!(reasons, ["never_connected"; 3], "{report}");
+    assert_eq!(
+        events(&report, "launch_runner").len(),
+        3,
+        "each launch exited 0"
+    );
+    let teardown = events(&report, "teardown");
+    assert!(
+        teardown[0]["detail"]
+            .as_str()
+            .unwrap()
+            .contains("presumed broken"),
+        "{report}"
+    );
+    assert!(out.stderr.contains("never connected"), "{}", out.stderr);
+    assert_eq!(
+        report["summary"]["deleted"]["never_connected"], 3,
+        "{report}"
+    );
+    let metrics = fs::read_to_string(&prom).unwrap();
+    assert!(
+        metrics.contains(
+            "ci_ephemeral_provisioner_registrations_deleted_total{reason=\"never_connected\"} 3"
+        ),
+        "{metrics}"
+    );
+    env.assert_at_rest();
+    assert_eq!(
+        env.fake.jobs().iter().find(|j| j.id == job).unwrap().status,
+        "waiting"
+    );
+}
+
+#[test]
+fn a_runner_that_connected_resets_the_count_of_failed_starts() {
+    // Never connects, runs its job, never connects, never connects: no three failed starts in
+    // a row, so the VM stays until its job cap (without the reset: "presumed broken").
+    let env = Env::new();
+    for _ in 0..4 {
+        env.fake.add_job(&["debian"]);
+    }
+    for (n, mode) in ["noop", "one-job", "noop", "noop"].iter().enumerate() {
+        fs::write(env.vm.join(format!("launch-mode.{}", n + 1)), mode).unwrap();
+    }
+    let out = env.run(&["--output", "json", "--max-jobs-per-vm", "4"]);
+    let report = out.json();
+    assert_eq!(out.code, Some(1), "{report}");
+    let reasons: Vec<&str> = events(&report, "delete_runner")
+        .iter()
+        .map(|e| e["reason"].as_str().unwrap())
+        .collect();
+    assert_eq!(reasons, ["never_connected"; 3], "{report}");
+    assert_eq!(events(&report, "forget_runner").len(), 1, "{report}");
+    let teardown = events(&report, "teardown");
+    assert!(
+        teardown[0]["detail"].as_str().unwrap().contains("job cap"),
+        "{report}"
+    );
+    env.assert_at_rest();
+
+    // A runner seen up (idle) resets the count too, even if it then dies without its job.
+    let env = Env::new();
+    for _ in 0..5 {
+        env.fake.add_job(&["debian"]);
+    }
+    for (n, mode) in ["noop", "noop", "die", "noop", "noop"].iter().enumerate() {
+        fs::write(env.vm.join(format!("launch-mode.{}", n + 1)), mode).unwrap();
+    }
+    let out = env.run(&["--output", "json", "--max-jobs-per-vm", "5"]);
+    let report = out.json();
+    let reasons: Vec<&str> = events(&report, "delete_runner")
+        .iter()
+        .map(|e| e["reason"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        reasons,
+        [
+            "never_connected",
+            "never_connected",
+            "unconsumed",
+            "never_connected",
+            "never_connected"
+        ],
+        "{report}"
+    );
+    let teardown = events(&report, "teardown");
+    assert!(
+        teardown[0]["detail"].as_str().unwrap().contains("job cap"),
+        "{report}"
+    );
+    env.assert_at_rest();
+}
+
+#[test]
+fn a_runner_without_labels_takes_the_vm_down_at_once_and_the_run_fails() {
+    // The old default launch: `one-job` without `--label` declares no labels, and Forgejo's
+    // ItRunsOn gives it no job, ever.
+    let env = Env::new();
+    env.set_launch_mode("nolabels");
+    let (job, _) = env.fake.add_job(&["debian"]);
+    let out = env.run(&["--output", "json"]);
+    assert_eq!(out.code, Some(1), "{out:?}");
+    let report = out.json();
+    let teardown = events(&report, "teardown");
+    let detail = teardown[0]["detail"].as_str().unwrap();
+    assert!(
+        detail.contains("declared the labels []") && detail.contains("--label"),
+        "{report}"
+    );
+    assert_eq!(
+        events(&report, "register_runner").len(),
+        1,
+        "no second runner for a launch that cannot work: {report}"
+    );
+    let deletes = events(&report, "delete_runner");
+    assert_eq!(deletes[0]["reason"], "wrong_labels", "{report}");
+    let destroy = report["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .position(|e| e["step"] == "tofu_destroy")
+        .unwrap();
+    let delete = report["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .position(|e| e["step"] == "delete_runner")
+        .unwrap();
+    assert!(
+        destroy < delete,
+        "an idle runner is deleted only once its VM is gone"
+    );
+    env.assert_at_rest();
+    assert_eq!(
+        env.fake.jobs().iter().find(|j| j.id == job).unwrap().status,
+        "waiting"
+    );
+}
+
+#[test]
+fn a_job_forgejo_holds_back_is_held_and_the_pool_serves_the_next_one() {
+    let env = Env::new();
+    // Listed as waiting, but queued behind its concurrency group: Forgejo gives it to nobody.
+    let (held, held_handle) = env.fake.add_job(&["debian"]);
+    env.fake.set_job_queued(held, true);
+    let prom = env.tmp.path().join("m.prom");
+    let out = env.run(&[
+        "--output",
+        "json",
+        "--job-pickup-timeout",
+        "1s",
+        "--metrics-file",
+        prom.to_str().unwrap(),
+    ]);
+    assert_eq!(out.code, Some(0), "a job held back is no failure: {out:?}");
+    let report = out.json();
+    let hold = events(&report, "hold_job");
+    assert_eq!(hold.len(), 1, "{report}");
+    assert_eq!(hold[0]["job_id"], held);
+    assert_eq!(hold[0]["reason"], "pickup_timeout");
+    assert!(
+        out.stderr.contains("WARN"),
+        "logged at warn: {}",
+        out.stderr
+    );
+    let deletes = events(&report, "delete_runner");
+    assert_eq!(deletes[0]["reason"], "pickup_timeout", "{report}");
+    assert_eq!(report["summary"]["held"], 1);
+    env.assert_at_rest();
+    let h = held_jobs(&env).expect("the hold outlives the cycle");
+    assert_eq!(h["jobs"][0]["job_id"], held);
+    assert_eq!(h["jobs"][0]["handle"], held_handle.as_str());
+    assert_eq!(h["jobs"][0]["times"], 1);
+    let metrics = fs::read_to_string(&prom).unwrap();
+    assert!(
+        metrics.contains("ci_ephemeral_provisioner_job_pickup_timeouts_total 1"),
+        "{metrics}"
+    );
+    // The audit trail has it too.
+    let audit = fs::read_to_string(env.state.join("events.jsonl")).unwrap();
+    assert!(
+        audit
+            .lines()
+            .any(|l| l.contains("\"step\":\"hold_job\"")
+                && l.contains(&format!("\"job_id\":{held}"))),
+        "{audit}"
+    );
+
+    // While it is held, the next job is served and the held one gets no runner.
+    set_holds_until(&env, "2099-01-01T00:00:00Z");
+    let st = env.exec(env.cmd("status"));
+    assert!(
+        st.stdout
+            .contains(&format!("held job {held}: listed as waiting")),
+        "{st:?}"
+    );
+    let (next, _) = env.fake.add_job(&["debian"]);
+    let posts_before = posts(&env);
+    let out = env.run(&["--output", "json", "--job-pickup-timeout", "1s"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert_eq!(
+        posts(&env),
+        posts_before + 1,
+        "one runner, for the next job"
+    );
+    let job = |id: i64| env.fake.jobs().into_iter().find(|j| j.id == id).unwrap();
+    assert_eq!(job(next).status, "success");
+    assert_eq!(job(held).status, "waiting");
+    assert!(held_jobs(&env).is_some());
+    // Held jobs alone start no cycle: the idle tick stays one request.
+    env.fake.clear_requests();
+    let out = env.run(&["--output", "json"]);
+    assert_eq!(out.json()["outcome"], "idle", "{out:?}");
+    assert_eq!(env.fake.requests().len(), 1);
+
+    // Once the run ahead of it ended and the hold is over, a later cycle serves it, and the
+    // hold is forgotten with the job.
+    env.fake.set_job_queued(held, false);
+    set_holds_until(&env, "2000-01-01T00:00:00Z");
+    let out = env.run(&["--output", "json", "--job-pickup-timeout", "1s"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert_eq!(job(held).status, "success");
+    assert!(held_jobs(&env).is_none(), "nothing held: no file");
+    env.assert_at_rest();
+}
+
+#[test]
+fn a_queued_job_released_while_our_runner_waits_is_taken_by_that_runner() {
+    // `one-job --wait` keeps asking: once the run ahead of it ends, Forgejo gives it the job.
+    let env = Env::new();
+    let (job, _) = env.fake.add_job(&["debian"]);
+    env.fake.set_job_queued(job, true);
+    let mut c = env.cmd("run");
+    c.args(["--output", "json", "--job-pickup-timeout", "1m"]);
+    c.stdout(std::process::Stdio::piped());
+    let child = c.spawn().unwrap();
+    wait_for("our runner to sit idle next to its queued job", || {
+        env.fake
+            .runners()
+            .iter()
+            .any(|r| r.name.starts_with("ephemeral-") && r.status == "idle")
+    });
+    env.fake.set_job_queued(job, false);
+    let out = child.wait_with_output().unwrap();
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(out.status.code(), Some(0), "{report}");
+    assert_eq!(
+        events(&report, "forget_runner").len(),
+        1,
+        "consumed: {report}"
+    );
+    assert!(events(&report, "hold_job").is_empty(), "{report}");
+    assert_eq!(
+        env.fake.jobs().iter().find(|j| j.id == job).unwrap().status,
+        "success"
+    );
+    assert!(held_jobs(&env).is_none());
+    env.assert_at_rest();
+}
+
+#[test]
+fn an_unusable_held_jobs_file_fails_the_run_once_and_is_replaced() {
+    let env = Env::new();
+    fs::create_dir_all(&env.state).unwrap();
+    fs::write(env.state.join("held-jobs.json"), "{not json").unwrap();
+    let out = env.run(&["--output", "json"]);
+    assert_eq!(out.code, Some(1), "{out:?}");
+    assert!(
+        out.stderr.contains("held-jobs.json") && out.stderr.contains("removed"),
+        "{}",
+        out.stderr
+    );
+    assert!(held_jobs(&env).is_none());
+    assert_eq!(env.run(&[]).code, Some(0), "the next run is clean");
+}

@@ -6,7 +6,7 @@
 # in the background, until it gets its job or its VM is gone ($VM_DIR/vm-* removed by the
 # module's destroy; a deleted registration does not stop it).
 #
-# Mode from $VM_DIR/launch-mode: one-job (default: connect, take the job, finish it), take (take
+# Mode from $VM_DIR/launch-mode (or launch-mode.N for the Nth launch): one-job (default: connect, take the job, finish it), take (take
 # the job and keep running), connect (connect, never take a job), nolabels (one-job without any
 # --label: Forgejo gives it nothing), die (connect, the process dies a second later before taking
 # its job), noop (exit 0 but never
@@ -15,7 +15,9 @@
 set -eu
 env | sort > "$VM_DIR/launch-env.$RUNNER_ID"
 echo "$0 $*" > "$VM_DIR/launch-argv.$RUNNER_ID"
-mode=$(cat "$VM_DIR/launch-mode" 2>/dev/null || echo one-job)
+# Launches run one at a time: the Nth one may have a mode of its own in launch-mode.N.
+n=$(ls "$VM_DIR"/launch-env.* | wc -l)
+mode=$(cat "$VM_DIR/launch-mode.$n" 2>/dev/null || cat "$VM_DIR/launch-mode" 2>/dev/null || echo one-job)
 IFS= read -r token
 case "$mode" in
 fail) echo "simulated launch failure" >&2; exit 3 ;;
