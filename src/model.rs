@@ -342,6 +342,31 @@ mod tests {
     }
 
     #[test]
+    fn declared_labels_are_read_from_a_fetched_runner_only_when_they_are_names() {
+        let labels = |v: Value| Runner::from_json_with_labels(&v).unwrap().labels;
+        let row = |l: Value| json!({"id": 1, "name": "x", "status": "idle", "labels": l});
+        assert_eq!(
+            labels(row(json!(["debian", "docker"]))),
+            Some(vec!["debian".into(), "docker".into()])
+        );
+        // Forgejo's encoding of none (a nil slice), and an empty list: declared none.
+        assert_eq!(labels(row(Value::Null)), Some(vec![]));
+        assert_eq!(labels(row(json!([]))), Some(vec![]));
+        // Anything else is unknown: nothing may be concluded from it.
+        assert_eq!(labels(row(json!([1]))), None);
+        assert_eq!(labels(row(json!("debian"))), None);
+        assert_eq!(
+            labels(json!({"id": 1, "name": "x", "status": "idle"})),
+            None
+        );
+        // A list row never carries them.
+        assert_eq!(
+            Runner::from_json(&row(json!(["debian"]))).unwrap().labels,
+            None
+        );
+    }
+
+    #[test]
     fn status_parsing_is_exact() {
         assert_eq!(
             RunnerStatus::from_json(Some(&json!("offline"))),

@@ -224,6 +224,12 @@ fn registered_runner_is_offline_with_null_labels_until_it_connects() {
         api.get(&format!("{ADMIN}/{id}")).json()["status"],
         "offline"
     );
+    // Its process is gone: nothing more comes from it.
+    assert_eq!(api.runner_call("connect", &uuid, &token).status, 410);
+    assert_eq!(
+        api.get(&format!("{ADMIN}/{id}")).json()["status"],
+        "offline"
+    );
 }
 
 #[test]

@@ -41,7 +41,9 @@ wait_for_job() {
     (
         i=0
         while [ "$i" -lt 600 ] && ls "$VM_DIR"/vm-* > /dev/null 2>&1; do
-            [ "$(post "one-job?handle=$JOB_HANDLE")" = 200 ] && { rm -f "$tokenfile"; break; }
+            code=$(post "one-job?handle=$JOB_HANDLE")
+            [ "$code" = 200 ] && { rm -f "$tokenfile"; break; }
+            [ "$code" = 410 ] && break # the process is gone (its VM was destroyed)
             sleep 0.2
             i=$((i + 1))
         done

@@ -154,6 +154,9 @@ struct RunnerRow {
     deleted: bool,
     status_override: Option<String>,
     token_presented: bool,
+    /// `/_fake/disconnect` was called: the runner's process is gone (it died, or its VM was
+    /// destroyed), so nothing it "sends" afterwards can reach Forgejo.
+    process_gone: bool,
 }
 
 impl RunnerRow {
@@ -185,7 +188,8 @@ impl RunnerRow {
             "name": self.name,
             "status": self.status(now),
             "version": self.version,
-            "labels": self.labels,
+            // xorm keeps an empty label list as NULL: `null`, before and after Declare.
+            "labels": self.labels.as_ref().filter(|l| !l.is_empty()),
             "description": self.description,
             "ephemeral": self.ephemeral,
         });
@@ -598,6 +602,7 @@ impl World {
             deleted: false,
             status_override: None,
             token_presented: false,
+            process_gone: false,
         };
         row.apply_conn(conn, now);
         self.runners.insert(id, row);
@@ -917,6 +922,11 @@ impl World {
         let Some(id) = id else {
             return Reply::error(401, "unregistered runner");
         };
+        if self.runners.get(&id).is_some_and(|r| r.process_gone) {
+            // A request a dead process could not have sent (a test poller that lost the race
+            // against its VM's destroy): it changes nothing.
+            return Reply::error(410, "this runner's process is gone");
+        }
         if let Some(r) = self.runners.get_mut(&id) {
             r.token_presented = true;
         }
@@ -950,6 +960,7 @@ impl World {
             }
             "disconnect" => {
                 let r = self.live_runner_mut(id).expect("runner exists");
+                r.process_gone = true;
                 r.polling = false;
                 r.busy = false;
                 r.last_online_ms = now - 120_000;
