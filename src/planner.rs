@@ -11,7 +11,7 @@ use crate::model::{Job, Runner, RunnerStatus, job_matches, may_delete, waiting_j
 use crate::state::{CycleState, Launch, NotServed, Phase, Registration};
 use crate::time::{Timestamp, format_duration};
 
-/// Failed attempts in a row to start a runner (POST or launch) after which the VM is presumed
+/// Failed attempts in a row to start a runner (POST, launch, never connected) after which the VM is presumed
 /// broken and torn down.
 pub const MAX_START_FAILURES: u32 = 3;
 

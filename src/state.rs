@@ -110,7 +110,7 @@ pub struct CycleState {
     pub jobs_started: u32,
     /// Sequence number of the next registration name.
     pub next_seq: u32,
-    /// Failed attempts in a row to start a runner (POST or launch).
+    /// Failed attempts in a row to start a runner (POST, launch, or a runner that never connected).
     pub start_failures: u32,
     pub registrations: Vec<Registration>,
     /// Why teardown was decided, once it was.
