@@ -1451,6 +1451,37 @@ fn events<'a>(report: &'a serde_json::Value, step: &str) -> Vec<&'a serde_json::
         .collect()
 }
 
+/// The reasons of the report's `delete_runner` events, in order.
+fn delete_reasons(report: &serde_json::Value) -> Vec<&str> {
+    events(report, "delete_runner")
+        .iter()
+        .map(|e| e["reason"].as_str().unwrap())
+        .collect()
+}
+
+fn job_status(env: &Env, id: i64) -> String {
+    env.fake
+        .jobs()
+        .into_iter()
+        .find(|j| j.id == id)
+        .unwrap()
+        .status
+}
+
+/// One run with as many waiting jobs as `modes`, the Nth launch in the Nth mode, at most that
+/// many jobs per VM; the report.
+fn run_launches(modes: &[&str]) -> (Env, Option<i32>, serde_json::Value) {
+    let env = Env::new();
+    for (n, mode) in modes.iter().enumerate() {
+        env.fake.add_job(&["debian"]);
+        fs::write(env.vm.join(format!("launch-mode.{}", n + 1)), mode).unwrap();
+    }
+    let cap = modes.len().to_string();
+    let out = env.run(&["--output", "json", "--max-jobs-per-vm", &cap]);
+    let report = out.json();
+    (env, out.code, report)
+}
+
 fn held_jobs(env: &Env) -> Option<serde_json::Value> {
     fs::read_to_string(env.state.join("held-jobs.json"))
         .ok()
@@ -1479,11 +1510,7 @@ fn runners_that_never_connect_are_failed_starts_and_three_take_the_vm_down() {
         "a launch that starts nothing is a failure: {out:?}"
     );
     let report = out.json();
-    let reasons: Vec<&str> = events(&report, "delete_runner")
-        .iter()
-        .map(|e| e["reason"].as_str().unwrap())
-        .collect();
-    assert_eq!(reasons, ["never_connected"; 3], "{report}");
+    assert_eq!(delete_reasons(&report), ["never_connected"; 3], "{report}");
     assert_eq!(
         events(&report, "launch_runner").len(),
         3,
@@ -1510,31 +1537,16 @@ fn runners_that_never_connect_are_failed_starts_and_three_take_the_vm_down() {
         "{metrics}"
     );
     env.assert_at_rest();
-    assert_eq!(
-        env.fake.jobs().iter().find(|j| j.id == job).unwrap().status,
-        "waiting"
-    );
+    assert_eq!(job_status(&env, job), "waiting");
 }
 
 #[test]
 fn a_runner_that_connected_resets_the_count_of_failed_starts() {
     // Never connects, runs its job, never connects, never connects: no three failed starts in
     // a row, so the VM stays until its job cap (without the reset: "presumed broken").
-    let env = Env::new();
-    for _ in 0..4 {
-        env.fake.add_job(&["debian"]);
-    }
-    for (n, mode) in ["noop", "one-job", "noop", "noop"].iter().enumerate() {
-        fs::write(env.vm.join(format!("launch-mode.{}", n + 1)), mode).unwrap();
-    }
-    let out = env.run(&["--output", "json", "--max-jobs-per-vm", "4"]);
-    let report = out.json();
-    assert_eq!(out.code, Some(1), "{report}");
-    let reasons: Vec<&str> = events(&report, "delete_runner")
-        .iter()
-        .map(|e| e["reason"].as_str().unwrap())
-        .collect();
-    assert_eq!(reasons, ["never_connected"; 3], "{report}");
+    let (env, code, report) = run_launches(&["noop", "one-job", "noop", "noop"]);
+    assert_eq!(code, Some(1), "{report}");
+    assert_eq!(delete_reasons(&report), ["never_connected"; 3], "{report}");
     assert_eq!(events(&report, "forget_runner").len(), 1, "{report}");
     let teardown = events(&report, "teardown");
     assert!(
@@ -1544,21 +1556,9 @@ fn a_runner_that_connected_resets_the_count_of_failed_starts() {
     env.assert_at_rest();
 
     // A runner seen up (idle) resets the count too, even if it then dies without its job.
-    let env = Env::new();
-    for _ in 0..5 {
-        env.fake.add_job(&["debian"]);
-    }
-    for (n, mode) in ["noop", "noop", "die", "noop", "noop"].iter().enumerate() {
-        fs::write(env.vm.join(format!("launch-mode.{}", n + 1)), mode).unwrap();
-    }
-    let out = env.run(&["--output", "json", "--max-jobs-per-vm", "5"]);
-    let report = out.json();
-    let reasons: Vec<&str> = events(&report, "delete_runner")
-        .iter()
-        .map(|e| e["reason"].as_str().unwrap())
-        .collect();
+    let (env, _, report) = run_launches(&["noop", "noop", "die", "noop", "noop"]);
     assert_eq!(
-        reasons,
+        delete_reasons(&report),
         [
             "never_connected",
             "never_connected",
@@ -1616,10 +1616,7 @@ fn a_runner_without_labels_takes_the_vm_down_at_once_and_the_run_fails() {
         "an idle runner is deleted only once its VM is gone"
     );
     env.assert_at_rest();
-    assert_eq!(
-        env.fake.jobs().iter().find(|j| j.id == job).unwrap().status,
-        "waiting"
-    );
+    assert_eq!(job_status(&env, job), "waiting");
 }
 
 #[test]
@@ -1688,9 +1685,8 @@ fn a_job_forgejo_holds_back_is_held_and_the_pool_serves_the_next_one() {
         posts_before + 1,
         "one runner, for the next job"
     );
-    let job = |id: i64| env.fake.jobs().into_iter().find(|j| j.id == id).unwrap();
-    assert_eq!(job(next).status, "success");
-    assert_eq!(job(held).status, "waiting");
+    assert_eq!(job_status(&env, next), "success");
+    assert_eq!(job_status(&env, held), "waiting");
     assert!(held_jobs(&env).is_some());
     // Held jobs alone start no cycle: the idle tick stays one request.
     env.fake.clear_requests();
@@ -1704,7 +1700,7 @@ fn a_job_forgejo_holds_back_is_held_and_the_pool_serves_the_next_one() {
     set_holds_until(&env, "2000-01-01T00:00:00Z");
     let out = env.run(&["--output", "json", "--job-pickup-timeout", "1s"]);
     assert_eq!(out.code, Some(0), "{out:?}");
-    assert_eq!(job(held).status, "success");
+    assert_eq!(job_status(&env, held), "success");
     assert!(held_jobs(&env).is_none(), "nothing held: no file");
     env.assert_at_rest();
 }
@@ -1735,10 +1731,7 @@ fn a_queued_job_released_while_our_runner_waits_is_taken_by_that_runner() {
         "consumed: {report}"
     );
     assert!(events(&report, "hold_job").is_empty(), "{report}");
-    assert_eq!(
-        env.fake.jobs().iter().find(|j| j.id == job).unwrap().status,
-        "success"
-    );
+    assert_eq!(job_status(&env, job), "success");
     assert!(held_jobs(&env).is_none());
     env.assert_at_rest();
 }
