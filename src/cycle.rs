@@ -984,6 +984,11 @@ impl Driver<'_, '_> {
     }
 }
 
+/// Forgejo's assignment rule, shared with every model of Forgejo in the tests.
+#[cfg(test)]
+#[path = "../tests/support/forgejo_rules.rs"]
+mod forgejo_rules_for_tests;
+
 #[cfg(test)]
 mod tests {
     //! The driver against small in-memory stand-ins (the end-to-end tests use the real binary).
@@ -991,6 +996,7 @@ mod tests {
     use std::collections::BTreeMap;
     use std::rc::Rc;
 
+    use super::forgejo_rules_for_tests as forgejo_rules;
     use super::*;
     use crate::forgejo::{ApiError, NewRunner, RunnerPage};
     use crate::launch::LaunchRequest;
@@ -1064,10 +1070,42 @@ mod tests {
         fn check_config(&self) -> Result<(), String> {
             Ok(())
         }
+        /// The runner asks for its job with the launch's labels and handle; Forgejo's rule
+        /// decides, and a job it is given runs at once (the job ends, the registration goes).
         fn launch(&mut self, req: &LaunchRequest<'_>, _: &Secret) -> Result<(), StepError> {
             let mut w = self.0.borrow_mut();
-            w.jobs.retain(|j| j.handle != req.job_handle);
-            w.runners.remove(&req.runner_id);
+            let labels: Vec<String> = req
+                .labels
+                .split(',')
+                .map(|l| forgejo_rules::label_name(l.trim()).to_string())
+                .collect();
+            let runner = forgejo_rules::RunnerView {
+                owner_id: 0,
+                repo_id: 0,
+                labels: &labels,
+                ephemeral: true,
+                has_task: false,
+                handle: Some(req.job_handle),
+            };
+            let taken = forgejo_rules::pick(
+                &runner,
+                w.jobs.iter().map(|j| {
+                    let view = forgejo_rules::JobView {
+                        status: &j.status,
+                        task_id: 0,
+                        handle: &j.handle,
+                        runs_on: &j.runs_on,
+                        owner_id: 0,
+                        repo_id: 0,
+                        queued_behind: false,
+                    };
+                    (j.id, view)
+                }),
+            );
+            if let Some(id) = taken {
+                w.jobs.retain(|j| j.id != id);
+                w.runners.remove(&req.runner_id);
+            }
             Ok(())
         }
     }
