@@ -297,6 +297,7 @@ ci_ephemeral_provisioner_pool_defaults:
   max_jobs_per_vm: 10
   idle_timeout: 1s
   registration_grace: 5s
+  job_pickup_timeout: 2m
   poll_interval: 500ms
   max_cycle_duration: 10m
   hard_deadline: 20m
@@ -359,7 +360,7 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
         "install -d -o nobody -g nogroup -m 0755 {METRICS_DIR} && ! command -v setfacl"
     ));
     // The default pool has a cloud secret for tofu (secret_environment).
-    let two_pools = "  - name: default\n    runner_prefix: ephemeral-\n    labels: debian:host\n\
+    let two_pools = "  - name: default\n    runner_prefix: ephemeral-\n    labels: 'debian:host, docker:host'\n\
                      \x20   secret_environment:\n      E2E_CLOUD_TOKEN: cloud-5ecret-4c7e\n\
                      \x20 - name: gpu\n    runner_prefix: gpu-\n    labels: gpu:host\n";
 
@@ -565,6 +566,86 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
         "{argv:?}"
     );
     assert!(argv.iter().any(|a| a == "--wait"), "{argv:?}");
+    // One --label per entry of the pool's labels, each whole and trimmed: the stand-in declares
+    // their names, and the fake (Forgejo's rule) gives a job only to a runner that declared
+    // every name the job runs on — the job above ran because of them.
+    let labels: Vec<&str> = argv
+        .windows(2)
+        .filter(|w| w[0] == "--label")
+        .map(|w| w[1].as_str())
+        .collect();
+    assert_eq!(labels, ["debian:host", "docker:host"], "{argv:?}");
+
+    // A VM whose sshd is not up yet when its job arrives (it boots slowly): the launch command
+    // waits for sshd instead of failing, and the first launch serves the job. The "VM" is the
+    // container itself; host.sh reaches it with nsenter, not ssh, and Ansible is not needed
+    // meanwhile. The job runs on both labels, so only a runner that declared both gets it.
+    host.sh_ok("systemctl stop ssh.socket ssh.service");
+    assert!(
+        std::net::TcpStream::connect("127.0.0.1:2222").is_err(),
+        "sshd still answers on 127.0.0.1:2222"
+    );
+    let launches = |j: &str| j.matches("launching runner").count();
+    let before = launches(&host.journal(UNIT));
+    let (job3, _) = fake.add_job(&["debian", "docker"]);
+    wait_until("a launch while the VM's sshd is down", &host, || {
+        launches(&host.journal(UNIT)) > before
+    });
+    let down = Instant::now();
+    std::thread::sleep(Duration::from_secs(6));
+    host.sh_ok("systemctl start ssh.service");
+    eprintln!(
+        "sshd down for {:.1?} after the launch began",
+        down.elapsed()
+    );
+    wait_until(
+        "the job to be served by the launch that waited for sshd",
+        &host,
+        || {
+            let s = host.show(UNIT);
+            assert_ne!(
+                s["ActiveState"],
+                "failed",
+                "a run failed while sshd was down:\n{}",
+                host.journal(UNIT)
+            );
+            fake.jobs()
+                .iter()
+                .any(|j| j.id == job3 && j.status == "success")
+                && !host.file(&format!("{STATE}/cycle.json")).exists()
+                && s["ActiveState"] == "inactive"
+        },
+    );
+    // The run report in the journal: one launch for the job, a success that lasted about as
+    // long as sshd was down (`ok    7.41s launch_runner runner 12 ephemeral-…: for job 3`).
+    let journal = host.journal(UNIT);
+    assert!(
+        !journal
+            .lines()
+            .any(|l| l.trim_start().starts_with("FAIL") && l.contains(" launch_runner ")),
+        "a launch failed instead of waiting for sshd:\n{journal}"
+    );
+    let for_job = format!(": for job {job3}");
+    let reported: Vec<&str> = journal
+        .lines()
+        .filter(|l| l.contains(" launch_runner ") && l.trim_end().ends_with(&for_job))
+        .collect();
+    assert_eq!(reported.len(), 1, "one launch for job {job3}:\n{journal}");
+    let line = reported[0].trim();
+    eprintln!("  the run report: {line}");
+    assert!(line.starts_with("ok "), "{line}");
+    let took: f64 = line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|t| t.strip_suffix('s'))
+        .and_then(|t| t.parse().ok())
+        .unwrap_or_else(|| panic!("no duration in {line}"));
+    assert!(
+        took >= 5.0,
+        "the launch took {took}s: it did not wait for sshd (down for 6 s after it began):\n{journal}"
+    );
+    let records = host.read("var/log/fake-forgejo-runner.jsonl");
+    assert_eq!(records.lines().count(), 2, "one runner per job:\n{records}");
 
     // The token: a root-only credential, nowhere else.
     assert_eq!(
@@ -718,7 +799,7 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
     );
 
     // Removing a pool from the list stops and disables its timer.
-    let one_pool = "  - name: default\n    runner_prefix: ephemeral-\n    labels: debian:host\n";
+    let one_pool = "  - name: default\n    runner_prefix: ephemeral-\n    labels: 'debian:host, docker:host'\n";
     let (ok, out, _) = host.play("one-pool", &vars(&fake, work, &local, one_pool));
     assert!(ok, "{out}");
     assert_eq!(

@@ -1,0 +1,599 @@
+#!/usr/bin/env python3
+"""Fast test of the role's default launch command (role/templates/launch.sh.j2); no container.
+
+The template is rendered by ansible-playbook (the one next to this Python, else on PATH: the
+role's own filters and template settings), then run as the provisioner runs it (environment,
+token on stdin) with a stub `ssh` first on PATH. The stub answers each call as the scenario says
+(connection refused, timed out, hanging until ConnectTimeout, a host key mismatch, permission
+denied, ...) and otherwise plays the VM: it runs the remote command with `sh -c`, as sshd would,
+in a directory of the scenario with its own PATH, where a fake `forgejo-runner` (and maybe a fake
+`cloud-init`) behave as the scenario says. Each scenario then checks the exit status, the time
+taken, what the operator reads on stderr, and what reached "the VM".
+
+Scenarios run in parallel (most of their time is sleeping); the whole test takes about 15 s.
+
+Usage: launch_test.py [--template FILE] [-k SUBSTRING]... [-v] [--keep]
+  --template  render this file instead of role/templates/launch.sh.j2 (to try a mutation)
+  -k          run only the scenarios whose name contains SUBSTRING (repeatable)
+  -v          show what each launch printed on stderr (what the operator reads)
+  --keep      keep the work directory (the rendered scripts, each scenario's calls and "VM")
+"""
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import textwrap
+import zlib
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+TOKEN = "runner-t0ken-5ecret-e2c1"
+URL = "https://forgejo.example.test"
+HANDLE = "job-handle-7f3a"
+ADDRESS = "vm-1.example.test"
+KNOWN_HOSTS = "vm-1.example.test ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIPoolKnownHostsLine"
+OUTPUT_HOST_KEY = "[vm-1.example.test]:2200 ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIFromTheModule"
+PRIVATE_KEY = "-----BEGIN OPENSSH PRIVATE KEY-----\nZmFrZSBrZXk=\n-----END OPENSSH PRIVATE KEY-----"
+
+# The pools the template is rendered for: `a` as the role's defaults have it (runner_bin looked
+# up on the VM's PATH), `b` with a known_hosts output, an absolute runner_bin, another port/user.
+VARIANTS = {
+    "a": {
+        "address_output": "address",
+        "ssh_private_key_output": "ssh_private_key",
+        "ssh_user": "runner",
+        "ssh_port": 22,
+        "known_hosts": KNOWN_HOSTS,
+        "known_hosts_output": "",
+        "runner_bin": "forgejo-runner",
+        "connect_timeout": 30,
+    },
+    "b": {
+        "address_output": "address",
+        "ssh_private_key_output": "ssh_private_key",
+        "ssh_user": "ci-b",
+        "ssh_port": 2200,
+        "known_hosts": KNOWN_HOSTS,
+        "known_hosts_output": "host_keys",
+        "runner_bin": "@shared@/vm-runner",
+        "connect_timeout": 30,
+    },
+}
+
+# --- the stub ssh -------------------------------------------------------------------------------
+SSH_STUB = r'''#!@PYTHON@
+"""Stub ssh: logs each call; answers from $FAKE_SSH_DIR/answers.json, else plays the VM."""
+import json, os, stat, subprocess, sys, time
+d = os.environ["FAKE_SSH_DIR"]
+args = sys.argv[1:]
+opts, i = {}, 0
+while i < len(args):
+    a = args[i]
+    if a == "--":
+        i += 1
+        break
+    if not a.startswith("-") or a == "-":
+        break
+    if a[1] in "bcDEeFIiJLlmOopQRSWw":
+        val = a[2:] if len(a) > 2 else args[i + 1]
+        i += 1 if len(a) > 2 else 2
+        if a[1] == "o":
+            k, _, v = val.partition("=")
+            opts[k] = v
+        else:
+            opts["-" + a[1]] = val
+    else:
+        i += 1
+host, command = args[i], " ".join(args[i + 1:])
+def read(p):
+    try:
+        with open(p, encoding="utf-8") as f:
+            return f.read()
+    except OSError:
+        return None
+key = opts.get("IdentityFile", "")
+call = {
+    "t": time.time(), "argv": args, "host": host, "command": command,
+    "port": opts.get("-p"), "user": opts.get("-l"), "options": opts,
+    "known_hosts": read(opts.get("UserKnownHostsFile", "")),
+    "key": read(key), "key_mode": oct(stat.S_IMODE(os.stat(key).st_mode)) if os.path.exists(key) else None,
+}
+with open(os.path.join(d, "calls.jsonl"), "a", encoding="utf-8") as f:
+    f.write(json.dumps(call) + "\n")
+with open(os.path.join(d, "answers.json"), encoding="utf-8") as f:
+    plan = json.load(f)
+n = sum(1 for _ in open(os.path.join(d, "calls.jsonl"), encoding="utf-8"))
+answer = plan["answers"][n - 1] if n <= len(plan["answers"]) else plan["then"]
+port, user = opts.get("-p", "22"), opts.get("-l", "root")
+say = {
+    "refused": f"ssh: connect to host {host} port {port}: Connection refused",
+    "timeout": f"ssh: connect to host {host} port {port}: Connection timed out",
+    "hostkey": "\n".join([
+        "@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@",
+        "@    WARNING: REMOTE HOST IDENTIFICATION HAS CHANGED!     @",
+        "@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@",
+        "IT IS POSSIBLE THAT SOMEONE IS DOING SOMETHING NASTY!",
+        "The fingerprint for the ED25519 key sent by the remote host is",
+        "SHA256:fakeFingerprintOfTheNewKey.",
+        f"Host key for {host} has changed and you have requested strict checking.",
+        "Host key verification failed.",
+    ]),
+    "unknown-hostkey": f"No ED25519 host key is known for {host} and you have requested strict checking.\nHost key verification failed.",
+    "denied": f"{user}@{host}: Permission denied (publickey).",
+    "weird": "Bad owner or permissions on /etc/ssh/ssh_config.d/x.conf",
+}
+if answer == "hang":
+    # A VM that accepts the connection and never sends its banner: ssh gives up at ConnectTimeout.
+    time.sleep(float(opts.get("ConnectTimeout", "30")))
+    sys.stderr.write(f"Connection timed out during banner exchange\r\nConnection to {host} port {port} timed out\r\n")
+    sys.exit(255)
+if answer in say:
+    sys.stderr.write(say[answer].replace("\n", "\r\n") + "\r\n")
+    sys.exit(255)
+assert answer == "ok", answer
+vm = os.environ["FAKE_VM"]
+env = {"PATH": vm + "/bin:/usr/bin:/bin", "HOME": vm, "FAKE_VM": vm, "LC_ALL": "C"}
+os.umask(0o022)  # sshd's, not the launch command's 077
+sys.exit(subprocess.run(["/bin/sh", "-c", command], env=env, cwd=vm).returncode)
+'''
+
+# --- the fake forgejo-runner on "the VM" ---------------------------------------------------------
+RUNNER_STUB = r'''#!@PYTHON@
+"""Fake forgejo-runner: --version and one-job as $FAKE_VM/runner.json says."""
+import json, os, stat, sys, time
+vm = os.environ["FAKE_VM"]
+with open(os.path.join(vm, "runner.json"), encoding="utf-8") as f:
+    cfg = json.load(f)
+if sys.argv[1:] == ["--version"]:
+    print(cfg["version"])
+    sys.exit(0)
+args = sys.argv[1:]
+token_url = args[args.index("--token-url") + 1] if "--token-url" in args else ""
+path = token_url[len("file:"):]
+st = os.stat(path)
+with open(path, encoding="utf-8") as f:
+    token = f.read()
+record = {"argv": args, "pid": os.getpid(), "token": token, "token_mode": oct(stat.S_IMODE(st.st_mode)),
+          "token_in_env": any(token.strip() in v for v in os.environ.values())}
+with open(os.path.join(vm, "runner-run.json"), "w", encoding="utf-8") as f:
+    json.dump(record, f)
+def log(msg, level="info"):
+    print(f'time="2026-01-01T00:00:00Z" level={level} msg="{msg}"', file=sys.stderr, flush=True)
+log("Starting job")
+mode = cfg["mode"]
+if mode == "fail":
+    for i in range(8):
+        log(f"config check {i}: ok")
+    log("fail to invoke Declare", "error")
+    print("Error: unauthenticated: unregistered runner", file=sys.stderr)
+    sys.exit(1)
+if mode == "late":
+    time.sleep(2)
+if mode in ("declare", "late", "quick"):
+    log("runner: ephemeral-1, with version: v12.8.2, with labels: [debian], ephemeral: true, declared successfully")
+if mode == "quick":
+    sys.exit(0)
+end = time.time() + 40
+while time.time() < end and not os.path.exists(os.path.join(vm, "stop")):
+    time.sleep(0.1)
+'''
+
+# `cloud-init status --wait`: installs the runner a second later (as a first boot would), then
+# exits 2 ("done, with recoverable errors"), which the launch must not take as a failure.
+CLOUD_INIT_STUB = r'''#!/bin/sh
+echo "$*" >> "$FAKE_VM/cloud-init.log"
+[ "$1 $2" = "status --wait" ] || exit 0
+if [ -e "$FAKE_VM/cloud-init-hangs" ]; then sleep 60; fi
+sleep 1
+cp "$FAKE_VM/runner-pending" "$FAKE_VM/bin/forgejo-runner"
+exit 2
+'''
+
+
+def write(path, text, mode=0o644):
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+    path.chmod(mode)
+
+
+def ansible_playbook():
+    here = Path(sys.executable).parent / "ansible-playbook"
+    found = str(here) if here.exists() else shutil.which("ansible-playbook")
+    if not found:
+        sys.exit("launch_test: ansible-playbook not found next to this Python or on PATH; run it with "
+                 "the venv .ci/role makes: target/role-e2e/venv/bin/python tests/role/launch_test.py")
+    return found
+
+
+def render(template, work):
+    """The template, rendered by Ansible for each variant: {variant: path}."""
+    pools_dir = work / "pools"
+    variants = []
+    for name, launch in VARIANTS.items():
+        launch = {k: (v.replace("@shared@", str(work / "shared")) if isinstance(v, str) else v)
+                  for k, v in launch.items()}
+        launch["runner_dir"] = str(work / "shared" / "runner-dir")
+        variants.append({"name": name, "launch": launch})
+        # What the role's "Write each pool's known hosts" task writes.
+        write(pools_dir / name / "known_hosts", launch["known_hosts"] + "\n")
+    (work / "rendered").mkdir()
+    write(work / "vars.json", json.dumps({
+        "template": str(template),
+        "out": str(work / "rendered"),
+        "variants": variants,
+        "_ci_ephemeral_provisioner_pools_dir": str(pools_dir),
+        "ansible_connection": "local",
+        "ansible_python_interpreter": sys.executable,
+    }))
+    write(work / "render.yml", textwrap.dedent("""\
+        - name: Render the launch template
+          hosts: localhost
+          gather_facts: false
+          tasks:
+            - name: Render each variant
+              ansible.builtin.template:
+                src: "{{ template }}"
+                dest: "{{ out }}/{{ item.name }}"
+                mode: "0755"
+              loop: "{{ variants }}"
+        """))
+    env = dict(os.environ, ANSIBLE_NOCOLOR="1", ANSIBLE_LOCALHOST_WARNING="False",
+               ANSIBLE_INVENTORY_UNPARSED_WARNING="False", ANSIBLE_RETRY_FILES_ENABLED="False")
+    r = subprocess.run([ansible_playbook(), "-i", "localhost,", str(work / "render.yml"),
+                        "-e", "@" + str(work / "vars.json")],
+                       env=env, capture_output=True, text=True)
+    if r.returncode != 0:
+        sys.exit(f"launch_test: rendering {template} failed:\n{r.stdout}{r.stderr}")
+    return {name: work / "rendered" / name for name in VARIANTS}
+
+
+class Case:
+    """One run of the launch command. `vm` sets up "the VM": runner (the version it prints and
+    how one-job behaves; None = not installed) and cloud_init ("installs" / "hangs" / None)."""
+
+    def __init__(self, name, *, variant="a", answers=(), then="ok", version="forgejo-runner version v12.8.2",
+                 mode="declare", runner=True, cloud_init=None, labels="debian:host", timeout=120,
+                 check=None):
+        self.name, self.variant, self.answers, self.then = name, variant, list(answers), then
+        self.version, self.mode, self.runner, self.cloud_init = version, mode, runner, cloud_init
+        self.labels, self.timeout, self.check = labels, timeout, check
+        self.uuid = f"00000000-0000-4000-8000-{zlib.crc32(name.encode()):012d}"
+
+    def run(self, work, rendered):
+        d = work / "cases" / self.name
+        self.ssh_dir, self.vm = d / "ssh", d / "vm"
+        self.ssh_dir.mkdir(parents=True)
+        (self.vm / "bin").mkdir(parents=True)
+        write(self.ssh_dir / "answers.json", json.dumps({"answers": self.answers, "then": self.then}))
+        write(self.vm / "runner.json", json.dumps({"version": self.version, "mode": self.mode}))
+        runner = RUNNER_STUB.replace("@PYTHON@", sys.executable)
+        if self.cloud_init:
+            write(self.vm / "bin" / "cloud-init", CLOUD_INIT_STUB, 0o755)
+            write(self.vm / "runner-pending", runner, 0o755)
+            if self.cloud_init == "hangs":
+                write(self.vm / "cloud-init-hangs", "")
+        elif self.runner:
+            write(self.vm / "bin" / "forgejo-runner", runner, 0o755)
+        env = {
+            "PATH": f"{work / 'bin'}:{os.environ['PATH']}",
+            "FAKE_SSH_DIR": str(self.ssh_dir),
+            "FAKE_VM": str(self.vm),
+            "RUNNER_ID": "41",
+            "RUNNER_UUID": self.uuid,
+            "RUNNER_NAME": "ephemeral-c1-1",
+            "RUNNER_LABELS": self.labels,
+            "FORGEJO_URL": URL,
+            "JOB_HANDLE": HANDLE,
+            "LAUNCH_TIMEOUT_SECONDS": str(self.timeout),
+            "TOFU_OUTPUT_ADDRESS": ADDRESS,
+            "TOFU_OUTPUT_SSH_PRIVATE_KEY": PRIVATE_KEY,
+            "TOFU_OUTPUT_HOST_KEYS": OUTPUT_HOST_KEY,
+        }
+        started = time.monotonic()
+        # Its own process group, killed past the launch timeout (+5 s), as the provisioner does.
+        p = subprocess.Popen([str(rendered[self.variant])], env=env, stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)
+        try:
+            out, err = p.communicate(TOKEN + "\n", timeout=self.timeout + 5)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            out, err = p.communicate()
+            err += f"\n[launch_test: killed after {self.timeout + 5}s]"
+        self.elapsed = time.monotonic() - started
+        self.rc, self.stdout, self.stderr = p.returncode, out, err
+        self.calls = [json.loads(l) for l in (self.ssh_dir / "calls.jsonl").read_text().splitlines()] \
+            if (self.ssh_dir / "calls.jsonl").exists() else []
+        run = self.vm / "runner-run.json"
+        self.started = json.loads(run.read_text()) if run.exists() else None
+        self.alive = self.started is not None and pid_alive(self.started["pid"])
+        return self
+
+    def stop(self):
+        write(self.vm / "stop", "")
+        if self.started and pid_alive(self.started["pid"]):
+            try:
+                os.kill(self.started["pid"], signal.SIGTERM)
+            except OSError:
+                pass
+
+    def remote_calls(self):
+        return [c for c in self.calls if c["command"] != "true"]
+
+
+def pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    # A zombie is gone for our purpose.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+# --- checks -------------------------------------------------------------------------------------
+class Failed(Exception):
+    pass
+
+
+def expect(cond, what):
+    if not cond:
+        raise Failed(what)
+
+
+def ok_fast(c, limit=5):
+    expect(c.rc == 0, f"exit status {c.rc}, expected 0")
+    expect(c.elapsed < limit, f"took {c.elapsed:.1f}s, expected < {limit}s")
+
+
+def seen(c):
+    """What the operator reads of a failed launch: the provisioner's error message keeps the last
+    six non-empty lines of its stderr, joined with " | " (src/process.rs, describe)."""
+    lines = [l for l in c.stderr.splitlines() if l.strip()]
+    return " | ".join(lines[-6:])
+
+
+def failed_with(c, *needles, limit=None):
+    """A failure whose message (as the operator sees it) matches every regex in needles."""
+    expect(c.rc not in (0, None) and c.rc > 0, f"exit status {c.rc}, expected a failure (> 0)")
+    for n in needles:
+        expect(re.search(n, seen(c)), f"the last six lines of stderr do not match {n!r}")
+    if limit is not None:
+        expect(c.elapsed < limit, f"took {c.elapsed:.1f}s, expected < {limit}s")
+
+
+def not_started(c):
+    expect(c.started is None, f"forgejo-runner one-job was started: {c.started}")
+
+
+def runner_argv(c):
+    expect(c.started is not None, "forgejo-runner one-job was never started")
+    return c.started["argv"]
+
+
+def labels_of(argv):
+    return [argv[i + 1] for i, a in enumerate(argv) if a == "--label"]
+
+
+def check_good(c):
+    ok_fast(c)
+    argv = runner_argv(c)
+    token_file = f"{c.work}/shared/runner-dir/{c.uuid}.token"
+    expect(argv == ["one-job", "--url", URL, "--uuid", c.uuid, "--token-url", f"file:{token_file}",
+                    "--label", "debian:host", "--label", "docker:host", "--label", "arm64:docker://node:22",
+                    "--label", "big box:host", "--handle", HANDLE, "--wait"], f"one-job argv: {argv}")
+    expect(c.started["token"] == TOKEN + "\n", f"token file holds {c.started['token']!r}")
+    expect(c.started["token_mode"] == "0o600", f"token file mode {c.started['token_mode']}")
+    expect(not c.started["token_in_env"], "the token is in the runner's environment")
+    expect(c.alive, "the runner is not running after the launch returned")
+    expect(len(c.calls) == 2 and c.calls[0]["command"] == "true",
+           f"expected one probe (`true`) and one start: {[x['command'][:40] for x in c.calls]}")
+    for call in c.calls:
+        expect(not any(TOKEN in a for a in call["argv"]), "the token is on ssh's command line")
+        o = call["options"]
+        expect(o.get("StrictHostKeyChecking") == "yes" and o.get("BatchMode") == "yes"
+               and o.get("GlobalKnownHostsFile") == "/dev/null", f"ssh options {o}")
+        expect(call["known_hosts"] == KNOWN_HOSTS + "\n", f"known_hosts {call['known_hosts']!r}")
+        expect(call["key"] == PRIVATE_KEY + "\n" and call["key_mode"] == "0o600",
+               f"key file {call['key_mode']} {call['key']!r}")
+        expect((call["host"], call["port"], call["user"]) == (ADDRESS, "22", "runner"),
+               f"ssh target {call['host']} {call['port']} {call['user']}")
+
+
+def check_variant_b(c):
+    ok_fast(c)
+    expect(runner_argv(c)[:1] == ["one-job"], "not started through the absolute runner_bin")
+    for call in c.calls:
+        expect(call["known_hosts"] == f"{KNOWN_HOSTS}\n{OUTPUT_HOST_KEY}\n",
+               f"known_hosts does not add the tofu output: {call['known_hosts']!r}")
+        expect((call["port"], call["user"]) == ("2200", "ci-b"), f"port/user {call['port']} {call['user']}")
+
+
+def check_refused(c):
+    expect(c.rc == 0, f"exit status {c.rc}, expected 0 once sshd answers")
+    probes = [x for x in c.calls if x["command"] == "true"]
+    expect(len(probes) == 3 and len(c.remote_calls()) == 1,
+           f"expected 3 probes (2 refused) and one start, got {len(probes)} and {len(c.remote_calls())}")
+    gaps = [b["t"] - a["t"] for a, b in zip(probes, probes[1:])]
+    expect(0.9 <= gaps[0] < 1.9 and 1.9 <= gaps[1] < 3.5, f"backoff gaps {gaps}, expected about 1 s then 2 s")
+    expect(runner_argv(c)[0] == "one-job", "runner not started")
+
+
+def check_hostkey(c):
+    failed_with(c, re.escape(ADDRESS), "port 22", "host key of .* does not match its known_hosts",
+                "not retrying", "Host key verification failed", "launch.known_hosts", limit=3)
+    expect(len(c.calls) == 1, f"{len(c.calls)} ssh calls: a host key mismatch must not be retried")
+    not_started(c)
+
+
+def check_never(c):
+    failed_with(c, "gave up waiting for sshd", re.escape(ADDRESS), "port 22", r"after [0-9]+s",
+                "the last ssh error: ssh: connect to host .* Connection timed out", r"attempts: [3-9]")
+    expect(c.elapsed < c.timeout - 1, f"took {c.elapsed:.1f}s: not done before LAUNCH_TIMEOUT_SECONDS={c.timeout}")
+    expect(not c.remote_calls(), "started something although sshd never answered")
+
+
+def check_hang(c):
+    failed_with(c, "gave up waiting for sshd", "timed out during banner exchange")
+    expect(c.elapsed < c.timeout - 1,
+           f"took {c.elapsed:.1f}s: a probe's ConnectTimeout must not run past the deadline (timeout {c.timeout}s)")
+    for call in c.calls:
+        expect(int(call["options"]["ConnectTimeout"]) < c.timeout,
+               f"ConnectTimeout {call['options']['ConnectTimeout']} >= the launch timeout {c.timeout}")
+
+
+def check_denied(c):
+    failed_with(c, "Permission denied", "user 'runner'", "launch.ssh_user")
+    expect(len(c.calls) == 4, f"{len(c.calls)} ssh calls, expected 4 (3 retries of Permission denied)")
+    not_started(c)
+
+
+def check_denied_twice(c):
+    expect(c.rc == 0, f"exit status {c.rc}: a login refused twice, then accepted, is a launch")
+    expect(len(c.calls) == 4, f"{len(c.calls)} ssh calls, expected 2 refused probes, 1 accepted, 1 start")
+    expect(runner_argv(c)[0] == "one-job", "runner not started")
+
+
+def check_weird(c):
+    failed_with(c, "unexpected", "Bad owner or permissions", limit=3)
+    expect(len(c.calls) == 1, f"{len(c.calls)} ssh calls: an unexpected ssh error is not retried")
+
+
+def check_missing(c):
+    failed_with(c, "forgejo-runner is not installed on the VM", "no executable forgejo-runner", "12.8 or newer",
+                limit=5)
+    not_started(c)
+
+
+def check_old(c):
+    failed_with(c, r"version 12\.7\.3", "12.8 or newer is needed", "one-job --handle", limit=5)
+    not_started(c)
+
+
+def check_dev(c):
+    failed_with(c, "cannot tell the version", "forgejo-runner version dev", "12.8 or newer", limit=5)
+    not_started(c)
+
+
+def check_accepted(c):
+    ok_fast(c)
+    expect(runner_argv(c)[0] == "one-job", "runner not started")
+
+
+def check_runner_fails(c):
+    failed_with(c, "fail to invoke Declare", "Error: unauthenticated: unregistered runner",
+                "exited with status 1 before it declared itself", limit=5)
+
+
+def check_silent(c):
+    expect(c.rc == 0, f"exit status {c.rc}: a runner still starting after the watch is left to the grace")
+    expect(3.5 <= c.elapsed < c.timeout - 1, f"took {c.elapsed:.1f}s: expected a watch of several seconds "
+                                             f"that ends before the launch timeout ({c.timeout}s)")
+    expect(c.alive, "the runner is not running")
+
+
+def check_late(c):
+    expect(c.rc == 0, f"exit status {c.rc}")
+    expect(1.8 <= c.elapsed < 7, f"took {c.elapsed:.1f}s: expected to return once the runner declared (2 s)")
+
+
+def check_cloud_init(c):
+    ok_fast(c)
+    log = (c.vm / "cloud-init.log").read_text() if (c.vm / "cloud-init.log").exists() else ""
+    expect("status --wait" in log, f"cloud-init status --wait was not run: {log!r}")
+    expect(runner_argv(c)[0] == "one-job", "runner not started")
+
+
+def check_cloud_init_hangs(c):
+    failed_with(c, "forgejo-runner is not installed", "cloud-init was still running")
+    expect(c.elapsed < c.timeout - 1, f"took {c.elapsed:.1f}s: the cloud-init wait ran past the launch timeout")
+
+
+def check_no_labels(c):
+    failed_with(c, "RUNNER_LABELS", "names no label", limit=2)
+    expect(not c.calls, "ssh was run although there is no label")
+
+
+# Blanks around entries, an empty one, a scheme with an argument, a name with a blank inside.
+SEVERAL = " debian:host ,docker:host,, arm64:docker://node:22 , big box:host,"
+CASES = [
+    Case("good", labels=SEVERAL, check=check_good),
+    Case("variant-b", variant="b", check=check_variant_b),
+    Case("refused-twice", answers=["refused", "refused"], check=check_refused),
+    Case("host-key-changed", answers=["hostkey"], check=check_hostkey),
+    Case("host-key-unknown", answers=["unknown-hostkey"], check=check_hostkey),
+    Case("never-answers", then="timeout", timeout=8, check=check_never),
+    Case("hangs", then="hang", timeout=10, check=check_hang),
+    Case("permission-denied", then="denied", timeout=30, check=check_denied),
+    Case("permission-denied-twice", answers=["denied", "denied"], check=check_denied_twice),
+    Case("unexpected-ssh-error", answers=["weird"], check=check_weird),
+    Case("runner-missing", runner=False, check=check_missing),
+    Case("runner-12.7.3", version="forgejo-runner version v12.7.3", check=check_old),
+    Case("runner-dev", version="forgejo-runner version dev", check=check_dev),
+    Case("runner-12.8.0", version="12.8.0", mode="quick", check=check_accepted),
+    Case("runner-12.10.0", version="forgejo-runner version v12.10.0", mode="quick", check=check_accepted),
+    Case("runner-13.0.1", version="forgejo-runner version v13.0.1", mode="quick", check=check_accepted),
+    Case("runner-exits-at-once", mode="fail", check=check_runner_fails),
+    Case("runner-silent", mode="silent", timeout=10, check=check_silent),
+    Case("runner-declares-late", mode="late", check=check_late),
+    Case("cloud-init-installs-runner", cloud_init="installs", check=check_cloud_init),
+    Case("cloud-init-hangs", cloud_init="hangs", timeout=10, check=check_cloud_init_hangs),
+    Case("no-labels", labels=" , ,", check=check_no_labels),
+]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--template", type=Path, default=ROOT / "role/templates/launch.sh.j2")
+    ap.add_argument("-k", action="append", default=[])
+    ap.add_argument("--keep", action="store_true", help="keep the work directory")
+    ap.add_argument("-v", action="store_true", help="show every launch's stderr")
+    a = ap.parse_args()
+    cases = [c for c in CASES if not a.k or any(k in c.name for k in a.k)]
+    work = Path(tempfile.mkdtemp(prefix="launch-test-"))
+    try:
+        write(work / "bin" / "ssh", SSH_STUB.replace("@PYTHON@", sys.executable), 0o755)
+        write(work / "shared" / "vm-runner", '#!/bin/sh\nexec "$FAKE_VM/bin/forgejo-runner" "$@"\n', 0o755)
+        rendered = render(a.template.resolve(), work)
+        for c in cases:
+            c.work = work
+        with ThreadPoolExecutor(max_workers=len(cases)) as pool:
+            list(pool.map(lambda c: c.run(work, rendered), cases))
+        failures = 0
+        for c in cases:
+            try:
+                c.check(c)
+                print(f"ok   {c.name} ({c.elapsed:.1f}s)")
+                if a.v:
+                    print(textwrap.indent(c.stderr, "       | "), end="")
+            except Failed as e:
+                failures += 1
+                print(f"FAIL {c.name} ({c.elapsed:.1f}s, exit {c.rc}): {e}")
+                print(textwrap.indent(f"stderr:\n{c.stderr}stdout:\n{c.stdout}", "       | "))
+            finally:
+                c.stop()
+        print(f"launch template: {len(cases) - failures} passed, {failures} failed")
+        return 1 if failures else 0
+    finally:
+        for c in cases:
+            if hasattr(c, "vm"):
+                c.stop()
+        if a.keep:
+            print(f"work directory kept: {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
