@@ -17,13 +17,19 @@ use ci_ephemeral_provisioner::time::Timestamp;
 use super::ports::{
     Killed, Livelock, Port, Shared, SimClock, SimForgejo, SimLauncher, SimStore, SimTofu,
 };
-use super::world::{HTTP_TIMEOUT_MS, Invocation, LABEL, PREFIX, Sim, Stats, T0};
+use super::world::{
+    HTTP_TIMEOUT_MS, Invocation, LABEL, PICKUP_MS, POLL_MS, PREFIX, Sim, Stats, T0,
+};
 
 const MIN: i64 = 60_000;
 /// Timer runs during the faulty period, at most.
 const MAX_FAULTY_RUNS: u32 = 60;
-/// Runs after the world went quiet before the seed counts as not converging.
-const MAX_QUIET_RUNS: u32 = 100;
+/// Runs after the world went quiet before the seed counts as not converging. At least a minute
+/// apart, so at least 150 minutes: a job held just before the world went quiet (a hold lasts at
+/// most `holds::MAX_HOLD`, one hour, and one can still begin up to a pickup timeout into the
+/// quiet period) is served by a cycle that starts once it ends; that cycle needs about 20
+/// minutes (apply, launch, the job, the idle timeout, the destroy, the sweep).
+pub const MAX_QUIET_RUNS: u32 = 150;
 /// Consecutive runs that must end at rest.
 const AT_REST_RUNS: u32 = 3;
 
@@ -33,22 +39,23 @@ thread_local! {
 }
 
 /// The configuration every simulated invocation runs with (short durations keep seeds cheap;
-/// the decisions are the same as with the defaults).
-pub fn config() -> CycleConfig {
+/// the decisions are the same as with the defaults). `--max-jobs-per-vm` is the seed's: 3, or 6
+/// (more than `MAX_START_FAILURES`, so that the broken-VM rule is not hidden by the job cap).
+pub fn config(max_jobs: u32) -> CycleConfig {
     let m = |n: u64| Duration::from_secs(60 * n);
     CycleConfig {
         policy: Policy {
             runner_prefix: PREFIX.into(),
             label_names: vec![LABEL.into()],
-            max_jobs_per_vm: 3,
+            max_jobs_per_vm: max_jobs,
             idle_timeout: m(3),
             registration_grace: m(3),
             max_cycle_duration: m(40),
             hard_deadline: m(60),
             intent_settle: Duration::from_millis(2 * HTTP_TIMEOUT_MS as u64),
-            job_pickup_timeout: m(10),
+            job_pickup_timeout: Duration::from_millis(PICKUP_MS as u64),
         },
-        poll_interval: Duration::from_secs(10),
+        poll_interval: Duration::from_millis(POLL_MS as u64),
         labels: format!("{LABEL}:host"),
         forgejo_url: "https://forgejo.sim".into(),
         sweep_max_deletions: 50,
@@ -105,8 +112,10 @@ pub fn invoke(sim: &Shared, nested: bool) {
     };
     let inv = {
         let mut s = sim.borrow_mut();
+        let now = s.now;
         s.invs.push(Invocation {
             nested,
+            started_at: now,
             ..Invocation::default()
         });
         s.stats.invocations += 1;
@@ -130,7 +139,7 @@ pub fn invoke(sim: &Shared, nested: bool) {
     let mut launcher = SimLauncher(port.clone());
     let mut store = SimStore(port.clone());
     let mut clock = SimClock(port);
-    let cfg = config();
+    let cfg = config(sim.borrow().max_jobs);
     let mut report = Report::new("run", false, Timestamp(sim.borrow().now));
     let result = panic::catch_unwind(AssertUnwindSafe(|| {
         let mut world = World {
@@ -230,6 +239,7 @@ pub fn run_seed_with(
         }
     }
     let mut s = sim.borrow_mut();
+    s.stats.quiet_runs_max = quiet_runs.saturating_sub(AT_REST_RUNS);
     if s.violation.is_none()
         && let Some(left) = s.leftovers()
     {

@@ -1,24 +1,34 @@
 #!/usr/bin/env bash
 # Proves the simulation's invariants discriminate: applies each mutation of the README table
-# "Deterministic simulation" to the real code, runs the simulation, prints the first seed that
-# caught it, and restores the file. Every mutation must be caught; exits non-zero otherwise.
+# "Deterministic simulation" to the real code, runs the simulation, prints the lowest seed that
+# caught it, and restores the files. Every mutation must be caught; exits non-zero otherwise.
 #   bash tests/sim/mutations.sh            # all mutations, SIM_SEEDS (default 3000) each
 #   ONLY=no-sweep bash tests/sim/mutations.sh
+# It edits src/ in place (and restores it): while others build or edit this tree, run it in a
+# copy of the tree with a CARGO_TARGET_DIR of its own.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export SIM_SEEDS=${SIM_SEEDS:-3000}
 missed=0
+files=()
 
-# mutate NAME FILE OLD NEW: replace the exact text OLD by NEW in FILE, run, restore.
+# mutate NAME FILE OLD NEW [FILE OLD NEW]...: replace each exact text OLD by NEW in its FILE,
+# run, restore every file.
 mutate() {
-    local name=$1 file=$2 old=$3 new=$4
+    local name=$1
+    shift
     if [[ -n ${ONLY:-} && $ONLY != "$name" ]]; then
         return
     fi
-    cp "$file" "$file.orig"
+    files=()
     # Restored files are touched: cargo must not keep a binary built from the mutated text.
-    trap 'mv -f "'"$file"'.orig" "'"$file"'"; touch "'"$file"'"' EXIT
-    OLD=$old NEW=$new python3 - "$file" <<'EOF'
+    trap restore EXIT
+    while (($#)); do
+        local file=$1 old=$2 new=$3
+        shift 3
+        [[ -e $file.orig ]] || cp "$file" "$file.orig"
+        files+=("$file")
+        OLD=$old NEW=$new python3 - "$file" <<'EOF'
 import os, sys
 p = sys.argv[1]
 s = open(p).read()
@@ -27,28 +37,54 @@ if s.count(old) != 1:
     sys.exit(f"mutation text not found exactly once in {p}: {old!r}")
 open(p, "w").write(s.replace(old, new))
 EOF
+    done
     local out
     out=$(cargo test --release --test sim simulation -- --nocapture 2>&1 || true)
-    mv -f "$file.orig" "$file"
-    touch "$file"
+    restore
     trap - EXIT
+    if grep -q 'could not compile' <<<"$out"; then
+        printf '%-30s DOES NOT BUILD\n%s\n' "$name" "$(grep -m3 -A5 '^error' <<<"$out")"
+        missed=$((missed + 1))
+        return
+    fi
     local caught
-    caught=$(grep -m1 -E '^seed [0-9]+ step [0-9]+: ' <<<"$out" || true)
+    # The lowest failing seed (each thread reports its first failures, in seed order).
+    caught=$(grep -E '^seed [0-9]+ step [0-9]+: ' <<<"$out" | sort -k2,2n | head -1 || true)
     if [[ -n $caught ]]; then
-        printf '%-28s CAUGHT  %s\n' "$name" "$caught"
+        printf '%-30s CAUGHT  %s\n' "$name" "$caught"
     else
-        printf '%-28s MISSED  (%s seeds)\n' "$name" "$SIM_SEEDS"
+        printf '%-30s MISSED  (%s seeds)\n' "$name" "$SIM_SEEDS"
         missed=$((missed + 1))
     fi
+}
+
+# Puts back every file the current mutation changed.
+restore() {
+    local f
+    for f in "${files[@]}"; do
+        if [[ -e $f.orig ]]; then
+            mv -f "$f.orig" "$f"
+            touch "$f"
+        fi
+    done
 }
 
 mutate "gate-ignores-status" src/model.rs \
     '        && *status == RunnerStatus::Offline' \
     ''
 
-mutate "gate-ignores-prefix" src/model.rs \
+# The sweep keeps only rows with the prefix from its listing (`sweep_with`'s `ours`), so the
+# gate's own prefix check is a second guard: both must go for a person's runner to be deleted.
+mutate "gate-and-sweep-ignore-prefix" \
+    src/model.rs \
     '        && name.is_some_and(|n| n.starts_with(prefix))' \
-    '        && name.is_some()'
+    '        && name.is_some()' \
+    src/sweep.rs \
+    '    let ours =
+        |r: &Runner| !prefix.is_empty() && r.name.as_deref().is_some_and(|n| n.starts_with(prefix));
+    let listing = match list_all(forgejo, &ours) {' \
+    '    let ours = |r: &Runner| r.name.is_some();
+    let listing = match list_all(forgejo, &ours) {'
 
 mutate "forget-before-delete-answer" src/cycle.rs \
     '        match self.w.forgejo.delete_runner(id, reason.as_str()) {' \
@@ -86,6 +122,40 @@ mutate "no-sweep" src/planner.rs \
 mutate "no-cycle-lock" src/app.rs \
     '    match file.try_lock() {' \
     '    match Ok::<(), fs::TryLockError>(()) {'
+
+mutate "no-pickup-timeout" src/planner.rs \
+    '    (now.since(reg.grace_start()) >= policy.job_pickup_timeout).then_some(Step::Teardown {' \
+    '    false.then_some(Step::Teardown {'
+
+mutate "never-connected-not-a-failure" src/cycle.rs \
+    '            s.start_failures += 1;
+        }
+        self.report.fail(format!(
+            "runner {id} ({}) never connected' \
+    '        }
+        self.report.fail(format!(
+            "runner {id} ({}) never connected'
+
+mutate "no-labels-match-any-job" src/model.rs \
+    '    !names.is_empty()
+        && !job.runs_on.is_empty()' \
+    '    names.is_empty()
+        || !job.runs_on.is_empty()'
+
+mutate "no-wrong-labels-teardown" src/planner.rs \
+    '        && !job_matches(job, declared)' \
+    '        && declared.is_empty() && false'
+
+mutate "holds-ignored" src/planner.rs \
+    '    w.retain(|j| !ctx.holds.is_held(&j.handle, now));' \
+    ''
+
+mutate "hold-not-written" src/cycle.rs \
+    '        self.save_holds();
+        let e = self.report.event(
+            "hold_job",' \
+    '        let e = self.report.event(
+            "hold_job",'
 
 if ((missed)); then
     echo "$missed mutation(s) not caught" >&2

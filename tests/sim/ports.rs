@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use ci_ephemeral_provisioner::cycle::{Clock, Sleep};
 use ci_ephemeral_provisioner::forgejo::{ApiError, Deleted, Forgejo, NewRunner, RunnerPage};
+use ci_ephemeral_provisioner::holds::{Holds, parse_holds};
 use ci_ephemeral_provisioner::launch::{LaunchRequest, Launcher};
 use ci_ephemeral_provisioner::model::{Job, Runner, RunnerStatus};
 use ci_ephemeral_provisioner::secret::Secret;
@@ -72,6 +73,7 @@ impl Port {
                     s.log(format!("KILLED {key}"));
                 }
                 *s.stats.crashes.entry(key).or_default() += 1;
+                s.starts_uncertain();
             }
             (kill, race)
         };
@@ -85,7 +87,9 @@ impl Port {
 
     /// After a step: the invariants on what is stored.
     fn checked(&self, after: &str) {
-        self.sim.borrow_mut().check_remembered(after);
+        let mut s = self.sim.borrow_mut();
+        s.check_remembered(after);
+        s.check_hold_written(after);
     }
 
     fn stop(&self) -> bool {
@@ -108,7 +112,14 @@ impl Port {
         self.boundary("before", point);
         let result = {
             let mut s = self.sim.borrow_mut();
-            let fault = s.api_fault(write, post);
+            let fault = match s.forced_faults.iter().position(|(p, _)| p == point) {
+                Some(i) => {
+                    let f = s.forced_faults.remove(i).1;
+                    s.count_fault(f.name());
+                    Some(f)
+                }
+                None => s.api_fault(write, post),
+            };
             let applied = fault.is_none_or(|f| f.applied());
             let value = if applied {
                 Some(op(&mut s, fault))
@@ -128,6 +139,15 @@ impl Port {
             };
             let now = s.now;
             s.advance(now + latency, false);
+            if fault.is_some() {
+                let now = s.now;
+                s.invs[self.inv].last_fault_at = now;
+                // A DELETE applied whose answer was lost: the run may take it for gone later
+                // (404) and count it as a consumed runner.
+                if write && !post && fault.is_some_and(ApiFault::applied) {
+                    s.starts_uncertain();
+                }
+            }
             let err = |status: Option<u16>, detail: &str| ApiError {
                 request: format!("{method} https://forgejo.sim/api/v1/admin/actions/runners{what}"),
                 detail: detail.to_string(),
@@ -235,6 +255,8 @@ impl Forgejo for SimForgejo {
     }
 
     fn register_runner(&mut self, name: &str) -> Result<NewRunner, ApiError> {
+        let inv = self.0.inv;
+        self.0.sim.borrow_mut().check_before_post(inv, name);
         self.0.api(
             "POST",
             "POST runner",
@@ -476,7 +498,7 @@ impl Launcher for SimLauncher {
             let d = s.rng.range(1_000, 15_000);
             let vm_ok = s.vm_exists(&vm);
             if vm_ok && fault != Some("launch fails") {
-                s.start_runner_process(req.runner_id, req.job_handle, &vm);
+                s.start_runner_process(req.runner_id, req.job_handle, &vm, req.labels);
             }
             let to = s.now + d;
             s.advance(to, true);
@@ -492,6 +514,9 @@ impl Launcher for SimLauncher {
             } else {
                 Ok(())
             };
+            if r.is_ok() {
+                s.launch_exited_0(req.runner_id, &vm);
+            }
             s.log(format!(
                 "launch runner {} -> {}",
                 req.runner_id,
@@ -553,7 +578,11 @@ impl StateStore for SimStore {
         let what = format!("save({phase})");
         self.0.boundary("before", &what);
         if self.disk_fault("cycle.json write fails") {
-            self.0.sim.borrow_mut().log(format!("{what} -> err"));
+            let mut s = self.0.sim.borrow_mut();
+            // The run stops before recording what it did: it may lose count of failed starts.
+            s.starts_uncertain();
+            s.log(format!("{what} -> err"));
+            drop(s);
             return Err(anyhow::anyhow!(
                 "cannot write sim/cycle.json: No space left on device"
             ));
@@ -598,23 +627,52 @@ impl StateStore for SimStore {
         "sim/cycle.json".into()
     }
 
-    fn load_holds(&mut self) -> anyhow::Result<ci_ephemeral_provisioner::holds::Holds> {
+    fn load_holds(&mut self) -> anyhow::Result<Holds> {
+        self.0.boundary("before", "load holds");
+        if self.disk_fault("held-jobs.json read fails") {
+            let mut s = self.0.sim.borrow_mut();
+            let inv = self.0.inv;
+            s.invs[inv].holds_read_failed = true;
+            s.holds_lost = true;
+            s.log("load holds -> err");
+            return Err(anyhow::anyhow!("cannot read sim/held-jobs.json: I/O error"));
+        }
         let s = self.0.sim.borrow();
-        match &s.holds_disk {
-            None => Ok(Default::default()),
-            Some(b) => {
-                ci_ephemeral_provisioner::holds::parse_holds(std::str::from_utf8(b).expect("utf-8"))
-            }
+        let text = s
+            .holds_disk
+            .as_ref()
+            .map(|(b, _)| String::from_utf8(b.clone()).expect("utf-8"));
+        drop(s);
+        match text {
+            None => Ok(Holds::default()),
+            Some(t) => parse_holds(&t),
         }
     }
 
-    fn save_holds(&mut self, holds: &ci_ephemeral_provisioner::holds::Holds) -> anyhow::Result<()> {
-        let mut s = self.0.sim.borrow_mut();
-        s.holds_disk = if holds.jobs.is_empty() {
-            None
-        } else {
-            Some(serde_json::to_vec(holds).expect("holds encode"))
-        };
+    fn save_holds(&mut self, holds: &Holds) -> anyhow::Result<()> {
+        self.0.boundary("before", "save(holds)");
+        if self.disk_fault("held-jobs.json write fails") {
+            let mut s = self.0.sim.borrow_mut();
+            s.holds_lost = true;
+            s.log("save(holds) -> err");
+            return Err(anyhow::anyhow!(
+                "cannot write sim/held-jobs.json: No space left on device"
+            ));
+        }
+        {
+            let mut s = self.0.sim.borrow_mut();
+            s.write_holds(holds);
+            if s.tracing {
+                let held: Vec<String> = holds
+                    .jobs
+                    .iter()
+                    .map(|h| format!("{}x{}<{}", h.job_id, h.times, h.until))
+                    .collect();
+                s.log(format!("save(holds) [{}]", held.join(" ")));
+            }
+        }
+        self.0.checked("save(holds)");
+        self.0.boundary("after", "save(holds)");
         Ok(())
     }
 }
@@ -629,6 +687,9 @@ impl Clock for SimClock {
     }
 
     fn sleep(&mut self, d: Duration) -> Sleep {
+        // The run waits a poll interval: the invariant on waits next to an unserved job.
+        let inv = self.0.inv;
+        self.0.sim.borrow_mut().check_not_served(inv);
         self.0.boundary("", "sleep");
         if self.0.stop() {
             return Sleep::Interrupted;

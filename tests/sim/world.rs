@@ -1,28 +1,44 @@
 //! The simulated world: Forgejo (runners, jobs, its own clean-ups), the runner processes on our
-//! VM, other pools and persistent runners, the VM module's state, cycle.json on disk, time, the
-//! fault plan, the statistics and the trace. Everything random comes from one seeded `Rng`.
+//! VM, other pools and persistent runners, the VM module's state, cycle.json and held-jobs.json
+//! on disk, time, the fault plan, the statistics and the trace. Everything random comes from one
+//! seeded `Rng`.
+//!
+//! Forgejo's rules come from `tests/support/forgejo_rules.rs` (status, the assignment rule
+//! `may_take`/`pick`, the clean-up constants); each other rule names the Forgejo v15.0.3 or
+//! forgejo-runner v12.8 source it copies.
 
 use std::collections::{BTreeMap, VecDeque};
 
-use ci_ephemeral_provisioner::model::{Job, Runner, RunnerStatus, job_matches};
-use ci_ephemeral_provisioner::state::{CycleState, Phase, parse_state};
+use ci_ephemeral_provisioner::holds::{Holds, parse_holds};
+use ci_ephemeral_provisioner::model::{Job, Runner, RunnerStatus};
+use ci_ephemeral_provisioner::planner::MAX_START_FAILURES;
+use ci_ephemeral_provisioner::state::{CycleState, NotServed, Phase, parse_state};
 
+use super::forgejo_rules::{self as rules, JobView, RunnerView};
 use super::rng::Rng;
 
 pub const PREFIX: &str = "ephemeral-a-";
 pub const OTHER_PREFIX: &str = "ephemeral-b-";
 pub const LABEL: &str = "debian";
 pub const HTTP_TIMEOUT_MS: i64 = 30_000;
+/// `--poll-interval` and `--job-pickup-timeout` of every simulated run (`driver::config`).
+pub const POLL_MS: i64 = 10_000;
+pub const PICKUP_MS: i64 = 10 * MIN;
+/// What one clean observation round and the steps between two waits may add to a wait (see
+/// `check_not_served`): a round is one GET of the jobs and one GET per registration, each
+/// 5–120 ms here, and the steps that precede a teardown (MarkConnected, AdoptLaunch,
+/// ClearJobGone) are one round each.
+pub const NOT_SERVED_SLACK_MS: i64 = 2_000;
 /// 2026-09-20T…Z: any fixed start; only differences matter.
 pub const T0: i64 = 1_790_000_000_000;
-/// `RunnerOfflineTime` and `RunnerIdleTime` (Forgejo `models/actions/runner.go`).
-const OFFLINE_AFTER: i64 = 60_000;
-const IDLE_AFTER: i64 = 10_000;
-/// `[actions].ZOMBIE_TASK_TIMEOUT` and the `stop_zombie_tasks` cron interval.
-const ZOMBIE_TIMEOUT: i64 = 600_000;
-const ZOMBIE_CRON: i64 = 300_000;
 const SEC: i64 = 1_000;
 const MIN: i64 = 60_000;
+const HOUR: i64 = 60 * MIN;
+/// The label names of every persistent runner that takes jobs here.
+const BUILDER_LABELS: &[&str] = &[LABEL, "docker"];
+const GPU_LABELS: &[&str] = &["gpu"];
+/// Another pool's label: its jobs are never in our (label-filtered) jobs list.
+const OTHER_LABEL: &str = "arm64";
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Owner {
@@ -49,19 +65,27 @@ pub struct SRunner {
     /// Running a task and reporting: `last_active` is "now".
     pub busy: bool,
     pub deleted: bool,
+    /// The label names it declared (`Declare`, forgejo-runner `internal/app/cmd/daemon.go`
+    /// `createRunner`); `None`: never connected.
+    pub labels: Option<Vec<String>>,
+    /// When it declared them.
+    pub declared_at: i64,
+    /// It was given a task once (an ephemeral runner is then given no other).
+    pub had_task: bool,
+    /// `repo_id` of a repository runner; 0: an instance runner (every runner of the world; the
+    /// assignment table's cases use others).
+    pub repo_id: i64,
 }
 
 impl SRunner {
-    /// `ActionRunner.Status()`.
+    /// `ActionRunner.Status()` (`forgejo_rules::status`).
     pub fn status(&self, now: i64) -> RunnerStatus {
         let lo = if self.polling { now } else { self.last_online };
         let la = if self.busy { now } else { self.last_active };
-        if lo == 0 || now - lo > OFFLINE_AFTER {
-            RunnerStatus::Offline
-        } else if now - la > IDLE_AFTER {
-            RunnerStatus::Idle
-        } else {
-            RunnerStatus::Active
+        match rules::status(now, lo, la) {
+            "offline" => RunnerStatus::Offline,
+            "idle" => RunnerStatus::Idle,
+            _ => RunnerStatus::Active,
         }
     }
 
@@ -70,18 +94,67 @@ impl SRunner {
     }
 }
 
+/// A job that is not done. Done jobs (success, failure, cancelled) are no longer listed by
+/// Forgejo's jobs API and are dropped from the world.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum JobState {
+    /// Waiting on `needs`: not listed, not assignable.
+    Blocked,
     Waiting,
+    /// A task on this runner.
     Running(i64),
-    Done(&'static str),
+}
+
+impl JobState {
+    fn as_str(self) -> &'static str {
+        match self {
+            JobState::Blocked => "blocked",
+            JobState::Waiting => "waiting",
+            JobState::Running(_) => "running",
+        }
+    }
 }
 
 pub struct SJob {
     pub id: i64,
     pub handle: String,
-    pub runs_on: &'static [&'static str],
+    pub runs_on: Vec<String>,
     pub state: JobState,
+    /// Its run waits behind another run of its concurrency group
+    /// (`CONCURRENCY_GROUP_QUEUE_ENABLED`): listed `waiting`, given to nobody.
+    pub queued_behind: bool,
+    pub owner_id: i64,
+    pub repo_id: i64,
+    /// When its task started (Unix ms), for `stop_endless_tasks`.
+    pub started: i64,
+}
+
+impl SJob {
+    /// What the assignment rule reads of the job.
+    pub fn view(&self) -> JobView<'_> {
+        JobView {
+            status: self.state.as_str(),
+            task_id: match self.state {
+                JobState::Running(_) => self.id,
+                _ => 0,
+            },
+            handle: &self.handle,
+            runs_on: &self.runs_on,
+            owner_id: self.owner_id,
+            repo_id: self.repo_id,
+            queued_behind: self.queued_behind,
+        }
+    }
+}
+
+/// The label names a runner started with these `--label` values declares (`RUNNER_LABELS`,
+/// comma-separated; `forgejo_rules::label_name`: `debian` of `debian:host`).
+pub fn declared_names(labels: &str) -> Vec<String> {
+    labels
+        .split(',')
+        .map(|l| rules::label_name(l.trim()).to_string())
+        .filter(|n| !n.is_empty())
+        .collect()
 }
 
 /// How a runner we launched behaves (`forgejo-runner one-job --handle … --wait`).
@@ -89,15 +162,18 @@ pub struct SJob {
 pub enum Behaviour {
     Normal,
     NeverConnects,
-    /// Connects, never takes its job (polls forever while the VM lives).
+    /// Connects, but its task fetches fail (an idle runner that is never given its job).
     ConnectsNoJob,
     /// Takes its job and stays active forever.
     HangActive,
     /// Takes its job, then stops reporting (offline after 60 s; Forgejo's zombie clean-up ends
-    /// the task and deletes the registration 10 minutes later).
+    /// the task and deletes the registration 10 minutes after its last update).
     HangSilent,
     /// Connects, then the process dies before taking a job.
     DiesEarly,
+    /// The launch exits 0 but starts the runner without `--label` (the old default launch): it
+    /// connects, declares no labels, is given nothing (`ItRunsOn`) and polls for ever.
+    NoLabels,
 }
 
 impl Behaviour {
@@ -109,6 +185,7 @@ impl Behaviour {
             Behaviour::HangActive => "runner hangs active",
             Behaviour::HangSilent => "runner hangs silent",
             Behaviour::DiesEarly => "runner dies after connecting",
+            Behaviour::NoLabels => "launch without labels (runner declares none)",
         }
     }
 }
@@ -116,12 +193,19 @@ impl Behaviour {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Stage {
     Connect,
+    /// Asks for its job (FetchSingleTask with its handle).
     Take,
     Finish,
     GoSilent,
     Die,
-    /// Polls forever (until the VM goes).
+    /// `one-job --wait` given no task: asks again every `fetch_interval` for ever
+    /// (forgejo-runner `internal/app/poll/single.go`: `if task == nil && s.wait { continue }`).
+    /// Only a release of its queued job can change the answer, so it sleeps until then.
     Poll,
+    /// Its task fetches fail (ConnectsNoJob): idle for ever while the VM lives.
+    Stuck,
+    /// Runs its task for ever (HangActive).
+    Hang,
 }
 
 struct Proc {
@@ -130,15 +214,25 @@ struct Proc {
     behaviour: Behaviour,
     stage: Stage,
     next_at: i64,
+    /// The label names it declares when it connects.
+    labels: Vec<String>,
+    /// Woken by the release of its queued job.
+    woken: bool,
 }
 
 #[derive(Clone, Debug)]
 enum Bg {
     JobArrival,
     JobCancel(i64),
+    /// A persistent runner asks for a task soon after this job arrived.
     JobTakenByOther(i64),
     JobFinish(i64),
+    /// The run before it in its concurrency group ended.
+    JobRelease(i64),
+    /// Its `needs` finished.
+    JobUnblock(i64),
     ZombieCron,
+    EndlessCron,
     PersistentFlip(i64),
     OtherPoolRegister,
     OtherConnect(i64),
@@ -159,6 +253,10 @@ pub struct FaultCfg {
     pub store: f64,
     pub race: f64,
     pub signal: f64,
+    /// Share of arriving jobs whose run is queued behind its concurrency group.
+    pub queued: f64,
+    /// Share of VMs on which no runner ever connects.
+    pub broken_vm: f64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -211,17 +309,40 @@ impl ApiFault {
     }
 }
 
+/// World events (not faults) a large run must have seen.
+pub const EV_ENDLESS: &str = "forgejo: stop_endless_tasks deleted an ephemeral runner";
+pub const EV_ENDLESS_PERSISTENT: &str =
+    "forgejo: stop_endless_tasks stopped a persistent runner's task";
+pub const EV_ZOMBIE: &str = "forgejo: stop_zombie_tasks deleted an ephemeral runner";
+pub const EV_CANCEL: &str = "forgejo: cancelling a running job deleted its ephemeral runner";
+pub const EV_RELEASED: &str = "forgejo: a queued job was released";
+pub const EV_TAKEN_BY_OTHER: &str = "forgejo: a persistent runner was given a job";
+pub const EV_POLLS_ON: &str = "runner: one-job --wait was given no task and polls on";
+pub const EV_WOKEN: &str = "runner: a polling runner of ours was given its released job";
+pub const EV_ORPHAN: &str =
+    "runner: a process polled on after its registration was deleted, until the VM went";
+
 #[derive(Default, Clone)]
 pub struct Stats {
     pub seeds: u64,
     pub invocations: u64,
     pub steps: u64,
     pub faults: BTreeMap<&'static str, u64>,
+    pub events: BTreeMap<&'static str, u64>,
     pub crashes: BTreeMap<String, u64>,
     pub races_refused: u64,
     pub deletes: BTreeMap<String, u64>,
     pub vms_created: u64,
     pub jobs_served: u64,
+    /// Waits checked by `check_not_served` in which a runner of ours sat idle next to its
+    /// waiting job, and the longest such wait past the start of its bound (pickup timeout
+    /// reached, or wrong labels declared), in ms.
+    pub not_served_waits: u64,
+    pub not_served_longest_ms: i64,
+    /// The most quiet runs one seed needed before its runs came to rest.
+    pub quiet_runs_max: u32,
+    /// Runners whose launch exited 0 and which never connected, by the reason of their deletion.
+    pub never_connected_deleted: BTreeMap<String, u64>,
 }
 
 impl Stats {
@@ -232,14 +353,23 @@ impl Stats {
         self.races_refused += o.races_refused;
         self.vms_created += o.vms_created;
         self.jobs_served += o.jobs_served;
+        self.not_served_waits += o.not_served_waits;
+        self.not_served_longest_ms = self.not_served_longest_ms.max(o.not_served_longest_ms);
+        self.quiet_runs_max = self.quiet_runs_max.max(o.quiet_runs_max);
         for (k, v) in &o.faults {
             *self.faults.entry(k).or_default() += v;
+        }
+        for (k, v) in &o.events {
+            *self.events.entry(k).or_default() += v;
         }
         for (k, v) in &o.crashes {
             *self.crashes.entry(k.clone()).or_default() += v;
         }
         for (k, v) in &o.deletes {
             *self.deletes.entry(k.clone()).or_default() += v;
+        }
+        for (k, v) in &o.never_connected_deleted {
+            *self.never_connected_deleted.entry(k.clone()).or_default() += v;
         }
     }
 }
@@ -251,6 +381,21 @@ pub struct Invocation {
     pub stop: bool,
     pub steps: u64,
     pub nested: bool,
+    pub started_at: i64,
+    /// When its last API request with a fault ended (0: none yet).
+    pub last_fault_at: i64,
+    /// Its read of held-jobs.json failed: it runs without holds.
+    pub holds_read_failed: bool,
+}
+
+/// What the world knows of the starts on one VM.
+#[derive(Clone, Copy, Default)]
+struct VmStarts {
+    /// Runners in a row whose launch exited 0 and which were deleted without ever connecting.
+    never_connected: u32,
+    /// The provisioner may have lost count (killed, a cycle.json write failed, a DELETE's answer
+    /// was lost): the broken-VM invariant is not checked on this VM.
+    uncertain: bool,
 }
 
 pub struct Sim {
@@ -271,13 +416,26 @@ pub struct Sim {
     pub random_ties: bool,
     /// Runners listed without a name (a targeted regression test's hostile server).
     pub nameless: Vec<i64>,
+    /// Faults a targeted test forces on the next request at a step boundary (its point, e.g.
+    /// `DELETE runner (never_connected)`), whatever the fault plan says.
+    pub forced_faults: Vec<(String, ApiFault)>,
     /// The VM module's resources: cycle ids of existing VMs.
     pub vms: Vec<String>,
+    /// VMs on which no runner ever connects.
+    broken_vms: Vec<String>,
+    vm_starts: BTreeMap<String, VmStarts>,
+    /// Runners whose launch exited 0, and their VM.
+    launched_ok: BTreeMap<i64, String>,
     /// cycle.json: the bytes written and what they parse to.
     pub disk: Option<(Vec<u8>, CycleState)>,
-    /// held-jobs.json: the bytes written (none: no file).
-    pub holds_disk: Option<Vec<u8>>,
+    /// held-jobs.json: the bytes written and what they parse to (none: no file).
+    pub holds_disk: Option<(Vec<u8>, Holds)>,
+    /// A hold may have been lost in this seed: a write of held-jobs.json failed, or a read failed
+    /// (the run then replaces the file by none, `cycle::run`).
+    pub holds_lost: bool,
     pub cfg: FaultCfg,
+    /// `--max-jobs-per-vm` of this seed.
+    pub max_jobs: u32,
     pub faults_on: bool,
     pub arrivals_on: bool,
     mean_arrival_ms: i64,
@@ -310,7 +468,10 @@ impl Sim {
             store: levels(&mut rng, &[0.0, 0.005, 0.02]),
             race: levels(&mut rng, &[0.0, 0.0, 0.01]),
             signal: levels(&mut rng, &[0.0, 0.0, 0.003]),
+            queued: levels(&mut rng, &[0.0, 0.1, 0.3]),
+            broken_vm: levels(&mut rng, &[0.0, 0.0, 0.1, 0.3]),
         };
+        let max_jobs = rng.pick(&[3, 6]);
         let mean_arrival_ms = rng.range(2 * MIN, 15 * MIN);
         let mut sim = Sim {
             seed,
@@ -325,11 +486,17 @@ impl Sim {
             procs: BTreeMap::new(),
             rows_version: 0,
             nameless: Vec::new(),
+            forced_faults: Vec::new(),
             random_ties: std::env::var("SIM_RANDOM_TIES").is_ok_and(|v| v == "1"),
             vms: Vec::new(),
+            broken_vms: Vec::new(),
+            vm_starts: BTreeMap::new(),
+            launched_ok: BTreeMap::new(),
             disk: None,
             holds_disk: None,
+            holds_lost: false,
             cfg,
+            max_jobs,
             faults_on: true,
             arrivals_on: true,
             mean_arrival_ms,
@@ -398,9 +565,14 @@ impl Sim {
         *self.stats.faults.entry(kind).or_default() += 1;
     }
 
+    fn event(&mut self, kind: &'static str) {
+        *self.stats.events.entry(kind).or_default() += 1;
+    }
+
     // -- set-up -----------------------------------------------------------------------------------
 
-    fn add_runner(&mut self, name: String, owner: Owner, ephemeral: bool) -> i64 {
+    /// A registration as Forgejo creates it: never connected, no labels.
+    pub fn add_runner(&mut self, name: String, owner: Owner, ephemeral: bool) -> i64 {
         let id = self.next_runner_id;
         self.next_runner_id += 1;
         self.rows_version += 1;
@@ -416,9 +588,26 @@ impl Sim {
                 polling: false,
                 busy: false,
                 deleted: false,
+                labels: None,
+                declared_at: 0,
+                had_task: false,
+                repo_id: 0,
             },
         );
         id
+    }
+
+    /// The runner's `Declare` RPC with the label names of these `--label` values (forgejo-runner
+    /// `daemon.go` `createRunner` sends `ls.Names()`; Forgejo `routers/api/actions/runner/
+    /// runner.go` `Declare` stores them as `AgentLabels`). The runner is online from now on.
+    pub fn declare(&mut self, id: i64, labels: Vec<String>) {
+        let now = self.now;
+        if let Some(r) = self.runners.get_mut(&id) {
+            r.labels = Some(labels);
+            r.declared_at = now;
+            r.polling = true;
+            r.last_online = now;
+        }
     }
 
     fn schedule(&mut self, at: i64, ev: Bg) {
@@ -426,28 +615,45 @@ impl Sim {
         self.bg.insert((at, self.bg_seq), ev);
     }
 
+    fn names(labels: &[&str]) -> Vec<String> {
+        labels.iter().map(|l| l.to_string()).collect()
+    }
+
     fn populate(&mut self) {
         let now = self.now;
         // Persistent runners: one online that takes jobs, duplicate names, near-miss names.
         let builder = self.add_runner("static-builder".into(), Owner::Persistent, false);
-        let r = self.runners.get_mut(&builder).expect("just added");
-        r.polling = true;
-        r.last_active = now - 3_600_000;
-        for (name, online) in [
-            ("build-01", true),
-            ("build-01", false),
-            ("ephemeral-a", false),
-            ("my-ephemeral-a-1", false),
-            ("EPHEMERAL-A-1", false),
+        self.declare(builder, Self::names(BUILDER_LABELS));
+        self.runners
+            .get_mut(&builder)
+            .expect("just added")
+            .last_active = now - HOUR;
+        if self.rng.chance(0.3) {
+            // A task that never ends: `stop_endless_tasks` fails it (the runner is not
+            // ephemeral, so it stays).
+            let started = now - self.rng.range(2 * HOUR, 7 * HOUR / 2);
+            let j = self.new_job(&["docker"]);
+            self.start_task(j, builder);
+            self.jobs.get_mut(&j).expect("just added").started = started;
+        }
+        for (name, online, labels) in [
+            ("build-01", true, GPU_LABELS),
+            ("build-01", false, &[LABEL][..]),
+            ("ephemeral-a", false, &[LABEL][..]),
+            ("my-ephemeral-a-1", false, &[LABEL][..]),
+            ("EPHEMERAL-A-1", false, &[LABEL][..]),
         ] {
             let id = self.add_runner(name.into(), Owner::Persistent, false);
+            self.declare(id, Self::names(labels));
             let r = self.runners.get_mut(&id).expect("just added");
-            r.last_online = now - 7_200_000;
+            r.declared_at = now - 30 * 24 * HOUR;
             if online {
-                r.polling = true;
-                r.last_active = now - 3_600_000;
+                r.last_active = now - HOUR;
                 let at = now + self.rng.range(5 * MIN, 60 * MIN);
                 self.schedule(at, Bg::PersistentFlip(id));
+            } else {
+                r.polling = false;
+                r.last_online = now - 2 * HOUR;
             }
         }
         // Enough old rows, sometimes, for two or three list pages.
@@ -459,7 +665,9 @@ impl Sim {
         };
         for i in 0..filler {
             let id = self.add_runner(format!("old-runner-{}", i % 17), Owner::Persistent, false);
-            self.runners.get_mut(&id).expect("just added").last_online = now - 86_400_000;
+            let r = self.runners.get_mut(&id).expect("just added");
+            r.labels = Some(vec![LABEL.into()]);
+            r.last_online = now - 24 * HOUR;
         }
         // Another pool's leftovers.
         for i in 0..self.rng.range(0, 4) {
@@ -481,29 +689,47 @@ impl Sim {
                 Owner::Legacy,
                 true,
             );
-            let r = self.runners.get_mut(&id).expect("just added");
-            r.polling = true;
-            r.busy = true;
-            r.last_online = now;
+            self.declare(id, vec![LABEL.into()]);
+            // Its task started up to 4 h ago: past 3 h, `stop_endless_tasks` ends it first.
+            let started = now - self.rng.range(0, 4 * HOUR);
+            let j = self.new_job(&[LABEL]);
+            self.start_task(j, id);
+            self.jobs.get_mut(&j).expect("just added").started = started;
             let at = now + self.rng.range(MIN, 20 * MIN);
             self.schedule(at, Bg::LegacyFinish(id));
         }
         let first = now + self.rng.range(0, self.mean_arrival_ms);
         self.schedule(first, Bg::JobArrival);
-        self.schedule(now + ZOMBIE_CRON, Bg::ZombieCron);
+        // Both crons run at Forgejo's start (`RunAtStart`) and then `@every`; Forgejo started
+        // at some unknown time before the simulation.
+        let z = now + self.rng.range(0, rules::ZOMBIE_CRON_MS);
+        self.schedule(z, Bg::ZombieCron);
+        let e = now + self.rng.range(0, rules::ENDLESS_CRON_MS);
+        self.schedule(e, Bg::EndlessCron);
         let at = now + self.rng.range(MIN, 20 * MIN);
         self.schedule(at, Bg::OtherPoolRegister);
     }
 
-    /// Faults stop, no more jobs arrive except one last one, so a last cycle runs (and sweeps).
+    /// Faults stop, no more jobs arrive except one last one (so a last cycle runs and sweeps),
+    /// and every run queued behind its concurrency group is let go.
     pub fn go_quiet(&mut self) {
         self.faults_on = false;
         self.arrivals_on = false;
+        let queued: Vec<i64> = self
+            .jobs
+            .values()
+            .filter(|j| j.queued_behind)
+            .map(|j| j.id)
+            .collect();
+        for j in queued {
+            self.release(j);
+        }
         self.new_job(&[LABEL]);
-        self.log("QUIET: faults off, one last job, no more arrivals");
+        self.log("QUIET: faults off, queued jobs released, one last job, no more arrivals");
     }
 
-    fn new_job(&mut self, runs_on: &'static [&'static str]) -> i64 {
+    /// A job in repository 1 of owner 1, waiting (`runs_on` as given).
+    pub fn new_job(&mut self, runs_on: &[&str]) -> i64 {
         let id = self.next_job_id;
         self.next_job_id += 1;
         let handle = format!("{:08x}-h", self.rng.next_u64() as u32);
@@ -512,11 +738,108 @@ impl Sim {
             SJob {
                 id,
                 handle,
-                runs_on,
+                runs_on: Self::names(runs_on),
                 state: JobState::Waiting,
+                queued_behind: false,
+                owner_id: 1,
+                repo_id: 1,
+                started: 0,
             },
         );
         id
+    }
+
+    // -- Forgejo's job assignment -----------------------------------------------------------------
+
+    /// The job Forgejo gives runner `id` when it asks for a task (FetchTask; FetchSingleTask
+    /// with `handle`): `forgejo_rules::pick` over the jobs by id (`CreateTaskForRunner`).
+    pub fn task_for(&self, id: i64, handle: Option<&str>) -> Option<i64> {
+        let r = self.live(id)?;
+        let runner = RunnerView {
+            owner_id: 0,
+            repo_id: r.repo_id,
+            labels: r.labels.as_deref().unwrap_or(&[]),
+            ephemeral: r.ephemeral,
+            has_task: r.had_task,
+            handle,
+        };
+        rules::pick(&runner, self.jobs.values().map(|j| (j.id, j.view())))
+    }
+
+    /// `CreateTaskForRunner`: the job runs on the runner from now.
+    fn start_task(&mut self, job: i64, runner: i64) {
+        let now = self.now;
+        if let Some(j) = self.jobs.get_mut(&job) {
+            j.state = JobState::Running(runner);
+            j.started = now;
+        }
+        if let Some(r) = self.runners.get_mut(&runner) {
+            r.busy = true;
+            r.last_active = now;
+            r.had_task = true;
+        }
+    }
+
+    /// When the task on this runner was last updated: now while its runner reports, else its
+    /// last report (`UpdateTask`/`UpdateLog` set `last_active`,
+    /// `routers/api/actions/runner/interceptor.go`).
+    fn task_updated(&self, runner: i64) -> i64 {
+        match self.runners.get(&runner) {
+            Some(r) if r.busy && !r.deleted => self.now,
+            Some(r) => r.last_active,
+            None => 0,
+        }
+    }
+
+    /// `StopTask` (`services/actions/task.go`): the job ends; an ephemeral runner is deleted
+    /// (its process may still run), any other is simply no longer busy.
+    fn stop_task(&mut self, job: i64, runner: i64, event: &'static str) {
+        let now = self.now;
+        self.jobs.remove(&job);
+        let ephemeral = self
+            .runners
+            .get(&runner)
+            .is_some_and(|r| r.ephemeral && !r.deleted);
+        if ephemeral {
+            self.log(format!(
+                "forgejo: task of job {job} stopped, runner {runner} deleted"
+            ));
+            self.event(event);
+            self.delete_runner_server_side(runner);
+        } else if let Some(r) = self.runners.get_mut(&runner) {
+            r.busy = false;
+            r.last_active = now;
+            if event == EV_ENDLESS {
+                self.event(EV_ENDLESS_PERSISTENT);
+            }
+        }
+    }
+
+    /// The run ahead of it in its concurrency group ended: it can be given out now; a runner of
+    /// ours polling for it asks again within its fetch interval.
+    fn release(&mut self, job: i64) {
+        let Some(j) = self.jobs.get_mut(&job).filter(|j| j.queued_behind) else {
+            return;
+        };
+        j.queued_behind = false;
+        let handle = j.handle.clone();
+        self.event(EV_RELEASED);
+        let now = self.now;
+        for (id, p) in self.procs.iter_mut() {
+            if p.stage == Stage::Poll
+                && p.handle == handle
+                && self.runners.get(id).is_some_and(|r| !r.deleted)
+            {
+                p.stage = Stage::Take;
+                p.next_at = now + self.rng.range(0, rules::FETCH_INTERVAL_MS);
+                p.woken = true;
+            }
+        }
+        if self.tracing {
+            self.log(format!(
+                "forgejo: job {job} released by its concurrency group"
+            ));
+        }
     }
 
     // -- time ---------------------------------------------------------------------------------------
@@ -561,14 +884,19 @@ impl Sim {
         self.now = self.now.max(to);
     }
 
+    /// Forgejo deletes the registration (`DeleteRunner`). A process of it keeps running: its
+    /// requests fail from now on.
     fn delete_runner_server_side(&mut self, id: i64) {
+        let now = self.now;
         self.rows_version += 1;
         if let Some(r) = self.runners.get_mut(&id) {
             r.deleted = true;
+            if r.busy {
+                r.last_active = now;
+            }
             r.polling = false;
             r.busy = false;
         }
-        self.procs.remove(&id);
     }
 
     fn run_bg(&mut self, ev: Bg) {
@@ -578,12 +906,31 @@ impl Sim {
                 if !self.arrivals_on {
                     return;
                 }
-                let runs_on: &'static [&'static str] = match self.rng.below(10) {
+                let runs_on: &[&str] = match self.rng.below(10) {
                     0..=6 => &[LABEL],
                     7 => &["gpu"],
                     _ => &[LABEL, "docker"],
                 };
                 let id = self.new_job(runs_on);
+                if self.rng.chance(0.1) {
+                    // `needs`: blocked, not listed, until the jobs it needs finish.
+                    self.jobs.get_mut(&id).expect("just added").state = JobState::Blocked;
+                    let at = now + self.rng.range(30 * SEC, 5 * MIN);
+                    self.schedule(at, Bg::JobUnblock(id));
+                }
+                if self.faults_on && self.rng.chance(self.cfg.queued) {
+                    // Queued behind a run of its concurrency group (`getConcurrencyCondition`,
+                    // `models/actions/task.go`): half let go before the pickup timeout, half
+                    // (much) later.
+                    self.jobs.get_mut(&id).expect("just added").queued_behind = true;
+                    self.count_fault("job queued behind its concurrency group");
+                    let after = if self.rng.chance(0.5) {
+                        self.rng.range(MIN, 9 * MIN)
+                    } else {
+                        self.rng.range(12 * MIN, 90 * MIN)
+                    };
+                    self.schedule(now + after, Bg::JobRelease(id));
+                }
                 if self.faults_on && self.rng.chance(0.1) {
                     let at = now + self.rng.range(10 * SEC, 20 * MIN);
                     self.schedule(at, Bg::JobCancel(id));
@@ -596,85 +943,91 @@ impl Sim {
                 self.schedule(now + gap, Bg::JobArrival);
             }
             Bg::JobCancel(j) => {
-                let Some(job) = self.jobs.get_mut(&j) else {
-                    return;
-                };
-                match job.state {
-                    JobState::Waiting => job.state = JobState::Done("cancelled"),
-                    JobState::Running(r) => {
-                        job.state = JobState::Done("cancelled");
-                        // StopTask deletes an ephemeral runner.
-                        if self
-                            .runners
-                            .get(&r)
-                            .is_some_and(|r| r.ephemeral && !r.deleted)
-                        {
-                            self.delete_runner_server_side(r);
-                        } else if let Some(r) = self.runners.get_mut(&r) {
-                            r.busy = false;
-                            r.last_active = now;
-                        }
+                // `cancelSingleJob` (`services/actions/rerun.go`): a job without a task just
+                // ends; a running one's task is stopped, which deletes an ephemeral runner.
+                match self.jobs.get(&j).map(|job| job.state) {
+                    Some(JobState::Running(r)) => self.stop_task(j, r, EV_CANCEL),
+                    Some(_) => {
+                        self.jobs.remove(&j);
                     }
-                    JobState::Done(_) => {}
+                    None => {}
                 }
             }
             Bg::JobTakenByOther(j) => {
-                let taker = self
+                // A persistent runner that may take this job asks for a task and is given the
+                // first job the rule admits (this one or an older one).
+                let asks = self
                     .runners
                     .values()
-                    .find(|r| r.owner == Owner::Persistent && r.polling && !r.busy && !r.deleted)
-                    .map(|r| r.id);
-                let waiting = self
-                    .jobs
-                    .get(&j)
-                    .is_some_and(|job| job.state == JobState::Waiting);
-                if let (Some(r), true) = (taker, waiting) {
-                    self.jobs.get_mut(&j).expect("present").state = JobState::Running(r);
-                    let run = self.runners.get_mut(&r).expect("present");
-                    run.busy = true;
+                    .filter(|r| r.owner == Owner::Persistent && r.polling && !r.busy && !r.deleted)
+                    .map(|r| r.id)
+                    .find(|r| {
+                        self.jobs.get(&j).is_some_and(|job| {
+                            let run = &self.runners[r];
+                            rules::may_take(
+                                &RunnerView {
+                                    owner_id: 0,
+                                    repo_id: run.repo_id,
+                                    labels: run.labels.as_deref().unwrap_or(&[]),
+                                    ephemeral: run.ephemeral,
+                                    has_task: run.had_task,
+                                    handle: None,
+                                },
+                                &job.view(),
+                            )
+                        })
+                    });
+                if let Some(r) = asks
+                    && let Some(job) = self.task_for(r, None)
+                {
+                    self.start_task(job, r);
+                    self.event(EV_TAKEN_BY_OTHER);
                     let at = now + self.rng.range(MIN, 10 * MIN);
-                    self.schedule(at, Bg::JobFinish(j));
+                    self.schedule(at, Bg::JobFinish(job));
                 }
             }
             Bg::JobFinish(j) => {
-                if let Some(job) = self.jobs.get_mut(&j)
-                    && let JobState::Running(r) = job.state
-                {
-                    job.state = JobState::Done("success");
+                if let Some(JobState::Running(r)) = self.jobs.get(&j).map(|job| job.state) {
+                    self.jobs.remove(&j);
                     if let Some(run) = self.runners.get_mut(&r) {
                         run.busy = false;
                         run.last_active = now;
                     }
                 }
             }
+            Bg::JobRelease(j) => self.release(j),
+            Bg::JobUnblock(j) => {
+                if let Some(job) = self.jobs.get_mut(&j)
+                    && job.state == JobState::Blocked
+                {
+                    job.state = JobState::Waiting;
+                }
+            }
             Bg::ZombieCron => {
+                // `StopZombieTasks` (`services/actions/clear_tasks.go`): running tasks not
+                // updated for `ZOMBIE_TASK_TIMEOUT`.
                 let zombies: Vec<(i64, i64)> = self
-                    .jobs
-                    .values()
-                    .filter_map(|j| match j.state {
-                        JobState::Running(r) => Some((j.id, r)),
-                        _ => None,
-                    })
-                    .filter(|(_, r)| {
-                        self.runners.get(r).is_none_or(|r| {
-                            r.deleted || (!r.polling && now - r.last_online > ZOMBIE_TIMEOUT)
-                        })
-                    })
+                    .running_tasks()
+                    .into_iter()
+                    .filter(|(_, r)| now - self.task_updated(*r) > rules::ZOMBIE_TASK_TIMEOUT_MS)
                     .collect();
                 for (j, r) in zombies {
-                    self.jobs.get_mut(&j).expect("present").state = JobState::Done("failure");
-                    if self
-                        .runners
-                        .get(&r)
-                        .is_some_and(|r| r.ephemeral && !r.deleted)
-                    {
-                        self.log(format!(
-                            "forgejo: zombie task of job {j} stopped, runner {r} deleted"
-                        ));
-                        self.delete_runner_server_side(r);
-                    }
+                    self.stop_task(j, r, EV_ZOMBIE);
                 }
-                self.schedule(now + ZOMBIE_CRON, Bg::ZombieCron);
+                self.schedule(now + rules::ZOMBIE_CRON_MS, Bg::ZombieCron);
+            }
+            Bg::EndlessCron => {
+                // `StopEndlessTasks` (`services/actions/clear_tasks.go`): running tasks started
+                // more than `ENDLESS_TASK_TIMEOUT` ago, however lively.
+                let endless: Vec<(i64, i64)> = self
+                    .running_tasks()
+                    .into_iter()
+                    .filter(|(j, _)| now - self.jobs[j].started > rules::ENDLESS_TASK_TIMEOUT_MS)
+                    .collect();
+                for (j, r) in endless {
+                    self.stop_task(j, r, EV_ENDLESS);
+                }
+                self.schedule(now + rules::ENDLESS_CRON_MS, Bg::EndlessCron);
             }
             Bg::PersistentFlip(id) => {
                 if let Some(r) = self.runners.get_mut(&id)
@@ -706,16 +1059,29 @@ impl Sim {
                 self.schedule(at, Bg::OtherPoolRegister);
             }
             Bg::OtherConnect(id) => {
-                if let Some(r) = self.runners.get_mut(&id).filter(|r| !r.deleted) {
-                    r.polling = true;
-                    r.busy = true;
-                    r.last_online = now;
+                if self.live(id).is_some() {
+                    // It connects and takes its pool's job (not in our label-filtered list).
+                    self.declare(id, vec![OTHER_LABEL.into()]);
+                    let j = self.new_job(&[OTHER_LABEL]);
+                    if self.task_for(id, None) == Some(j) {
+                        self.start_task(j, id);
+                    }
                     let at = now + self.rng.range(10 * SEC, 10 * MIN);
                     self.schedule(at, Bg::OtherDone(id));
                 }
             }
             Bg::OtherDone(id) | Bg::LegacyFinish(id) => {
-                if self.runners.get(&id).is_some_and(|r| !r.deleted) {
+                // The final UpdateTask: the job ends, Forgejo deletes the ephemeral runner.
+                if self.live(id).is_some() {
+                    let done: Vec<i64> = self
+                        .jobs
+                        .values()
+                        .filter(|j| j.state == JobState::Running(id))
+                        .map(|j| j.id)
+                        .collect();
+                    for j in done {
+                        self.jobs.remove(&j);
+                    }
                     self.delete_runner_server_side(id);
                 }
             }
@@ -728,13 +1094,37 @@ impl Sim {
         }
     }
 
+    fn running_tasks(&self) -> Vec<(i64, i64)> {
+        self.jobs
+            .values()
+            .filter_map(|j| match j.state {
+                JobState::Running(r) => Some((j.id, r)),
+                _ => None,
+            })
+            .collect()
+    }
+
     fn run_proc(&mut self, id: i64) {
         let now = self.now;
-        let Some(p) = self.procs.get(&id) else { return };
-        let (stage, behaviour, handle) = (p.stage, p.behaviour, p.handle.clone());
-        // A deleted registration cannot authenticate: the process exits.
+        let Some(p) = self.procs.get_mut(&id) else {
+            return;
+        };
+        let (stage, behaviour, handle, woken) = (p.stage, p.behaviour, p.handle.clone(), p.woken);
         if self.runners.get(&id).is_none_or(|r| r.deleted) {
-            self.procs.remove(&id);
+            match stage {
+                // Declare fails (Unauthenticated "unregistered runner",
+                // `routers/api/actions/runner/interceptor.go`): one-job exits. A task that was
+                // running runs to its end and the process exits; a silent or dying one ends.
+                Stage::Connect | Stage::Finish | Stage::GoSilent | Stage::Die => {
+                    self.procs.remove(&id);
+                }
+                // Every fetch fails, which `single.go` takes as "no task": it polls on, to no
+                // effect on Forgejo, until the VM goes.
+                _ => {
+                    p.stage = Stage::Poll;
+                    p.next_at = i64::MAX;
+                }
+            }
             return;
         }
         let mut next: Option<(Stage, i64)> = None;
@@ -744,64 +1134,83 @@ impl Sim {
                     self.procs.remove(&id);
                     return;
                 }
-                let r = self.runners.get_mut(&id).expect("present");
-                r.polling = true;
-                r.last_online = now;
+                let labels = std::mem::take(&mut p.labels);
+                let vm = p.vm.clone();
+                if self.tracing {
+                    self.log(format!(
+                        "runner {id}: connects, declares [{}]",
+                        labels.join(", ")
+                    ));
+                }
+                self.declare(id, labels);
+                if let Some(v) = self.vm_starts.get_mut(&vm) {
+                    v.never_connected = 0;
+                }
                 next = match behaviour {
-                    Behaviour::ConnectsNoJob => Some((Stage::Poll, i64::MAX)),
+                    Behaviour::ConnectsNoJob => Some((Stage::Stuck, i64::MAX)),
                     Behaviour::DiesEarly => {
                         Some((Stage::Die, now + self.rng.range(5 * SEC, 2 * MIN)))
                     }
-                    _ => Some((Stage::Take, now + self.rng.range(SEC, 4 * SEC))),
+                    _ => Some((
+                        Stage::Take,
+                        now + self.rng.range(0, rules::FETCH_INTERVAL_MS),
+                    )),
                 };
             }
-            Stage::Take => {
-                let job = self
+            Stage::Take => match self.task_for(id, Some(&handle)) {
+                None => {
+                    // `one-job --handle … --wait`: the job is queued, went elsewhere, or the
+                    // labels do not admit it; it asks again and again.
+                    self.event(EV_POLLS_ON);
+                    self.log(format!("runner {id}: given no task, polls on"));
+                    next = Some((Stage::Poll, i64::MAX));
+                }
+                Some(j) => {
+                    if woken {
+                        self.event(EV_WOKEN);
+                    }
+                    self.start_task(j, id);
+                    self.stats.jobs_served += 1;
+                    if self.tracing {
+                        self.log(format!("runner {id}: given job {j}"));
+                    }
+                    next = match behaviour {
+                        Behaviour::HangActive => Some((Stage::Hang, i64::MAX)),
+                        Behaviour::HangSilent => {
+                            Some((Stage::GoSilent, now + self.rng.range(10 * SEC, 2 * MIN)))
+                        }
+                        _ => Some((Stage::Finish, now + self.rng.range(30 * SEC, 10 * MIN))),
+                    };
+                }
+            },
+            Stage::Finish => {
+                let done: Vec<i64> = self
                     .jobs
                     .values()
-                    .find(|j| j.handle == handle && j.state == JobState::Waiting)
-                    .map(|j| j.id);
-                match job {
-                    // `one-job --handle … --wait`: the job went elsewhere; it polls on.
-                    None => next = Some((Stage::Poll, i64::MAX)),
-                    Some(j) => {
-                        self.jobs.get_mut(&j).expect("present").state = JobState::Running(id);
-                        self.stats.jobs_served += 1;
-                        let r = self.runners.get_mut(&id).expect("present");
-                        r.busy = true;
-                        r.last_active = now;
-                        next = match behaviour {
-                            Behaviour::HangActive => Some((Stage::Poll, i64::MAX)),
-                            Behaviour::HangSilent => {
-                                Some((Stage::GoSilent, now + self.rng.range(10 * SEC, 2 * MIN)))
-                            }
-                            _ => Some((Stage::Finish, now + self.rng.range(30 * SEC, 10 * MIN))),
-                        };
-                    }
+                    .filter(|j| j.state == JobState::Running(id))
+                    .map(|j| j.id)
+                    .collect();
+                for j in done {
+                    self.jobs.remove(&j);
                 }
-            }
-            Stage::Finish => {
-                if let Some(job) = self
-                    .jobs
-                    .values_mut()
-                    .find(|j| j.state == JobState::Running(id))
-                {
-                    job.state = JobState::Done("success");
-                }
-                // Final UpdateTask: Forgejo deletes the ephemeral runner.
+                // The final UpdateTask: Forgejo deletes the ephemeral runner
+                // (`routers/api/actions/runner/runner.go` `UpdateTask`); one-job exits.
                 self.delete_runner_server_side(id);
+                self.procs.remove(&id);
                 return;
             }
             Stage::GoSilent | Stage::Die => {
                 let r = self.runners.get_mut(&id).expect("present");
                 r.polling = false;
-                r.busy = false;
                 r.last_online = now;
-                r.last_active = now;
+                if r.busy {
+                    r.busy = false;
+                    r.last_active = now;
+                }
                 self.procs.remove(&id);
                 return;
             }
-            Stage::Poll => {}
+            Stage::Poll | Stage::Stuck | Stage::Hang => {}
         }
         if let (Some((stage, at)), Some(p)) = (next, self.procs.get_mut(&id)) {
             p.stage = stage;
@@ -827,6 +1236,12 @@ impl Sim {
         }
         self.stats.vms_created += 1;
         self.vms.push(cycle_id.to_string());
+        self.vm_starts
+            .insert(cycle_id.to_string(), VmStarts::default());
+        if self.faults_on && self.rng.chance(self.cfg.broken_vm) {
+            self.count_fault("VM broken: no runner on it ever connects");
+            self.broken_vms.push(cycle_id.to_string());
+        }
         self.log(format!("tofu: VM {cycle_id} created"));
     }
 
@@ -835,6 +1250,8 @@ impl Sim {
         let now = self.now;
         for vm in std::mem::take(&mut self.vms) {
             self.log(format!("tofu: VM {vm} destroyed"));
+            self.vm_starts.remove(&vm);
+            self.broken_vms.retain(|v| *v != vm);
             let on_vm: Vec<i64> = self
                 .procs
                 .iter()
@@ -843,9 +1260,13 @@ impl Sim {
                 .collect();
             for id in on_vm {
                 self.procs.remove(&id);
-                if let Some(r) = self.runners.get_mut(&id)
-                    && r.polling
-                {
+                self.launched_ok.remove(&id);
+                let Some(r) = self.runners.get_mut(&id) else {
+                    continue;
+                };
+                if r.deleted {
+                    self.event(EV_ORPHAN);
+                } else if r.polling {
                     r.polling = false;
                     r.last_online = now;
                     if r.busy {
@@ -857,25 +1278,49 @@ impl Sim {
         }
     }
 
-    pub fn start_runner_process(&mut self, id: i64, handle: &str, vm: &str) {
-        let behaviour = if self.faults_on && self.rng.chance(self.cfg.runner) {
+    /// The provisioner may have lost count of the starts on the VM that exists now.
+    pub fn starts_uncertain(&mut self) {
+        for v in self.vm_starts.values_mut() {
+            v.uncertain = true;
+        }
+    }
+
+    /// The launch command exited 0 for this runner on this VM.
+    pub fn launch_exited_0(&mut self, id: i64, vm: &str) {
+        self.launched_ok.insert(id, vm.to_string());
+    }
+
+    /// The launch command starts `forgejo-runner one-job` for runner `id` with these `--label`
+    /// values (RUNNER_LABELS).
+    pub fn start_runner_process(&mut self, id: i64, handle: &str, vm: &str, labels: &str) {
+        let broken = self.broken_vms.iter().any(|v| v == vm);
+        let behaviour = if broken {
+            Behaviour::NeverConnects
+        } else if self.faults_on && self.rng.chance(self.cfg.runner) {
             self.rng.pick(&[
                 Behaviour::NeverConnects,
                 Behaviour::ConnectsNoJob,
                 Behaviour::HangActive,
                 Behaviour::HangSilent,
                 Behaviour::DiesEarly,
+                Behaviour::NoLabels,
             ])
         } else {
             Behaviour::Normal
         };
-        if behaviour != Behaviour::Normal {
+        if behaviour != Behaviour::Normal && !broken {
             self.count_fault(behaviour.name());
         }
+        let labels = if behaviour == Behaviour::NoLabels {
+            Vec::new()
+        } else {
+            declared_names(labels)
+        };
         let next_at = self.now + self.rng.range(2 * SEC, 25 * SEC);
         self.log(format!(
-            "runner {id}: process started ({})",
-            behaviour.name()
+            "runner {id}: process started ({}{})",
+            behaviour.name(),
+            if broken { ", broken VM" } else { "" }
         ));
         self.procs.insert(
             id,
@@ -885,6 +1330,8 @@ impl Sim {
                 behaviour,
                 stage: Stage::Connect,
                 next_at,
+                labels,
+                woken: false,
             },
         );
     }
@@ -932,29 +1379,39 @@ impl Sim {
         Some(f)
     }
 
+    /// `GET /admin/actions/runners/jobs?labels=debian`: waiting and running jobs, id DESC, whose
+    /// `runs_on` the labels cover (`ItRunsOn`; `routers/api/v1/shared/action.go`). A job queued
+    /// behind its concurrency group is listed `waiting` all the same.
     pub fn srv_list_jobs(&self) -> Vec<Job> {
-        let names = vec![LABEL.to_string()];
         self.jobs
             .values()
             .rev()
-            .filter_map(|j| {
-                let status = match j.state {
-                    JobState::Waiting => "waiting",
-                    JobState::Running(_) => "running",
-                    JobState::Done(_) => return None,
-                };
-                let job = Job {
-                    id: j.id,
-                    handle: j.handle.clone(),
-                    status: status.into(),
-                    runs_on: j.runs_on.iter().map(|s| s.to_string()).collect(),
-                };
-                job_matches(&job, &names).then_some(job)
+            .filter(|j| {
+                matches!(j.state, JobState::Waiting | JobState::Running(_))
+                    && rules::it_runs_on(&[LABEL], &j.runs_on)
+            })
+            .map(|j| Job {
+                id: j.id,
+                handle: j.handle.clone(),
+                status: j.state.as_str().into(),
+                runs_on: j.runs_on.clone(),
             })
             .collect()
     }
 
+    /// `GET …/runners/{id}` as the HTTP client parses it: the declared labels, and `null` (never
+    /// declared, or none) read as none.
     pub fn wire_runner(&self, r: &SRunner) -> Runner {
+        Runner {
+            id: r.id,
+            name: Some(r.name.clone()),
+            status: r.status(self.now),
+            labels: Some(r.labels.clone().unwrap_or_default()),
+        }
+    }
+
+    /// A row of the runner list as the HTTP client parses it (list rows carry no labels).
+    fn wire_row(&self, r: &SRunner) -> Runner {
         Runner {
             id: r.id,
             name: Some(r.name.clone()),
@@ -973,7 +1430,7 @@ impl Sim {
             return false;
         };
         let status = r.status(self.now);
-        let (name, owner) = (r.name.clone(), r.owner);
+        let (name, owner, never_connected) = (r.name.clone(), r.owner, r.labels.is_none());
         if status != RunnerStatus::Offline {
             self.violate(format!(
                 "deleted runner {id} ({name}, {owner:?}) while it was {} (reason {reason})",
@@ -995,6 +1452,16 @@ impl Sim {
                 "sweep deleted runner {id} ({name}) in a run whose tofu destroy did not succeed"
             ));
         }
+        if never_connected && let Some(vm) = self.launched_ok.get(&id) {
+            if let Some(v) = self.vm_starts.get_mut(vm) {
+                v.never_connected += 1;
+            }
+            *self
+                .stats
+                .never_connected_deleted
+                .entry(reason.to_string())
+                .or_default() += 1;
+        }
         *self.stats.deletes.entry(reason.to_string()).or_default() += 1;
         self.delete_runner_server_side(id);
         true
@@ -1013,13 +1480,19 @@ impl Sim {
 
     /// One page, `ORDER BY last_online DESC`. Ties (every never-connected registration has
     /// `last_online = 0`) come in an arbitrary order that changes whenever rows are added or
-    /// deleted, so pages read across a change overlap or skip rows.
+    /// deleted, so pages read across a change overlap or skip rows. `limit` is clamped
+    /// (`convert.ToCorrectPageSize`); `page=0` is every row (`db.FindAndCount` pages only from
+    /// page 1, `models/db/list.go`).
     pub fn srv_page(&mut self, page: u32, limit: u32) -> (Vec<Runner>, u64) {
-        let limit = match limit {
-            0 => 30,
-            l if l > 50 => 50,
+        let limit = match limit as i64 {
+            0 => rules::DEFAULT_PAGING_NUM,
+            l if l > rules::MAX_RESPONSE_ITEMS => rules::MAX_RESPONSE_ITEMS,
             l => l,
         } as usize;
+        let (skip, limit) = match page {
+            0 => (0, usize::MAX),
+            p => ((p as usize - 1) * limit, limit),
+        };
         let now = self.now;
         let mut rows: Vec<(i64, u64, i64)> = Vec::new();
         let ids: Vec<i64> = self
@@ -1042,10 +1515,10 @@ impl Sim {
         let total = rows.len() as u64;
         let shown = rows
             .iter()
-            .skip((page.max(1) as usize - 1) * limit)
+            .skip(skip)
             .take(limit)
             .map(|(_, _, id)| {
-                let mut r = self.wire_runner(&self.runners[id]);
+                let mut r = self.wire_row(&self.runners[id]);
                 if self.nameless.contains(id) {
                     r.name = None;
                 }
@@ -1087,7 +1560,151 @@ impl Sim {
         }
     }
 
-    // -- cycle.json -----------------------------------------------------------------------------------
+    /// A job Forgejo still lists (waiting or running) under this handle.
+    fn listed(&self, job_id: i64, handle: &str) -> Option<&SJob> {
+        self.jobs.get(&job_id).filter(|j| {
+            j.handle == handle && matches!(j.state, JobState::Waiting | JobState::Running(_))
+        })
+    }
+
+    /// Hold before teardown: while cycle.json records a teardown because a runner of ours was not
+    /// given its waiting job in time (`not_served: pickup_timeout`), held-jobs.json holds that
+    /// job — unless Forgejo no longer lists it (the hold is then pruned) or a hold may have
+    /// been lost in this seed (a failed write or read of held-jobs.json: the run goes on without).
+    pub fn check_hold_written(&mut self, after: &str) {
+        if self.holds_lost {
+            return;
+        }
+        let Some((_, st)) = &self.disk else { return };
+        let missing = st.registrations.iter().find(|g| {
+            g.not_served == Some(NotServed::PickupTimeout)
+                && self.listed(g.job_id, &g.job_handle).is_some()
+                && !self
+                    .holds_disk
+                    .as_ref()
+                    .is_some_and(|(_, h)| h.jobs.iter().any(|h| h.handle == g.job_handle))
+        });
+        if let Some(g) = missing {
+            let what = format!(
+                "cycle.json records the pickup timeout of job {} (registration {}), but held-jobs.json does not hold it; after {after}",
+                g.job_id, g.name
+            );
+            self.violate(what);
+        }
+    }
+
+    /// Before a POST of invocation `inv` for registration `name` (its intent is in cycle.json):
+    /// - never a registration for a job held-jobs.json holds (unless this run could not read
+    ///   held-jobs.json and so runs without holds);
+    /// - never a registration on a VM whose last `MAX_START_FAILURES` runners were launched (the
+    ///   launch exited 0) and never connected, unless the provisioner may have lost count.
+    pub fn check_before_post(&mut self, inv: usize, name: &str) {
+        let now = self.now;
+        let Some((_, st)) = &self.disk else { return };
+        let Some(reg) = st.registrations.iter().find(|g| g.name == name) else {
+            return;
+        };
+        let (job_id, handle, vm) = (reg.job_id, reg.job_handle.clone(), st.cycle_id.clone());
+        if !self.invs[inv].holds_read_failed
+            && let Some((_, h)) = &self.holds_disk
+            && let Some(hold) = h
+                .jobs
+                .iter()
+                .find(|h| h.handle == handle && now < h.until.0)
+        {
+            let until = hold.until;
+            self.violate(format!(
+                "registration {name} for job {job_id} while held-jobs.json holds it until {until}"
+            ));
+        }
+        if let Some(v) = self.vm_starts.get(&vm)
+            && !v.uncertain
+            && v.never_connected >= MAX_START_FAILURES
+        {
+            let n = v.never_connected;
+            self.violate(format!(
+                "registration {name} on VM {vm} after its last {n} runners (launched, the launch exited 0) never connected: the VM is broken"
+            ));
+        }
+    }
+
+    /// At a wait of invocation `inv` (the run sleeps a poll interval): no runner of ours sits
+    /// idle next to its waiting job past its bound while the run waits on it. The bound starts
+    /// when the runner declared labels that never take the job (by `forgejo_rules`: the run
+    /// must tear down at once), else at the pickup timeout after its launch; it ends one poll
+    /// interval plus `NOT_SERVED_SLACK_MS` later. It counts from the start of this run, or from
+    /// its last API fault, whichever is later: a run that did not see Forgejo cleanly may wait.
+    pub fn check_not_served(&mut self, inv: usize) {
+        let now = self.now;
+        let Some((_, st)) = &self.disk else { return };
+        if st.phase != Phase::Running {
+            return;
+        }
+        let clean_from = self.invs[inv].started_at.max(self.invs[inv].last_fault_at);
+        let mut worst: Option<(i64, String)> = None;
+        let mut waits = 0;
+        for reg in &st.registrations {
+            let Some(id) = reg.id else { continue };
+            let Some(r) = self.live(id) else { continue };
+            if r.status(now) != RunnerStatus::Idle {
+                continue;
+            }
+            let Some(job) = self.listed(reg.job_id, &reg.job_handle) else {
+                continue;
+            };
+            if job.state != JobState::Waiting {
+                continue;
+            }
+            waits += 1;
+            let (start, why) = match r.labels.as_deref() {
+                Some(l) if !rules::it_runs_on(l, &job.runs_on) => (
+                    r.declared_at,
+                    format!(
+                        "declared the labels [{}], which never take its job (runs_on [{}])",
+                        l.join(", "),
+                        job.runs_on.join(", ")
+                    ),
+                ),
+                _ => (
+                    reg.grace_start().0 + PICKUP_MS,
+                    format!(
+                        "was launched {} s ago (pickup timeout {} s)",
+                        (now - reg.grace_start().0) / SEC,
+                        PICKUP_MS / SEC
+                    ),
+                ),
+            };
+            let over = now - start.max(clean_from);
+            if over > worst.as_ref().map_or(0, |w| w.0) {
+                worst = Some((
+                    over,
+                    format!(
+                        "runner {id} ({}) sits idle next to its waiting job {}{} and {why}",
+                        reg.name,
+                        job.id,
+                        if job.queued_behind {
+                            " (queued behind its concurrency group)"
+                        } else {
+                            ""
+                        }
+                    ),
+                ));
+            }
+        }
+        self.stats.not_served_waits += waits;
+        if let Some((over, what)) = worst {
+            self.stats.not_served_longest_ms = self.stats.not_served_longest_ms.max(over);
+            if over > POLL_MS + NOT_SERVED_SLACK_MS {
+                self.violate(format!(
+                    "the run waits although {what}: {} ms past its bound's start (allowed {} ms)",
+                    over,
+                    POLL_MS + NOT_SERVED_SLACK_MS
+                ));
+            }
+        }
+    }
+
+    // -- cycle.json and held-jobs.json --------------------------------------------------------------
 
     pub fn write_disk(&mut self, state: &CycleState) {
         let mut bytes = serde_json::to_vec_pretty(state).expect("cycle state encodes");
@@ -1101,6 +1718,23 @@ impl Sim {
             }
         };
         self.disk = Some((bytes, parsed));
+    }
+
+    /// Writes held-jobs.json (removes it when nothing is held, as `FsStore` does).
+    pub fn write_holds(&mut self, holds: &Holds) {
+        if holds.jobs.is_empty() {
+            self.holds_disk = None;
+            return;
+        }
+        let bytes = serde_json::to_vec_pretty(holds).expect("holds encode");
+        let parsed = match parse_holds(std::str::from_utf8(&bytes).expect("utf-8")) {
+            Ok(p) => p,
+            Err(e) => {
+                self.violate(format!("held-jobs.json written does not parse back: {e:#}"));
+                holds.clone()
+            }
+        };
+        self.holds_disk = Some((bytes, parsed));
     }
 
     pub fn disk_phase(&self) -> &'static str {
@@ -1144,6 +1778,20 @@ impl Sim {
             .count();
         if waiting > 0 {
             left.push(format!("{waiting} waiting job(s) of ours"));
+        }
+        if let Some((_, h)) = &self.holds_disk {
+            let stale: Vec<String> = h
+                .jobs
+                .iter()
+                .filter(|h| self.listed(h.job_id, &h.handle).is_none())
+                .map(|h| h.job_id.to_string())
+                .collect();
+            if !stale.is_empty() {
+                left.push(format!(
+                    "held-jobs.json holds job(s) {} that Forgejo no longer lists",
+                    stale.join(", ")
+                ));
+            }
         }
         if left.is_empty() {
             None
