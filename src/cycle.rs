@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use crate::forgejo::{Deleted, Forgejo};
+use crate::holds::HoldsError;
 use crate::launch::{LaunchRequest, Launcher};
 use crate::model::may_delete;
 use crate::planner::{self, DeleteReason, Observation, Policy, RunContext, Step, TeardownReason};
@@ -86,16 +87,19 @@ pub fn run(w: &mut World<'_>, cfg: &CycleConfig, report: &mut Report) -> End {
         }
     };
     report.cycle_id = state.as_ref().map(|s| s.cycle_id.clone());
-    // Held jobs are advice, not a safety record: an unusable file is a failure of this run, is
-    // replaced by none (or the next run would fail the same way), and the run goes on without
-    // holds (at worst a held job gets a runner once more).
+    // Held jobs are advice, not a safety record: a file that cannot be read is a failure of
+    // this run, which goes on without holds (at worst a held job gets a runner once more); one
+    // that is unusable is also removed, or every run would fail the same way.
     let holds = w.store.load_holds().unwrap_or_else(|e| {
         let empty = crate::holds::Holds::default();
-        let replaced = match w.store.save_holds(&empty) {
-            Ok(()) => "it was removed".to_string(),
-            Err(e) => format!("removing it failed too: {e:#}"),
+        let what = match &e {
+            HoldsError::Unreadable(_) => "going on without held jobs".to_string(),
+            HoldsError::Unusable(_) => match w.store.save_holds(&empty) {
+                Ok(()) => "it was removed; going on without held jobs".to_string(),
+                Err(e) => format!("removing it failed too: {e:#}; going on without held jobs"),
+            },
         };
-        report.fail(format!("{e:#}; {replaced}; going on without held jobs"));
+        report.fail(format!("{e}; {what}"));
         empty
     });
     let mut d = Driver {
@@ -311,7 +315,8 @@ impl Driver<'_, '_> {
                 // A launched runner whose registration Forgejo removed ran its job: a start
                 // that worked.
                 if let Some(s) = &mut self.state
-                    && s.registration(id).is_some_and(|r| r.launch == Launch::Done)
+                    && s.registration(id)
+                        .is_some_and(|r| r.launch == Launch::Done && !r.failed_start)
                 {
                     s.start_failures = 0;
                 }
@@ -587,6 +592,11 @@ impl Driver<'_, '_> {
     }
 
     fn delete(&mut self, id: i64, reason: DeleteReason, now: Timestamp) -> Option<End> {
+        if reason == DeleteReason::NeverConnected
+            && let Some(end) = self.never_connected(id)
+        {
+            return Some(end);
+        }
         let name = self
             .state
             .as_ref()
@@ -611,9 +621,6 @@ impl Driver<'_, '_> {
                     name.as_deref().unwrap_or("?"),
                     reason.as_str()
                 );
-                if reason == DeleteReason::NeverConnected {
-                    self.never_connected(id, name.as_deref());
-                }
                 self.forget(id, now);
                 let e = self.report.event("delete_runner", true, detail);
                 e.runner_id = Some(id);
@@ -645,16 +652,23 @@ impl Driver<'_, '_> {
     }
 
     /// A launch that exited 0 whose runner never connected is a failed start: counted with failed
-    /// POSTs and launches (three in a row and the VM goes), and a failure of this run.
-    fn never_connected(&mut self, id: i64, name: Option<&str>) {
+    /// POSTs and launches (three in a row and the VM goes), and a failure of this run. Counted
+    /// once, and written before the DELETE: a DELETE whose answer is lost makes the next round
+    /// see a 404, which must not pass for a runner that ran its job.
+    fn never_connected(&mut self, id: i64) -> Option<End> {
         let grace = format_duration(self.cfg.policy.registration_grace);
-        if let Some(s) = &mut self.state {
-            s.start_failures += 1;
+        let s = self.state.as_mut()?;
+        let reg = s.registration_mut(id)?;
+        if reg.failed_start {
+            return None;
         }
+        reg.failed_start = true;
+        let name = reg.name.clone();
+        s.start_failures += 1;
         self.report.fail(format!(
-            "runner {id} ({}) never connected: its launch command exited 0, but Forgejo still showed it offline {grace} later; check forgejo-runner on the VM (installed, version 12.8 or newer, its log) and what the launch command starts",
-            name.unwrap_or("?")
+            "runner {id} ({name}) never connected: its launch command exited 0, but Forgejo still showed it offline {grace} later; check forgejo-runner on the VM (installed, version 12.8 or newer, its log) and what the launch command starts"
         ));
+        self.save().err().map(|_| End::Done)
     }
 
     /// A lost-POST lookup failed (or was inconclusive): retried after the next wait, and counted.
@@ -800,6 +814,7 @@ impl Driver<'_, '_> {
             job_gone_since: None,
             connected: false,
             not_served: None,
+            failed_start: false,
         });
         if self.save().is_err() {
             return Some(End::Done);

@@ -118,6 +118,24 @@ impl Holds {
     }
 }
 
+/// Why the held jobs could not be read.
+#[derive(Debug)]
+pub enum HoldsError {
+    /// The file could not be read (an I/O error, a permission): it may be fine; left alone.
+    Unreadable(String),
+    /// The file was read and is not one this build writes (truncated, another version, not a
+    /// regular file): it will not get better by itself.
+    Unusable(String),
+}
+
+impl std::fmt::Display for HoldsError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            HoldsError::Unreadable(m) | HoldsError::Unusable(m) => f.write_str(m),
+        }
+    }
+}
+
 /// Parses `held-jobs.json`; the caller names the file.
 pub fn parse_holds(text: &str) -> Result<Holds> {
     let holds: Holds = serde_json::from_str(text)

@@ -14,7 +14,7 @@ use anyhow::{Context, Result, anyhow};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::holds::{HOLDS_FILE, Holds, parse_holds};
+use crate::holds::{HOLDS_FILE, Holds, HoldsError, parse_holds};
 use crate::time::Timestamp;
 
 pub const STATE_VERSION: u64 = 1;
@@ -71,6 +71,10 @@ pub struct Registration {
     /// Set when the VM was torn down because this runner sat idle while its job waited.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub not_served: Option<NotServed>,
+    /// Its runner never connected, and that failed start is counted (`start_failures`): set
+    /// before its DELETE, so that a 404 seen later is not taken for a runner that ran its job.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub failed_start: bool,
 }
 
 /// Why a connected runner was not given its waiting job, and the VM went.
@@ -197,7 +201,7 @@ pub trait StateStore {
     fn remove(&mut self) -> Result<()>;
     fn describe(&self) -> String;
     /// The held jobs (`held-jobs.json`); none when there is no file.
-    fn load_holds(&mut self) -> Result<Holds>;
+    fn load_holds(&mut self) -> Result<Holds, HoldsError>;
     fn save_holds(&mut self, holds: &Holds) -> Result<()>;
 }
 
@@ -314,7 +318,7 @@ impl StateStore for FileStore {
         self.path().display().to_string()
     }
 
-    fn load_holds(&mut self) -> Result<Holds> {
+    fn load_holds(&mut self) -> Result<Holds, HoldsError> {
         read_holds_file(&self.dir.join(HOLDS_FILE))
     }
 
@@ -335,21 +339,23 @@ impl StateStore for FileStore {
 }
 
 /// Reads `held-jobs.json` without changing it; none when it does not exist.
-pub fn read_holds_file(path: &Path) -> Result<Holds> {
+pub fn read_holds_file(path: &Path) -> Result<Holds, HoldsError> {
+    let unreadable =
+        |e: io::Error| HoldsError::Unreadable(format!("cannot read {}: {e}", path.display()));
     let meta = match fs::symlink_metadata(path) {
         Ok(m) => m,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Holds::default()),
-        Err(e) => return Err(anyhow!("cannot read {}: {e}", path.display())),
+        Err(e) => return Err(unreadable(e)),
     };
     if !meta.file_type().is_file() || meta.len() > MAX_STATE_BYTES {
-        return Err(anyhow!(
+        return Err(HoldsError::Unusable(format!(
             "{} is not a regular file of at most {MAX_STATE_BYTES} bytes",
             path.display()
-        ));
+        )));
     }
-    let text =
-        fs::read_to_string(path).map_err(|e| anyhow!("cannot read {}: {e}", path.display()))?;
-    parse_holds(&text).map_err(|e| anyhow!("{} is unusable: {e:#}", path.display()))
+    let text = fs::read_to_string(path).map_err(unreadable)?;
+    parse_holds(&text)
+        .map_err(|e| HoldsError::Unusable(format!("{} is unusable: {e:#}", path.display())))
 }
 
 /// A store that never touches the disk: dry-runs start from what the real files (or the
@@ -379,7 +385,7 @@ impl StateStore for MemoryStore {
         "cycle state (in memory, dry-run)".into()
     }
 
-    fn load_holds(&mut self) -> Result<Holds> {
+    fn load_holds(&mut self) -> Result<Holds, HoldsError> {
         Ok(self.holds.clone())
     }
 
@@ -408,6 +414,7 @@ mod tests {
             job_gone_since: None,
             connected: false,
             not_served: None,
+            failed_start: false,
         });
         s
     }

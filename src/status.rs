@@ -164,7 +164,7 @@ pub fn gather(dir: &Path, limits: &Limits, now: Timestamp) -> Value {
         match crate::state::read_holds_file(&dir.join(crate::holds::HOLDS_FILE)) {
             Ok(h) => h.active(now).cloned().collect(),
             Err(e) => {
-                unreadable.push(format!("{e:#}"));
+                unreadable.push(e.to_string());
                 Vec::new()
             }
         };

@@ -1751,3 +1751,27 @@ fn an_unusable_held_jobs_file_fails_the_run_once_and_is_replaced() {
     assert!(held_jobs(&env).is_none());
     assert_eq!(env.run(&[]).code, Some(0), "the next run is clean");
 }
+
+#[test]
+fn a_never_connected_runner_whose_delete_answer_is_lost_is_still_a_failed_start() {
+    // Forgejo applies the first DELETE but its answer never arrives; the next round sees a 404,
+    // which must not pass for a runner that ran its job: still three starts, then the VM goes.
+    let env = Env::new();
+    env.set_launch_mode("noop");
+    env.fake.add_job(&["debian"]);
+    env.fake
+        .inject("DELETE", "/actions/runners/", Fault::ApplyThenDrop, 1);
+    let out = env.run(&["--output", "json"]);
+    let report = out.json();
+    assert_eq!(out.code, Some(1), "{report}");
+    assert_eq!(events(&report, "launch_runner").len(), 3, "{report}");
+    let teardown = events(&report, "teardown");
+    assert!(
+        teardown[0]["detail"]
+            .as_str()
+            .unwrap()
+            .contains("presumed broken"),
+        "{report}"
+    );
+    env.assert_at_rest();
+}

@@ -41,6 +41,7 @@ fn valid_cycle_json() -> Vec<u8> {
         job_gone_since: None,
         connected: false,
         not_served: None,
+        failed_start: false,
     });
     s.outputs
         .insert("address".into(), json!("192.0.2.7 — vm ✓"));

@@ -149,6 +149,7 @@ fn any_registration() -> impl Strategy<Value = Registration> {
                 Just(Some(NotServed::PickupTimeout)),
                 Just(Some(NotServed::WrongLabels))
             ],
+            any::<bool>(),
         ),
     )
         .prop_map(
@@ -161,7 +162,7 @@ fn any_registration() -> impl Strategy<Value = Registration> {
                 requested_at,
                 launch,
                 launched_at,
-                (gone, connected, not_served),
+                (gone, connected, not_served, failed_start),
             )| {
                 Registration {
                     name,
@@ -175,6 +176,7 @@ fn any_registration() -> impl Strategy<Value = Registration> {
                     job_gone_since: gone,
                     connected,
                     not_served,
+                    failed_start,
                 }
             },
         )

@@ -344,6 +344,7 @@ fn a_lost_post_is_not_forgotten_when_a_listed_row_has_no_name() {
             job_gone_since: None,
             connected: false,
             not_served: None,
+            failed_start: false,
         });
         s.write_disk(&st);
         s.create_vm("c1");
@@ -435,19 +436,15 @@ fn the_world_assigns_jobs_by_forgejos_rule() {
     }
 }
 
-/// KNOWN PRODUCT BUG, not fixed (this test is ignored until it is; run it with
-/// `cargo test --release --test sim -- --ignored`). Found by the simulation: seed 447 fails the
-/// broken-VM invariant when that invariant does not excuse a DELETE whose answer was lost.
-///
-/// A runner whose launch exited 0 never connects; past the grace its registration is deleted
-/// (`never_connected`, a failed start). When Forgejo applies that DELETE but its answer is lost
-/// (a reset, a 5xx after applying, a timeout; or the run is killed before it records the
-/// deletion), the next round reads the registration's 404 as "it ran its job" (`Step::Forget`
-/// resets `start_failures` for a launched registration), so the failed start counts as a
-/// success: a broken VM gets more than `MAX_START_FAILURES` starts (up to
-/// `--max-jobs-per-vm`, 10 by default), and the audit trail says "consumed".
+/// Found by the simulation (seed 447, once the broken-VM invariant stopped excusing a DELETE
+/// whose answer was lost), fixed: a runner whose launch exited 0 never connects; past the grace
+/// its registration is deleted (`never_connected`, a failed start). When Forgejo applied that
+/// DELETE but its answer was lost (a reset, a 5xx after applying, a timeout; or the run was
+/// killed before it recorded the deletion), the next round read the registration's 404 as "it
+/// ran its job" (`Step::Forget` reset `start_failures` for a launched registration), so the
+/// failed start counted as a success and a broken VM got up to `--max-jobs-per-vm` starts. Now
+/// the failed start is counted and recorded (`failed_start`) before the DELETE is sent.
 #[test]
-#[ignore = "known product bug: a lost DELETE answer turns a never-connected start into a success"]
 fn a_never_connected_runner_whose_delete_answer_was_lost_is_still_a_failed_start() {
     use ci_ephemeral_provisioner::planner::MAX_START_FAILURES;
     use ci_ephemeral_provisioner::state::{CycleState, Launch, Phase, Registration};
@@ -491,6 +488,7 @@ fn a_never_connected_runner_whose_delete_answer_was_lost_is_still_a_failed_start
             job_gone_since: None,
             connected: false,
             not_served: None,
+            failed_start: false,
         });
         s.write_disk(&st);
         s.forced_faults.push((

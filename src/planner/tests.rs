@@ -82,6 +82,7 @@ fn reg(id: i64, launch: Launch, launched_at: Option<Timestamp>) -> Registration 
         job_gone_since: None,
         connected: launch == Launch::Done,
         not_served: None,
+        failed_start: false,
     }
 }
 
@@ -99,6 +100,7 @@ fn intent(name: &str) -> Registration {
         job_gone_since: None,
         connected: false,
         not_served: None,
+        failed_start: false,
     }
 }
 

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use ci_ephemeral_provisioner::cycle::{Clock, Sleep};
 use ci_ephemeral_provisioner::forgejo::{ApiError, Deleted, Forgejo, NewRunner, RunnerPage};
-use ci_ephemeral_provisioner::holds::{Holds, parse_holds};
+use ci_ephemeral_provisioner::holds::{Holds, HoldsError, parse_holds};
 use ci_ephemeral_provisioner::launch::{LaunchRequest, Launcher};
 use ci_ephemeral_provisioner::model::{Job, Runner, RunnerStatus};
 use ci_ephemeral_provisioner::secret::Secret;
@@ -142,11 +142,6 @@ impl Port {
             if fault.is_some() {
                 let now = s.now;
                 s.invs[self.inv].last_fault_at = now;
-                // A DELETE applied whose answer was lost: the run may take it for gone later
-                // (404) and count it as a consumed runner.
-                if write && !post && fault.is_some_and(ApiFault::applied) {
-                    s.starts_uncertain();
-                }
             }
             let err = |status: Option<u16>, detail: &str| ApiError {
                 request: format!("{method} https://forgejo.sim/api/v1/admin/actions/runners{what}"),
@@ -627,7 +622,7 @@ impl StateStore for SimStore {
         "sim/cycle.json".into()
     }
 
-    fn load_holds(&mut self) -> anyhow::Result<Holds> {
+    fn load_holds(&mut self) -> Result<Holds, HoldsError> {
         self.0.boundary("before", "load holds");
         if self.disk_fault("held-jobs.json read fails") {
             let mut s = self.0.sim.borrow_mut();
@@ -635,7 +630,9 @@ impl StateStore for SimStore {
             s.invs[inv].holds_read_failed = true;
             s.holds_lost = true;
             s.log("load holds -> err");
-            return Err(anyhow::anyhow!("cannot read sim/held-jobs.json: I/O error"));
+            return Err(HoldsError::Unreadable(
+                "cannot read sim/held-jobs.json: I/O error".into(),
+            ));
         }
         let s = self.0.sim.borrow();
         let text = s
@@ -645,7 +642,7 @@ impl StateStore for SimStore {
         drop(s);
         match text {
             None => Ok(Holds::default()),
-            Some(t) => parse_holds(&t),
+            Some(t) => parse_holds(&t).map_err(|e| HoldsError::Unusable(format!("{e:#}"))),
         }
     }
 

@@ -393,8 +393,9 @@ pub struct Invocation {
 struct VmStarts {
     /// Runners in a row whose launch exited 0 and which were deleted without ever connecting.
     never_connected: u32,
-    /// The provisioner may have lost count (killed, a cycle.json write failed, a DELETE's answer
-    /// was lost): the broken-VM invariant is not checked on this VM.
+    /// The provisioner may have lost count (killed, a cycle.json write failed): the broken-VM
+    /// invariant is not checked on this VM. (A DELETE whose answer was lost is no excuse: the
+    /// failed start is counted and recorded before the DELETE is sent.)
     uncertain: bool,
 }
 
