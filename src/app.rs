@@ -272,11 +272,21 @@ fn check_fixture(common: &ForgejoArgs) -> Result<(), Fatal> {
     Ok(())
 }
 
+/// Longest `--runner-prefix`: with the cycle id and sequence number a name stays well within
+/// Forgejo's `VARCHAR(255)` (the REST registration stores it as sent; a longer one fails).
+pub const MAX_PREFIX_BYTES: usize = 128;
+
 fn check_prefix(prefix: &str) -> Result<(), Fatal> {
     if prefix.is_empty() {
         return Err(usage(
             "--runner-prefix must not be empty: it is the only mark of the registrations this tool may delete",
         ));
+    }
+    if prefix.len() > MAX_PREFIX_BYTES {
+        return Err(usage(format!(
+            "--runner-prefix is {} bytes long; at most {MAX_PREFIX_BYTES}: runner names (prefix, cycle id, number) must fit Forgejo's 255 characters",
+            prefix.len()
+        )));
     }
     Ok(())
 }

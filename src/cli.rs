@@ -199,9 +199,10 @@ pub struct RunArgs {
     #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_REGISTRATION_GRACE", default_value = "3m", value_parser = parse_duration, value_name = "DURATION")]
     pub registration_grace: Duration,
 
-    /// How long our runner may sit idle while its job is still listed as waiting (Forgejo holds
-    /// it back, e.g. behind a concurrency group) before the VM goes and the job is held: no
-    /// runner is registered for it again for this long, doubling each time, at most 1h.
+    /// How long after its launch our runner may sit idle while its job is still listed as
+    /// waiting (Forgejo holds it back, e.g. behind a concurrency group) before the VM goes and the
+    /// job is held: no runner is registered for it again for this long, twice as long each time
+    /// after, at most 1h (or this long, if it is longer).
     #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_JOB_PICKUP_TIMEOUT", default_value = "10m", value_parser = parse_duration, value_name = "DURATION")]
     pub job_pickup_timeout: Duration,
 

@@ -436,8 +436,9 @@ impl Driver<'_, '_> {
     }
 
     /// Before a teardown because our runner was not given its waiting job: the registration
-    /// says why (its deletion reason later), and after a pickup timeout the job is held first,
-    /// so that neither this nor the next cycle registers for it again until the hold ends.
+    /// says why (its deletion reason later), and the job is held first, so that neither this
+    /// nor the next cycle registers for it again until the hold ends (after wrong labels too:
+    /// every new VM would end the same way until the launch command is fixed).
     fn not_served(&mut self, reason: &TeardownReason, now: Timestamp) {
         let (runner_id, why) = match reason {
             TeardownReason::PickupTimeout { runner_id, .. } => {
@@ -454,32 +455,38 @@ impl Driver<'_, '_> {
             return;
         };
         reg.not_served = Some(why);
-        if why != NotServed::PickupTimeout {
-            return;
-        }
         let (job_id, handle, name) = (reg.job_id, reg.job_handle.clone(), reg.name.clone());
         let pickup = self.cfg.policy.job_pickup_timeout;
-        let hold = self.ctx.holds.hold(job_id, &handle, pickup, now);
-        log::warn!(
-            "job {job_id} is listed as waiting, but Forgejo did not give it to runner {runner_id} ({name}) within {}; not registering for it again before {} (hold {})",
-            format_duration(pickup),
-            hold.until,
-            hold.times
-        );
-        self.save_holds();
-        let e = self.report.event(
-            "hold_job",
-            true,
-            format!(
-                "job {job_id} waited {} without Forgejo giving it to our idle runner (a concurrency group holds it, most likely); held until {} (hold {})",
-                format_duration(pickup),
-                hold.until,
-                hold.times
+        let (hold, new) = self.ctx.holds.hold(job_id, &handle, pickup, now);
+        if !new {
+            // Held already by a run that died before its teardown was written.
+            return;
+        }
+        let (cause, reason) = match why {
+            NotServed::PickupTimeout => (
+                format!(
+                    "Forgejo did not give it to runner {runner_id} ({name}) within {} (a concurrency group holds it, most likely)",
+                    format_duration(pickup)
+                ),
+                DeleteReason::PickupTimeout,
             ),
+            NotServed::WrongLabels => (
+                format!(
+                    "runner {runner_id} ({name}) declared labels that do not cover it, so Forgejo never gives it the job"
+                ),
+                DeleteReason::WrongLabels,
+            ),
+        };
+        let detail = format!(
+            "job {job_id} is listed as waiting, but {cause}; not registering for it again before {} (hold {})",
+            hold.until, hold.times
         );
+        log::warn!("{detail}");
+        self.save_holds();
+        let e = self.report.event("hold_job", true, detail);
         e.runner_id = Some(runner_id);
         e.runner_name = Some(name);
-        e.reason = Some(DeleteReason::PickupTimeout.as_str().into());
+        e.reason = Some(reason.as_str().into());
         e.job_id = Some(job_id);
     }
 

@@ -392,10 +392,12 @@ impl HttpForgejo {
     }
 
     fn status_error(&self, request: String, status: u16, body: &str) -> ApiError {
-        let message = serde_json::from_str::<Value>(body)
-            .ok()
-            .and_then(|v| v.get("message").and_then(Value::as_str).map(str::to_string))
-            .unwrap_or_else(|| snippet(body));
+        let message = first_message(body).unwrap_or_else(|| snippet(body));
+        self.status_error_saying(request, status, message)
+    }
+
+    /// [`Self::status_error`] with the message already chosen.
+    fn status_error_saying(&self, request: String, status: u16, message: String) -> ApiError {
         let hint = match status {
             401 => " (is the token in --token-file valid?)".to_string(),
             403 => format!(
@@ -493,6 +495,16 @@ fn not_forgejo_404(request: String, body: &str) -> ApiError {
     }
 }
 
+/// The `message` of Forgejo's error body: of the first JSON value in it (on some errors
+/// Forgejo writes a second one after it, e.g. RegisterRunner's answer after a failed insert).
+fn first_message(body: &str) -> Option<String> {
+    let first = serde_json::Deserializer::from_str(body)
+        .into_iter::<Value>()
+        .next()?
+        .ok()?;
+    first.get("message")?.as_str().map(str::to_string)
+}
+
 fn snippet(body: &str) -> String {
     let one_line: String = body.split_whitespace().collect::<Vec<_>>().join(" ");
     if one_line.is_empty() {
@@ -582,7 +594,13 @@ impl Forgejo for HttpForgejo {
         let (status, _, text) = self.send("POST", &url, Some(&body))?;
         let request = format!("POST {url}");
         if status != 201 && status != 200 {
-            return Err(self.status_error(request, status, &text));
+            // Never a piece of the body: when its insert fails, Forgejo writes its error and
+            // then the answer it would have given, runner token and all
+            // (routers/api/v1/shared/runners.go RegisterRunner: ctx.Error without a return).
+            let message = first_message(&text).unwrap_or_else(|| {
+                "(the body is not shown: it may hold a runner token)".to_string()
+            });
+            return Err(self.status_error_saying(request, status, message));
         }
         // The body holds the runner token: never put it in an error message.
         let v: Value = serde_json::from_str(&text).map_err(|_| ApiError {

@@ -1,7 +1,7 @@
 //! Jobs this pool does not register for again for a while: Forgejo listed them as `waiting`, yet
 //! our runner sat idle next to them for `--job-pickup-timeout` without being given them (Forgejo
 //! 15 queues a run behind a running one of its concurrency group and still lists its jobs as
-//! waiting). A hold outlives the teardown and the cycle (`held-jobs.json` in the state
+//! waiting), or declared labels that do not cover them. A hold outlives the teardown and the cycle (`held-jobs.json` in the state
 //! directory), so the pool serves the next waiting job instead of booting VMs for the blocked
 //! one; once the hold ends, a later cycle tries the job again. Pure data and decisions; the
 //! store reads and writes the file.
@@ -59,23 +59,23 @@ impl Holds {
             .any(|h| h.handle == handle && now < h.until)
     }
 
-    /// Holds the job after a pickup timeout: for `pickup_timeout` the first time, twice as long
-    /// each time after, at most [`MAX_HOLD`] (never shorter than `pickup_timeout`). A job held
-    /// already is left as it is (a run that died between the hold and the teardown decides the
-    /// same again). Returns the hold.
+    /// Holds the job after our runner was not given it: for `pickup_timeout` the first time,
+    /// twice as long each time after, at most [`MAX_HOLD`] (never shorter than
+    /// `pickup_timeout`). A job held already is left as it is (a run that died between the hold
+    /// and the teardown decides the same again). Returns the hold, and whether it is new.
     pub fn hold(
         &mut self,
         job_id: i64,
         handle: &str,
         pickup_timeout: Duration,
         now: Timestamp,
-    ) -> Hold {
+    ) -> (Hold, bool) {
         if let Some(h) = self
             .jobs
             .iter()
             .find(|h| h.handle == handle && now < h.until)
         {
-            return h.clone();
+            return (h.clone(), false);
         }
         let times = self
             .jobs
@@ -100,7 +100,7 @@ impl Holds {
             let extra = self.jobs.len() - MAX_HOLDS;
             self.jobs.drain(..extra);
         }
-        hold
+        (hold, true)
     }
 
     /// Forgets the holds of job attempts Forgejo no longer lists (`jobs` is a complete jobs
@@ -176,7 +176,8 @@ mod tests {
         let mut now = t(0);
         let mut lengths = Vec::new();
         for _ in 0..5 {
-            let hold = h.hold(j.id, &j.handle, pickup, now);
+            let (hold, new) = h.hold(j.id, &j.handle, pickup, now);
+            assert!(new);
             assert!(h.is_held("h7", now));
             lengths.push(hold.until.since(now).as_secs() / MIN);
             now = hold.until;
@@ -187,7 +188,7 @@ mod tests {
         assert_eq!(h.jobs[0].times, 5);
         // A pickup timeout longer than the cap still holds that long.
         let mut long = Holds::default();
-        let hold = long.hold(j.id, &j.handle, Duration::from_secs(120 * MIN), t(0));
+        let (hold, _) = long.hold(j.id, &j.handle, Duration::from_secs(120 * MIN), t(0));
         assert_eq!(hold.until, t(120));
     }
 
@@ -195,8 +196,10 @@ mod tests {
     fn holding_a_held_job_again_changes_nothing() {
         let pickup = Duration::from_secs(10 * MIN);
         let mut h = Holds::default();
-        let first = h.hold(7, "h7", pickup, t(0));
-        let again = h.hold(7, "h7", pickup, t(3));
+        let (first, new) = h.hold(7, "h7", pickup, t(0));
+        assert!(new);
+        let (again, new) = h.hold(7, "h7", pickup, t(3));
+        assert!(!new, "not held anew");
         assert_eq!(first, again);
         assert_eq!(h.jobs.len(), 1);
         assert!(!h.is_held("h8", t(3)), "only that job attempt");

@@ -65,8 +65,8 @@ pub struct Counters {
     /// Sweeps that failed (listing error or any failed DELETE).
     pub sweep_failures: u64,
     pub sweep_left_over_cap: u64,
-    /// Jobs held because our runner sat idle past `--job-pickup-timeout` next to them.
-    pub job_pickup_timeouts: u64,
+    /// Jobs held because our runner was not given them (`hold_job` events), by reason.
+    pub jobs_held: BTreeMap<String, u64>,
 }
 
 impl Default for Counters {
@@ -88,7 +88,7 @@ impl Default for Counters {
             sweep_deletions: 0,
             sweep_failures: 0,
             sweep_left_over_cap: 0,
-            job_pickup_timeouts: 0,
+            jobs_held: BTreeMap::new(),
         }
     }
 }
@@ -114,7 +114,14 @@ impl Counters {
         for (reason, n) in &report.summary.deleted {
             *self.deleted.entry(reason.clone()).or_default() += u64::from(*n);
         }
-        self.job_pickup_timeouts += u64::from(report.summary.held);
+        for e in report
+            .events
+            .iter()
+            .filter(|e| e.step == "hold_job" && e.ok)
+        {
+            let reason = e.reason.clone().unwrap_or_else(|| "unknown".into());
+            *self.jobs_held.entry(reason).or_default() += 1;
+        }
         // The last destroy of the run decides whether destroys are failing.
         for e in report.events.iter().filter(|e| e.step == "tofu_destroy") {
             if e.ok {
@@ -329,12 +336,21 @@ pub fn render(
     for (r, n) in reasons {
         o.sample("registrations_deleted_total", &[("reason", r)], n);
     }
-    o.one(
-        "job_pickup_timeouts_total",
+    o.family(
+        "jobs_held_total",
         "counter",
-        "Jobs Forgejo listed as waiting but did not give our idle runner within --job-pickup-timeout (then held).",
-        c.job_pickup_timeouts,
+        "Jobs held (no runner for them for a while) because Forgejo did not give our idle runner its waiting job, by reason: pickup_timeout (--job-pickup-timeout passed), wrong_labels.",
     );
+    let mut held: BTreeMap<&str, u64> = [DeleteReason::PickupTimeout, DeleteReason::WrongLabels]
+        .iter()
+        .map(|r| (r.as_str(), 0))
+        .collect();
+    for (r, n) in &c.jobs_held {
+        held.insert(r, *n);
+    }
+    for (r, n) in held {
+        o.sample("jobs_held_total", &[("reason", r)], n);
+    }
     o.one(
         "destroy_failures_total",
         "counter",

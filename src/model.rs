@@ -49,8 +49,10 @@ pub struct Runner {
     pub name: Option<String>,
     pub status: RunnerStatus,
     /// The label names the runner declared when it connected (`GET …/runners/{id}` only; list
-    /// rows leave it `None`). `None` also when the field is missing or not a list of strings:
-    /// unknown, so nothing is concluded from it.
+    /// rows leave it `None`). `Some` only once Forgejo shows the runner's `version`: Declare
+    /// stores both at once, while any earlier request of the runner already makes it `idle` with
+    /// no labels yet. `None` also when the field is missing or not a list of strings: unknown,
+    /// so nothing is concluded from it. `Some` is also the proof that the runner connected.
     pub labels: Option<Vec<String>>,
 }
 
@@ -74,10 +76,18 @@ impl Runner {
         })
     }
 
-    /// [`Runner::from_json`] of one fetched runner, with the labels it declared.
+    /// [`Runner::from_json`] of one fetched runner, with the labels it declared — once it has
+    /// declared itself: Forgejo shows a `version` (forgejo-runner always sends one, `dev` at
+    /// least) from the same Declare that stores its labels (routers/api/actions/runner/runner.go).
     pub fn from_json_with_labels(v: &Value) -> Result<Runner, String> {
         let mut r = Runner::from_json(v)?;
-        r.labels = v.get("labels").and_then(declared_labels);
+        let declared = v
+            .get("version")
+            .and_then(Value::as_str)
+            .is_some_and(|s| !s.is_empty());
+        if declared {
+            r.labels = v.get("labels").and_then(declared_labels);
+        }
         Ok(r)
     }
 }
@@ -344,7 +354,7 @@ mod tests {
     #[test]
     fn declared_labels_are_read_from_a_fetched_runner_only_when_they_are_names() {
         let labels = |v: Value| Runner::from_json_with_labels(&v).unwrap().labels;
-        let row = |l: Value| json!({"id": 1, "name": "x", "status": "idle", "labels": l});
+        let row = |l: Value| json!({"id": 1, "name": "x", "status": "idle", "version": "v12.8.2", "labels": l});
         assert_eq!(
             labels(row(json!(["debian", "docker"]))),
             Some(vec!["debian".into(), "docker".into()])
@@ -356,9 +366,18 @@ mod tests {
         assert_eq!(labels(row(json!([1]))), None);
         assert_eq!(labels(row(json!("debian"))), None);
         assert_eq!(
-            labels(json!({"id": 1, "name": "x", "status": "idle"})),
+            labels(json!({"id": 1, "name": "x", "status": "idle", "version": "v12.8.2"})),
             None
         );
+        // Before Declare (no version yet) the runner may already be idle: its labels are not
+        // known yet, whatever the field says.
+        for version in [json!(""), Value::Null, json!(7)] {
+            let v =
+                json!({"id": 1, "name": "x", "status": "idle", "version": version, "labels": null});
+            assert_eq!(labels(v), None, "{version}");
+        }
+        let v = json!({"id": 1, "name": "x", "status": "idle", "labels": []});
+        assert_eq!(labels(v), None, "no version at all");
         // A list row never carries them.
         assert_eq!(
             Runner::from_json(&row(json!(["debian"]))).unwrap().labels,

@@ -394,7 +394,9 @@ fn decide_running(
                 }
             }
         }
-        if !reg.connected && matches!(runner.status, RunnerStatus::Idle | RunnerStatus::Active) {
+        // Seen up, or it declared itself (Forgejo shows what it declared) and went away since.
+        let up = matches!(runner.status, RunnerStatus::Idle | RunnerStatus::Active);
+        if !reg.connected && (up || runner.labels.is_some()) {
             return Step::MarkConnected { id };
         }
         match &runner.status {

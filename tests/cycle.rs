@@ -520,6 +520,12 @@ fn configuration_errors_exit_2() {
     assert_eq!(env.exec(c).code, Some(2));
 
     let mut c = env.cmd("run");
+    c.args(["--runner-prefix", &"p".repeat(129)]);
+    let out = env.exec(c);
+    assert_eq!(out.code, Some(2), "{out:?}");
+    assert!(out.stderr.contains("at most 128"), "{out:?}");
+
+    let mut c = env.cmd("run");
     c.args(["--poll-interval", "soon"]);
     assert_eq!(env.exec(c).code, Some(2));
 
@@ -1482,6 +1488,19 @@ fn run_launches(modes: &[&str]) -> (Env, Option<i32>, serde_json::Value) {
     (env, out.code, report)
 }
 
+/// `wait_with_output` with the harness's hang guard: a run that has not ended in 90 s fails.
+fn output_of(mut child: std::process::Child) -> std::process::Output {
+    let start = std::time::Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if start.elapsed() > Duration::from_secs(90) {
+            let _ = child.kill();
+            panic!("the binary hung for 90 s");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.wait_with_output().unwrap()
+}
+
 fn held_jobs(env: &Env) -> Option<serde_json::Value> {
     fs::read_to_string(env.state.join("held-jobs.json"))
         .ok()
@@ -1599,6 +1618,10 @@ fn a_runner_without_labels_takes_the_vm_down_at_once_and_the_run_fails() {
     );
     let deletes = events(&report, "delete_runner");
     assert_eq!(deletes[0]["reason"], "wrong_labels", "{report}");
+    // The job is held: the next timer run does not boot a VM for it again at once.
+    let hold = events(&report, "hold_job");
+    assert_eq!(hold[0]["reason"], "wrong_labels", "{report}");
+    assert_eq!(held_jobs(&env).expect("held")["jobs"][0]["job_id"], job);
     let destroy = report["events"]
         .as_array()
         .unwrap()
@@ -1641,7 +1664,9 @@ fn a_job_forgejo_holds_back_is_held_and_the_pool_serves_the_next_one() {
     assert_eq!(hold[0]["job_id"], held);
     assert_eq!(hold[0]["reason"], "pickup_timeout");
     assert!(
-        out.stderr.contains("WARN"),
+        out.stderr
+            .lines()
+            .any(|l| l.contains("WARN") && l.contains("not registering for it again before")),
         "logged at warn: {}",
         out.stderr
     );
@@ -1655,7 +1680,7 @@ fn a_job_forgejo_holds_back_is_held_and_the_pool_serves_the_next_one() {
     assert_eq!(h["jobs"][0]["times"], 1);
     let metrics = fs::read_to_string(&prom).unwrap();
     assert!(
-        metrics.contains("ci_ephemeral_provisioner_job_pickup_timeouts_total 1"),
+        metrics.contains("ci_ephemeral_provisioner_jobs_held_total{reason=\"pickup_timeout\"} 1"),
         "{metrics}"
     );
     // The audit trail has it too.
@@ -1722,7 +1747,7 @@ fn a_queued_job_released_while_our_runner_waits_is_taken_by_that_runner() {
             .any(|r| r.name.starts_with("ephemeral-") && r.status == "idle")
     });
     env.fake.set_job_queued(job, false);
-    let out = child.wait_with_output().unwrap();
+    let out = output_of(child);
     let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(out.status.code(), Some(0), "{report}");
     assert_eq!(
@@ -1773,5 +1798,41 @@ fn a_never_connected_runner_whose_delete_answer_is_lost_is_still_a_failed_start(
             .contains("presumed broken"),
         "{report}"
     );
+    env.assert_at_rest();
+}
+
+#[test]
+fn a_failed_registration_whose_body_holds_a_token_never_shows_it() {
+    // RegisterRunner after a failed insert: `ctx.Error(500, …)` and then, without a return, the
+    // answer it would have given (routers/api/v1/shared/runners.go) — runner token and all.
+    let env = Env::new();
+    env.fake.add_job(&["debian"]);
+    let token = "5d1c0ffee5d1c0ffee5d1c0ffee5d1c0ffee5d1c";
+    let body = format!(
+        "{{\"message\":\"CreateRunner: pq: value too long for type character varying(255)\",\"url\":\"https://forgejo.invalid/api/swagger\"}}\n{{\"id\":0,\"uuid\":\"00000000-0000-4000-8000-000000000000\",\"token\":\"{token}\"}}"
+    );
+    env.fake
+        .inject("POST", "/actions/runners", Fault::StatusBody(500, body), 1);
+    // And something in between that echoes an answer without any message.
+    let echo = format!("{{\"id\":7,\"token\":\"{token}\"}}");
+    env.fake
+        .inject("POST", "/actions/runners", Fault::StatusBody(502, echo), 1);
+    let out = env.run(&["--output", "json"]);
+    assert_eq!(out.code, Some(1), "a failed POST is a failure: {out:?}");
+    assert!(
+        out.stdout.contains("value too long"),
+        "Forgejo's message is kept: {out:?}"
+    );
+    for text in [&out.stdout, &out.stderr] {
+        assert!(!text.contains(&token[..12]), "the token leaked: {text}");
+    }
+    for f in walk(&env.state) {
+        let content = fs::read_to_string(&f).unwrap_or_default();
+        assert!(
+            !content.contains(&token[..12]),
+            "{} holds the token",
+            f.display()
+        );
+    }
     env.assert_at_rest();
 }

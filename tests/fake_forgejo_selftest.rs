@@ -552,7 +552,7 @@ fn register_validates_name_and_allows_duplicates() {
 
     let r = api.post(
         ADMIN,
-        &json!({"name": "n".repeat(300), "description": "d", "ephemeral": true}).to_string(),
+        &json!({"name": "n".repeat(255), "description": "d", "ephemeral": true}).to_string(),
     );
     assert_eq!(r.status, 201);
     let v = r.json();
@@ -1134,21 +1134,26 @@ fn the_endless_task_clean_up_deletes_a_runner_whose_process_goes_on() {
 }
 
 #[test]
-fn a_long_name_is_cut_as_forgejo_cuts_it() {
+fn a_name_longer_than_the_column_fails_as_forgejo_fails_it() {
+    // The REST registration stores names as sent; 255 characters fit, one more does not, and
+    // Forgejo answers 500 with its error and then the answer it would have given.
     let fake = FakeForgejo::start(TOKEN);
     let api = Api::admin(&fake);
-    let long = format!("ephemeral-{}", "é".repeat(200));
-    let (id, _, _) = api.register(ADMIN, &long, true);
-    let name = fake.runner(id).expect("exists").name;
-    assert!(name.len() <= 255 && name.ends_with('…'), "{name}");
-    assert!(long.starts_with(name.trim_end_matches('…')));
-    // 10 bytes of prefix and 121 two-byte characters fit in 252; then "…" (3 bytes).
-    assert_eq!(name.len(), 255);
-    let odd = format!("ephemeral-x{}", "é".repeat(200));
-    let (id, _, _) = api.register(ADMIN, &odd, true);
+    let fits = format!("ephemeral-{}", "é".repeat(245));
+    let (id, _, _) = api.register(ADMIN, &fits, true);
     assert_eq!(
-        fake.runner(id).expect("exists").name.len(),
-        251 + 3,
-        "a character is never split: 251 bytes and the ellipsis"
+        fake.runner(id).expect("exists").name,
+        fits,
+        "stored as sent"
     );
+    let long = format!("{fits}x");
+    let r = api.post(ADMIN, &json!({"name": long, "ephemeral": true}).to_string());
+    assert_eq!(r.status, 500);
+    let mut values = serde_json::Deserializer::from_str(&r.body).into_iter::<Value>();
+    let error = values.next().expect("an error").expect("JSON");
+    assert!(error["message"].as_str().unwrap().contains("too long"));
+    let answer = values.next().expect("then the answer").expect("JSON");
+    assert_eq!(answer["id"], 0);
+    assert!(answer["token"].as_str().is_some_and(|t| t.len() == 40));
+    assert_eq!(fake.runners().len(), 1, "nothing created");
 }

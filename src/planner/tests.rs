@@ -1886,6 +1886,16 @@ fn a_runner_seen_idle_or_active_for_the_first_time_is_marked_connected() {
         let o = obs(Some(vec![]), vec![seen(ours(1, status.clone()))]);
         assert!(is_wait(&plan(&st, &o, &ctx(), at(MIN + 1))), "{status:?}");
     }
+    // Offline, but Forgejo shows the labels it declared: it connected (while no run of ours
+    // looked, or before this version recorded it), and is not a failed start.
+    let o = obs(
+        Some(vec![]),
+        vec![seen(declared(1, RunnerStatus::Offline, &["debian"]))],
+    );
+    assert_eq!(
+        plan(&st, &o, &ctx(), at(MIN + GRACE + 1)),
+        Step::MarkConnected { id: 1 }
+    );
 }
 
 #[test]

@@ -8,8 +8,8 @@
 #
 # Mode from $VM_DIR/launch-mode (or launch-mode.N for the Nth launch): one-job (default: connect, take the job, finish it), take (take
 # the job and keep running), connect (connect, never take a job), nolabels (one-job without any
-# --label: Forgejo gives it nothing), die (connect, the process dies a second later before taking
-# its job), noop (exit 0 but never
+# --label: Forgejo gives it nothing), die (connect; the process dies before taking its job, right
+# after the provisioner has seen it up), noop (exit 0 but never
 # connect), fail (exit 3), hang (never return), leak (print the token on stdout and stderr, then
 # exit 3: what reaches our logs must be redacted).
 set -eu
@@ -60,8 +60,5 @@ one-job | nolabels)
     ;;
 take) [ "$(post "take?handle=$JOB_HANDLE&$labels")" = 200 ] ;;
 connect) [ "$(post "connect?$labels")" = 200 ] ;;
-die)
-    [ "$(post "connect?$labels")" = 200 ]
-    (sleep 1 && post disconnect) < /dev/null > /dev/null 2>&1 &
-    ;;
+die) [ "$(post "connect?$labels&die=seen")" = 200 ] ;;
 esac

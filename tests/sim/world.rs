@@ -1400,14 +1400,15 @@ impl Sim {
             .collect()
     }
 
-    /// `GET …/runners/{id}` as the HTTP client parses it: the declared labels, and `null` (never
-    /// declared, or none) read as none.
+    /// `GET …/runners/{id}` as the HTTP client parses it (`Runner::from_json_with_labels`): the
+    /// declared label names once the runner has declared itself (Forgejo then shows its
+    /// `version`; `null` for none reads as none), unknown (`None`) before.
     pub fn wire_runner(&self, r: &SRunner) -> Runner {
         Runner {
             id: r.id,
             name: Some(r.name.clone()),
             status: r.status(self.now),
-            labels: Some(r.labels.clone().unwrap_or_default()),
+            labels: r.labels.clone(),
         }
     }
 

@@ -117,6 +117,8 @@ pub enum Fault {
     WrongTypes,
     /// Answer 200 with exactly this body (`application/json` content type); nothing is applied.
     Body(String),
+    /// Answer this status with exactly this body (`application/json`); nothing is applied.
+    StatusBody(u16, String),
     /// Apply the request, then answer with these headers set (replacing any of the same name):
     /// an `X-Total-Count` that lies, a `Link` that loops.
     Headers(Vec<(&'static str, String)>),
@@ -157,6 +159,9 @@ struct RunnerRow {
     /// `/_fake/disconnect` was called: the runner's process is gone (it died, or its VM was
     /// destroyed), so nothing it "sends" afterwards can reach Forgejo.
     process_gone: bool,
+    /// `/_fake/connect?die=seen`: the process dies right after a `GET …/runners/{id}` showed it
+    /// up (a runner that connects, is seen, and dies before its job; deterministic for tests).
+    die_when_seen: bool,
 }
 
 impl RunnerRow {
@@ -188,7 +193,8 @@ impl RunnerRow {
             "name": self.name,
             "status": self.status(now),
             "version": self.version,
-            // xorm keeps an empty label list as NULL: `null`, before and after Declare.
+            // No labels: `null` before Declare; after a Declare of none Forgejo shows `null` for
+            // a nil list (`[]` for an empty one; the product reads both as none).
             "labels": self.labels.as_ref().filter(|l| !l.is_empty()),
             "description": self.description,
             "ephemeral": self.ephemeral,
@@ -588,7 +594,7 @@ impl World {
             id,
             uuid: uuid.clone(),
             token: token.clone(),
-            name: truncate_name(name),
+            name: name.to_string(),
             description: description.to_string(),
             owner_id,
             repo_id,
@@ -603,6 +609,7 @@ impl World {
             status_override: None,
             token_presented: false,
             process_gone: false,
+            die_when_seen: false,
         };
         row.apply_conn(conn, now);
         self.runners.insert(id, row);
@@ -740,7 +747,13 @@ impl World {
             Op::Register => self.register_runner(inc, scope, now),
             Op::Jobs => self.list_jobs(inc, scope),
             Op::Get(id) => match self.runners.get(&id) {
-                Some(r) if !r.deleted && scope.sees(r) => Reply::json(200, &r.json(now)),
+                Some(r) if !r.deleted && scope.sees(r) => {
+                    let reply = Reply::json(200, &r.json(now));
+                    if r.die_when_seen && r.status(now) != "offline" {
+                        self.process_dies(id, now);
+                    }
+                    reply
+                }
                 _ => Reply::error(
                     404,
                     &format!("runner with ID {id}: resource does not exist"),
@@ -851,6 +864,23 @@ impl World {
             // `bind()` formats the field names of the error, a slice.
             return Reply::error(422, "[Name]: Required");
         };
+        // The REST handler stores the name as sent (shared/runners.go RegisterRunner; only the
+        // runner's own Register RPC cuts it), into `name VARCHAR(255)`: PostgreSQL refuses a
+        // longer one. The handler then writes its error and, without a return, the answer it
+        // would have given: a 500 with both bodies, the second with id 0 and a token.
+        if name.chars().count() > 255 {
+            let token = self.runner_token();
+            let mut reply = Reply::error(
+                500,
+                "CreateRunner: pq: value too long for type character varying(255)",
+            );
+            let answer = json!({"id": 0, "uuid": self.uuid_v4(), "token": token});
+            reply.body.push(b'\n');
+            reply
+                .body
+                .extend(serde_json::to_vec(&answer).expect("serialize json"));
+            return reply;
+        }
         let description = obj
             .and_then(|o| o.get("description"))
             .and_then(Value::as_str)
@@ -891,9 +921,8 @@ impl World {
             .filter(|j| match &labels {
                 None => true,
                 Some(ls) if ls.is_empty() => j.runs_on.is_empty(),
-                Some(ls) => {
-                    !j.runs_on.is_empty() && j.runs_on.iter().all(|r| ls.contains(&r.as_str()))
-                }
+                // The jobs list filters by ItRunsOn of the names asked for.
+                Some(ls) => rules::it_runs_on(ls, &j.runs_on),
             })
             .map(JobRow::json)
             .collect();
@@ -935,7 +964,9 @@ impl World {
         let handle = first(&q, "handle").filter(|h| !h.is_empty());
         match action {
             "connect" => {
+                let die_when_seen = first(&q, "die") == Some("seen");
                 let r = self.live_runner_mut(id).expect("runner exists");
+                r.die_when_seen = die_when_seen;
                 r.declare(labels, now);
                 let status = r.status(now);
                 Reply::json(200, &json!({"runner_id": id, "status": status}))
@@ -959,13 +990,9 @@ impl World {
                 }
             }
             "disconnect" => {
-                let r = self.live_runner_mut(id).expect("runner exists");
-                r.process_gone = true;
-                r.polling = false;
-                r.busy = false;
-                r.last_online_ms = now - 120_000;
-                r.last_active_ms = r.last_active_ms.min(r.last_online_ms);
-                Reply::json(200, &json!({"runner_id": id, "status": r.status(now)}))
+                self.process_dies(id, now);
+                let status = self.runners[&id].status(now);
+                Reply::json(200, &json!({"runner_id": id, "status": status}))
             }
             _ => Reply::not_found(),
         }
@@ -1031,6 +1058,19 @@ impl World {
         r.busy = true;
         r.last_active_ms = now;
         Ok(job_id)
+    }
+
+    /// The runner's process is gone (it died, or its VM was destroyed): offline at once (a
+    /// shortcut: Forgejo waits 60 s after the last contact), and nothing more comes from it.
+    fn process_dies(&mut self, id: i64, now: i64) {
+        let Some(r) = self.live_runner_mut(id) else {
+            return;
+        };
+        r.process_gone = true;
+        r.polling = false;
+        r.busy = false;
+        r.last_online_ms = now - 120_000;
+        r.last_active_ms = r.last_active_ms.min(r.last_online_ms);
     }
 
     /// `StopTask` (services/actions/task.go): the job ends with `status`, and the ephemeral
@@ -1529,6 +1569,11 @@ fn serve(shared: &Shared, mut rq: tiny_http::Request) {
             reply.body = s.clone().into_bytes();
             return send(rq, reply);
         }
+        Some(Fault::StatusBody(code, s)) => {
+            let mut reply = Reply::json(*code, &Value::Null);
+            reply.body = s.clone().into_bytes();
+            return send(rq, reply);
+        }
         Some(Fault::Delay(d)) => thread::sleep(*d),
         Some(Fault::Drip { body, every }) => return drip(rq, body.as_bytes(), *every),
         _ => {}
@@ -1694,20 +1739,6 @@ fn now_ms() -> i64 {
 
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-/// The stored name: `util.SplitStringAtByteN(name, 255)` (`modules/util/truncate.go`), i.e. a
-/// longer name keeps at most 252 bytes (whole characters) and gets "…" (3 bytes).
-fn truncate_name(s: &str) -> String {
-    const MAX: usize = 255;
-    if s.len() <= MAX {
-        return s.to_string();
-    }
-    let mut end = MAX - 3;
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    format!("{}…", &s[..end])
 }
 
 /// SplitMix64's finaliser: a well-spread hash of one number.
