@@ -411,12 +411,8 @@ fn control_request(w: &mut World, what: &str, query: &str) -> Reply {
             if let Some(p) = &w.pickup
                 && let Some((job, _)) = p.current
             {
-                let labels: Vec<String> = query_param(query, "labels")
-                    .unwrap_or("")
-                    .split(',')
-                    .filter(|l| !l.is_empty())
-                    .map(|l| forgejo_rules::label_name(l).to_string())
-                    .collect();
+                let labels =
+                    forgejo_rules::declared_names(query_param(query, "labels").unwrap_or(""));
                 let handle = job_handle(job);
                 let runs_on = [PICKUP_RUNS_ON.to_string()];
                 let runner = forgejo_rules::RunnerView {

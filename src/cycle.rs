@@ -1096,11 +1096,7 @@ mod tests {
         /// decides, and a job it is given runs at once (the job ends, the registration goes).
         fn launch(&mut self, req: &LaunchRequest<'_>, _: &Secret) -> Result<(), StepError> {
             let mut w = self.0.borrow_mut();
-            let labels: Vec<String> = req
-                .labels
-                .split(',')
-                .map(|l| forgejo_rules::label_name(l.trim()).to_string())
-                .collect();
+            let labels = forgejo_rules::declared_names(req.labels);
             let runner = forgejo_rules::RunnerView {
                 owner_id: 0,
                 repo_id: 0,

@@ -399,7 +399,10 @@ fn the_world_assigns_jobs_by_forgejos_rule() {
         let other = s.new_job(&[world::LABEL]);
         let runner = s.add_runner(format!("{}t-1", world::PREFIX), Owner::Ours, true);
         // The launch's RUNNER_LABELS, as the world's runner processes declare them.
-        s.declare(runner, world::declared_names(&c.runner_labels.join(",")));
+        s.declare(
+            runner,
+            forgejo_rules::declared_names(&c.runner_labels.join(",")),
+        );
         {
             let r = s.runners.get_mut(&runner).expect("added");
             r.had_task = c.ephemeral_with_task;

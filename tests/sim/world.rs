@@ -147,16 +147,6 @@ impl SJob {
     }
 }
 
-/// The label names a runner started with these `--label` values declares (`RUNNER_LABELS`,
-/// comma-separated; `forgejo_rules::label_name`: `debian` of `debian:host`).
-pub fn declared_names(labels: &str) -> Vec<String> {
-    labels
-        .split(',')
-        .map(|l| rules::label_name(l.trim()).to_string())
-        .filter(|n| !n.is_empty())
-        .collect()
-}
-
 /// How a runner we launched behaves (`forgejo-runner one-job --handle … --wait`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Behaviour {
@@ -1315,7 +1305,7 @@ impl Sim {
         let labels = if behaviour == Behaviour::NoLabels {
             Vec::new()
         } else {
-            declared_names(labels)
+            rules::declared_names(labels)
         };
         let next_at = self.now + self.rng.range(2 * SEC, 25 * SEC);
         self.log(format!(

@@ -960,7 +960,7 @@ impl World {
             r.token_presented = true;
         }
         let q = parse_query(&inc.query);
-        let labels = first(&q, "labels").map(label_names);
+        let labels = first(&q, "labels").map(rules::declared_names);
         let handle = first(&q, "handle").filter(|h| !h.is_empty());
         match action {
             "connect" => {
@@ -1762,14 +1762,6 @@ fn presented_token(auth: Option<&str>) -> Option<&str> {
 /// `ParamsInt64`: anything unparsable is 0.
 fn parse_i64(s: &str) -> i64 {
     s.parse().unwrap_or(0)
-}
-
-/// Label names from a runner's `--label` values (`name[:scheme://…]`).
-fn label_names(s: &str) -> Vec<String> {
-    s.split(',')
-        .map(|l| l.split(':').next().unwrap_or("").trim().to_string())
-        .filter(|l| !l.is_empty())
-        .collect()
 }
 
 fn percent_decode(s: &str, plus_as_space: bool) -> String {

@@ -54,6 +54,17 @@ pub fn label_name(label: &str) -> &str {
     label.split(':').next().unwrap_or("")
 }
 
+/// The label names a runner started with these `--label` values declares (`RUNNER_LABELS`,
+/// comma-separated, e.g. `debian:host,docker`): each `label_name`, blanks and empty entries
+/// dropped.
+pub fn declared_names(labels: &str) -> Vec<String> {
+    labels
+        .split(',')
+        .map(|l| label_name(l.trim()).to_string())
+        .filter(|n| !n.is_empty())
+        .collect()
+}
+
 /// `ActionRunJob.ItRunsOn`: false when the runner declared no labels or the job names none;
 /// else every name in the job's `runs_on` must be one of the runner's label names.
 pub fn it_runs_on<L: AsRef<str>, R: AsRef<str>>(runner_labels: &[L], runs_on: &[R]) -> bool {
