@@ -877,6 +877,21 @@ impl Sim {
 
     /// Forgejo deletes the registration (`DeleteRunner`). A process of it keeps running: its
     /// requests fail from now on.
+    /// The final UpdateTask of the runner's task: its job ends, and Forgejo deletes the
+    /// ephemeral runner (`routers/api/actions/runner/runner.go` `UpdateTask`).
+    fn final_update_task(&mut self, id: i64) {
+        let done: Vec<i64> = self
+            .jobs
+            .values()
+            .filter(|j| j.state == JobState::Running(id))
+            .map(|j| j.id)
+            .collect();
+        for j in done {
+            self.jobs.remove(&j);
+        }
+        self.delete_runner_server_side(id);
+    }
+
     fn delete_runner_server_side(&mut self, id: i64) {
         let now = self.now;
         self.rows_version += 1;
@@ -1062,18 +1077,8 @@ impl Sim {
                 }
             }
             Bg::OtherDone(id) | Bg::LegacyFinish(id) => {
-                // The final UpdateTask: the job ends, Forgejo deletes the ephemeral runner.
                 if self.live(id).is_some() {
-                    let done: Vec<i64> = self
-                        .jobs
-                        .values()
-                        .filter(|j| j.state == JobState::Running(id))
-                        .map(|j| j.id)
-                        .collect();
-                    for j in done {
-                        self.jobs.remove(&j);
-                    }
-                    self.delete_runner_server_side(id);
+                    self.final_update_task(id);
                 }
             }
             Bg::LatePost(name) => {
@@ -1175,18 +1180,8 @@ impl Sim {
                 }
             },
             Stage::Finish => {
-                let done: Vec<i64> = self
-                    .jobs
-                    .values()
-                    .filter(|j| j.state == JobState::Running(id))
-                    .map(|j| j.id)
-                    .collect();
-                for j in done {
-                    self.jobs.remove(&j);
-                }
-                // The final UpdateTask: Forgejo deletes the ephemeral runner
-                // (`routers/api/actions/runner/runner.go` `UpdateTask`); one-job exits.
-                self.delete_runner_server_side(id);
+                // one-job exits after its task.
+                self.final_update_task(id);
                 self.procs.remove(&id);
                 return;
             }
