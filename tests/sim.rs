@@ -310,6 +310,15 @@ fn same_seed_same_trace() {
     );
 }
 
+/// A world for a targeted regression test: seed 1, traced, no faults, no job arrivals.
+fn quiet_world() -> std::rc::Rc<std::cell::RefCell<world::Sim>> {
+    quiet_kills();
+    let mut sim = world::Sim::new(1, 200, true, false);
+    sim.faults_on = false;
+    sim.arrivals_on = false;
+    std::rc::Rc::new(std::cell::RefCell::new(sim))
+}
+
 /// Regression (found by seed 6209): a lost POST was forgotten because the runner list that
 /// should have shown it had its row without a name. A nameless row may be it: keep the intent.
 #[test]
@@ -318,15 +327,10 @@ fn a_lost_post_is_not_forgotten_when_a_listed_row_has_no_name() {
     use ci_ephemeral_provisioner::state::{CycleState, Phase, Registration};
     use ci_ephemeral_provisioner::time::Timestamp;
 
-    quiet_kills();
-    let sim = std::rc::Rc::new(std::cell::RefCell::new(world::Sim::new(
-        1, 200, true, false,
-    )));
+    let sim = quiet_world();
     let name = format!("{}c1-1", world::PREFIX);
     {
         let mut s = sim.borrow_mut();
-        s.faults_on = false;
-        s.arrivals_on = false;
         let now = s.now;
         let mut st = CycleState::new("c1".into(), Timestamp(now - 600_000));
         st.runner_prefix = world::PREFIX.into();
@@ -453,15 +457,10 @@ fn a_never_connected_runner_whose_delete_answer_was_lost_is_still_a_failed_start
     use ci_ephemeral_provisioner::state::{CycleState, Launch, Phase, Registration};
     use ci_ephemeral_provisioner::time::Timestamp;
 
-    quiet_kills();
-    let sim = std::rc::Rc::new(std::cell::RefCell::new(world::Sim::new(
-        1, 200, true, false,
-    )));
+    let sim = quiet_world();
     let name = format!("{}c1-3", world::PREFIX);
     {
         let mut s = sim.borrow_mut();
-        s.faults_on = false;
-        s.arrivals_on = false;
         s.max_jobs = 6;
         let now = s.now;
         let job = s.new_job(&[world::LABEL]);
