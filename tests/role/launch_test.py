@@ -140,7 +140,7 @@ if answer in say:
     sys.exit(255)
 assert answer == "ok", answer
 vm = os.environ["FAKE_VM"]
-env = {"PATH": vm + "/bin:/usr/bin:/bin", "HOME": vm, "FAKE_VM": vm, "LC_ALL": "C"}
+env = {"PATH": vm + "/bin:" + os.environ["FAKE_HOST_BIN"], "HOME": vm, "FAKE_VM": vm, "LC_ALL": "C"}
 os.umask(0o022)  # sshd's, not the launch command's 077
 sys.exit(subprocess.run(["/bin/sh", "-c", command], env=env, cwd=vm).returncode)
 '''
@@ -262,15 +262,18 @@ class Case:
 
     def __init__(self, name, *, variant="a", answers=(), then="ok", version="forgejo-runner version v12.8.2",
                  mode="declare", runner=True, cloud_init=None, labels="debian:host", timeout=120,
-                 check=None):
+                 address=ADDRESS, uuid=None, check=None):
         self.name, self.variant, self.answers, self.then = name, variant, list(answers), then
         self.version, self.mode, self.runner, self.cloud_init = version, mode, runner, cloud_init
         self.labels, self.timeout, self.check = labels, timeout, check
-        self.uuid = f"00000000-0000-4000-8000-{zlib.crc32(name.encode()):012d}"
+        # "@case@" in the address: this case's directory (where a ProxyCommand would leave a mark).
+        self.address = address
+        self.uuid = uuid or f"00000000-0000-4000-8000-{zlib.crc32(name.encode()):012d}"
 
     def run(self, work, rendered):
         d = work / "cases" / self.name
-        self.ssh_dir, self.vm = d / "ssh", d / "vm"
+        self.dir, self.ssh_dir, self.vm = d, d / "ssh", d / "vm"
+        self.address = self.address.replace("@case@", str(d))
         self.ssh_dir.mkdir(parents=True)
         (self.vm / "bin").mkdir(parents=True)
         write(self.ssh_dir / "answers.json", json.dumps({"answers": self.answers, "then": self.then}))
@@ -285,6 +288,7 @@ class Case:
             write(self.vm / "bin" / "forgejo-runner", runner, 0o755)
         env = {
             "PATH": f"{work / 'bin'}:{os.environ['PATH']}",
+            "FAKE_HOST_BIN": str(work / "host-bin"),
             "FAKE_SSH_DIR": str(self.ssh_dir),
             "FAKE_VM": str(self.vm),
             "RUNNER_ID": "41",
@@ -294,7 +298,7 @@ class Case:
             "FORGEJO_URL": URL,
             "JOB_HANDLE": HANDLE,
             "LAUNCH_TIMEOUT_SECONDS": str(self.timeout),
-            "TOFU_OUTPUT_ADDRESS": ADDRESS,
+            "TOFU_OUTPUT_ADDRESS": self.address,
             "TOFU_OUTPUT_SSH_PRIVATE_KEY": PRIVATE_KEY,
             "TOFU_OUTPUT_HOST_KEYS": OUTPUT_HOST_KEY,
         }
@@ -409,6 +413,14 @@ def check_good(c):
                f"key file {call['key_mode']} {call['key']!r}")
         expect((call["host"], call["port"], call["user"]) == (ADDRESS, "22", "runner"),
                f"ssh target {call['host']} {call['port']} {call['user']}")
+        expect_destination_after_dashes(call, ADDRESS)
+
+
+def expect_destination_after_dashes(call, address):
+    """ssh was given `--` just before the destination: nothing from the address is an option."""
+    argv = call["argv"]
+    expect("--" in argv and argv[argv.index("--") + 1] == address == call["host"],
+           f"ssh argv has no `--` right before the destination {address!r}: {argv}")
 
 
 def check_variant_b(c):
@@ -520,6 +532,29 @@ def check_cloud_init_hangs(c):
     expect(c.elapsed < c.timeout - 1, f"took {c.elapsed:.1f}s: the cloud-init wait ran past the launch timeout")
 
 
+def check_bad_address(c):
+    failed_with(c, "launch: the tofu output 'address'", "is not an IPv4 or IPv6 address or a DNS name",
+                "not connecting", limit=2)
+    expect(not c.calls, f"ssh was run with the address {c.address!r}: {[x['argv'] for x in c.calls]}")
+    expect(not (c.dir / "proxy-ran").exists(), "the address ran a ProxyCommand")
+    not_started(c)
+
+
+def check_address_accepted(c):
+    ok_fast(c)
+    expect(runner_argv(c)[0] == "one-job", "runner not started")
+    for call in c.calls:
+        expect_destination_after_dashes(call, c.address)
+
+
+def check_bad_uuid(c):
+    failed_with(c, "RUNNER_UUID", "is not a UUID", limit=2)
+    expect(not c.calls, f"ssh was run with RUNNER_UUID {c.uuid!r}")
+    expect(not (c.work / "shared" / "etc").exists() and not (c.work / "etc").exists(),
+           "a file was written outside the runner directory")
+    not_started(c)
+
+
 def check_no_labels(c):
     failed_with(c, "RUNNER_LABELS", "names no label", limit=2)
     expect(not c.calls, "ssh was run although there is no label")
@@ -550,6 +585,19 @@ CASES = [
     Case("cloud-init-installs-runner", cloud_init="installs", check=check_cloud_init),
     Case("cloud-init-hangs", cloud_init="hangs", timeout=10, check=check_cloud_init_hangs),
     Case("no-labels", labels=" , ,", check=check_no_labels),
+    # What the module outputs as the address is checked before ssh sees it (and ssh gets `--`).
+    Case("address-is-an-option", address="-oProxyCommand=touch @case@/proxy-ran", check=check_bad_address),
+    Case("address-with-an-option", address="vm-1.example.test -oProxyCommand=touch @case@/proxy-ran",
+         check=check_bad_address),
+    Case("address-user-at", address="root@vm-1.example.test", check=check_bad_address),
+    Case("address-host-port", address="vm-1.example.test:2222", check=check_bad_address),
+    Case("address-bracketed-ipv6", address="[2001:db8::10]", check=check_bad_address),
+    Case("address-newline", address="vm-1.example.test\n-oProxyCommand=touch @case@/proxy-ran",
+         check=check_bad_address),
+    Case("address-ipv4", address="192.0.2.10", mode="quick", check=check_address_accepted),
+    Case("address-ipv6", address="2001:db8::10", mode="quick", check=check_address_accepted),
+    Case("uuid-traversal", uuid="../../etc/x", check=check_bad_uuid),
+    Case("uuid-with-a-tail", uuid="00000000-0000-4000-8000-000000000001/../../x", check=check_bad_uuid),
 ]
 
 
@@ -564,6 +612,14 @@ def main():
     work = Path(tempfile.mkdtemp(prefix="launch-test-"))
     try:
         write(work / "bin" / "ssh", SSH_STUB.replace("@PYTHON@", sys.executable), 0o755)
+        # "The VM"'s own tools: this host's, but never its cloud-init (a VM without one is a
+        # scenario of its own; the ones with it get the stub).
+        host_bin = work / "host-bin"
+        host_bin.mkdir()
+        for d in ("/usr/local/bin", "/usr/bin", "/bin"):
+            for name in sorted(os.listdir(d)) if os.path.isdir(d) else []:
+                if name != "cloud-init" and not os.path.lexists(host_bin / name):
+                    (host_bin / name).symlink_to(Path(d) / name)
         write(work / "shared" / "vm-runner", '#!/bin/sh\nexec "$FAKE_VM/bin/forgejo-runner" "$@"\n', 0o755)
         rendered = render(a.template.resolve(), work)
         for c in cases:
