@@ -1,0 +1,694 @@
+//! The documentation against itself and against the binary: the README stays an entry point
+//! (at most 30,000 bytes), every relative link and `#anchor` resolves, and the README's
+//! configuration table lists exactly the flags that `--help` shows, for the commands that show
+//! them.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fs;
+use std::path::{Component, Path, PathBuf};
+use std::process::Command;
+
+const BIN: &str = env!("CARGO_BIN_EXE_ci-ephemeral-provisioner");
+const README_MAX_BYTES: usize = 30_000;
+/// Subcommands whose flags the table must cover from the start; others (`check`) once their
+/// `--help` works.
+const REQUIRED_SUBCOMMANDS: [&str; 3] = ["run", "sweep", "status"];
+/// clap's own flags, in every `--help`; the table does not list them.
+const BUILTIN_FLAGS: [&str; 2] = ["--help", "--version"];
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn read(path: &Path) -> String {
+    fs::read_to_string(path).unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()))
+}
+
+#[test]
+fn the_readme_is_an_entry_point_of_at_most_30000_bytes() {
+    let size = read(&root().join("README.md")).len();
+    assert!(
+        size <= README_MAX_BYTES,
+        "README.md is {size} bytes, more than {README_MAX_BYTES}: move the details into docs/ and link them"
+    );
+}
+
+// --- Markdown, as far as links and headings go ------------------------------------------------
+
+/// The lines outside fenced code blocks, numbered from 1.
+fn prose_lines(text: &str) -> Vec<(usize, &str)> {
+    let mut fence: Option<(char, usize)> = None;
+    let mut out = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        let t = line.trim_start();
+        let run = |c: char| t.chars().take_while(|&x| x == c).count();
+        match fence {
+            Some((c, n)) => {
+                if run(c) >= n && t.trim_start_matches(c).trim().is_empty() {
+                    fence = None;
+                }
+            }
+            None => {
+                if let Some(c) = ['`', '~'].into_iter().find(|&c| run(c) >= 3) {
+                    fence = Some((c, run(c)));
+                } else {
+                    out.push((i + 1, line));
+                }
+            }
+        }
+    }
+    out
+}
+
+/// The line without its code spans (`` `…` ``, also with longer backtick runs).
+fn without_code_spans(line: &str) -> String {
+    let chars: Vec<char> = line.chars().collect();
+    let mut out = String::new();
+    let mut i = 0;
+    while i < chars.len() {
+        if chars[i] != '`' {
+            out.push(chars[i]);
+            i += 1;
+            continue;
+        }
+        let n = chars[i..].iter().take_while(|&&c| c == '`').count();
+        let mut j = i + n;
+        let mut closed = None;
+        while j < chars.len() {
+            if chars[j] == '`' {
+                let m = chars[j..].iter().take_while(|&&c| c == '`').count();
+                if m == n {
+                    closed = Some(j + m);
+                    break;
+                }
+                j += m;
+            } else {
+                j += 1;
+            }
+        }
+        match closed {
+            Some(end) => {
+                out.push(' ');
+                i = end;
+            }
+            None => {
+                // An unmatched run is literal text.
+                out.extend(&chars[i..i + n]);
+                i += n;
+            }
+        }
+    }
+    out
+}
+
+/// The targets of the inline links and images of one line (`[text](target "title")`), and of a
+/// reference definition (`[id]: target`).
+fn link_targets(line: &str) -> Vec<String> {
+    let line = without_code_spans(line);
+    let mut out = Vec::new();
+    let t = line.trim_start();
+    if t.starts_with('[')
+        && let Some(close) = t.find("]:")
+        && !t[..close].contains('(')
+    {
+        if let Some(target) = t[close + 2..].split_whitespace().next() {
+            out.push(target.trim_matches(|c| c == '<' || c == '>').to_string());
+        }
+        return out;
+    }
+    let bytes = line.as_bytes();
+    let mut i = 0;
+    while let Some(pos) = line[i..].find("](") {
+        let start = i + pos + 2;
+        let mut depth = 1;
+        let mut end = start;
+        while end < bytes.len() {
+            match bytes[end] {
+                b'(' => depth += 1,
+                b')' => {
+                    depth -= 1;
+                    if depth == 0 {
+                        break;
+                    }
+                }
+                _ => {}
+            }
+            end += 1;
+        }
+        let inside = line[start..end.min(bytes.len())].trim();
+        let target = if let Some(rest) = inside.strip_prefix('<') {
+            rest.split('>').next().unwrap_or("")
+        } else {
+            inside.split_whitespace().next().unwrap_or("")
+        };
+        out.push(target.to_string());
+        i = end.min(bytes.len());
+    }
+    out
+}
+
+/// The text of a heading as GitHub renders it: no code-span backticks, no emphasis stars, links
+/// reduced to their text.
+fn heading_text(raw: &str) -> String {
+    let mut s = String::new();
+    let chars: Vec<char> = raw.chars().collect();
+    let mut i = 0;
+    while i < chars.len() {
+        match chars[i] {
+            '`' | '*' => i += 1,
+            '!' if chars.get(i + 1) == Some(&'[') => i += 1,
+            '[' => {
+                // [text](url) → text
+                let rest: String = chars[i + 1..].iter().collect();
+                if let Some(close) = rest.find("](")
+                    && let Some(paren) = rest[close + 2..].find(')')
+                {
+                    s.push_str(&rest[..close]);
+                    let consumed = rest[..close + 2 + paren + 1].chars().count();
+                    i += 1 + consumed;
+                } else {
+                    s.push('[');
+                    i += 1;
+                }
+            }
+            c => {
+                s.push(c);
+                i += 1;
+            }
+        }
+    }
+    s
+}
+
+/// GitHub's anchor of a heading: lower case; letters, digits, `-`, `_` and spaces kept, every
+/// other character dropped; each space becomes `-`.
+fn slug(heading: &str) -> String {
+    heading_text(heading)
+        .trim()
+        .to_lowercase()
+        .chars()
+        .filter(|&c| c.is_alphanumeric() || c == '-' || c == '_' || c == ' ')
+        .map(|c| if c == ' ' { '-' } else { c })
+        .collect()
+}
+
+/// Every anchor of a Markdown file: its ATX headings' slugs, repeated ones numbered `-1`, `-2` …
+fn anchors(text: &str) -> BTreeSet<String> {
+    let mut seen: BTreeMap<String, usize> = BTreeMap::new();
+    let mut out = BTreeSet::new();
+    for (_, line) in prose_lines(text) {
+        let t = line.trim_start();
+        let level = t.chars().take_while(|&c| c == '#').count();
+        if !(1..=6).contains(&level) || !(t[level..].starts_with(' ') || t.len() == level) {
+            continue;
+        }
+        let title = t[level..].trim().trim_end_matches('#').trim_end();
+        let base = slug(title);
+        let n = seen.entry(base.clone()).or_insert(0);
+        out.insert(if *n == 0 {
+            base.clone()
+        } else {
+            format!("{base}-{n}")
+        });
+        *n += 1;
+    }
+    out
+}
+
+fn percent_decode(s: &str) -> String {
+    let bytes = s.as_bytes();
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%'
+            && i + 2 < bytes.len()
+            && bytes[i + 1].is_ascii_hexdigit()
+            && bytes[i + 2].is_ascii_hexdigit()
+        {
+            let hex = std::str::from_utf8(&bytes[i + 1..i + 3]).unwrap_or("00");
+            out.push(u8::from_str_radix(hex, 16).unwrap_or(0));
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// `a/b/../c` → `a/c`, without touching the file system.
+fn normalize(path: &Path) -> PathBuf {
+    let mut out = PathBuf::new();
+    for c in path.components() {
+        match c {
+            Component::ParentDir => {
+                out.pop();
+            }
+            Component::CurDir => {}
+            other => out.push(other),
+        }
+    }
+    out
+}
+
+fn markdown_under(dir: &Path, recursive: bool, out: &mut Vec<PathBuf>) {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return;
+    };
+    let mut entries: Vec<PathBuf> = entries.filter_map(|e| e.ok().map(|e| e.path())).collect();
+    entries.sort();
+    for p in entries {
+        if p.is_dir() {
+            if recursive {
+                markdown_under(&p, true, out);
+            }
+        } else if p.extension().is_some_and(|e| e == "md") {
+            out.push(p);
+        }
+    }
+}
+
+/// README.md, docs/*.md, role/README.md and examples/**/*.md (those that exist).
+fn documentation_files() -> Vec<PathBuf> {
+    let r = root();
+    let mut files = vec![r.join("README.md"), r.join("role/README.md")];
+    markdown_under(&r.join("docs"), false, &mut files);
+    markdown_under(&r.join("examples"), true, &mut files);
+    files.retain(|p| p.is_file());
+    files
+}
+
+/// What is wrong with every relative link of `file` (empty when they all resolve).
+fn broken_links(file: &Path) -> Vec<String> {
+    let text = read(file);
+    let own_anchors = anchors(&text);
+    let shown = file
+        .strip_prefix(root())
+        .unwrap_or(file)
+        .display()
+        .to_string();
+    let mut problems = Vec::new();
+    for (n, line) in prose_lines(&text) {
+        for target in link_targets(line) {
+            let is_external = target.split_once(':').is_some_and(|(scheme, _)| {
+                !scheme.is_empty()
+                    && scheme
+                        .chars()
+                        .all(|c| c.is_ascii_alphanumeric() || "+.-".contains(c))
+            });
+            if target.is_empty() || is_external {
+                continue;
+            }
+            let (path, anchor) = match target.split_once('#') {
+                Some((p, a)) => (p, Some(a)),
+                None => (target.as_str(), None),
+            };
+            let path = percent_decode(path);
+            let here = format!("{shown}:{n}: ({target})");
+            let dest = if path.is_empty() {
+                file.to_path_buf()
+            } else if let Some(abs) = path.strip_prefix('/') {
+                normalize(&root().join(abs))
+            } else {
+                normalize(&file.parent().unwrap_or(Path::new("")).join(&path))
+            };
+            if !dest.exists() {
+                problems.push(format!("{here}: {} does not exist", dest.display()));
+                continue;
+            }
+            let Some(anchor) = anchor else { continue };
+            let anchor = percent_decode(anchor).to_lowercase();
+            let target_anchors = if path.is_empty() {
+                own_anchors.clone()
+            } else if dest.extension().is_some_and(|e| e == "md") {
+                anchors(&read(&dest))
+            } else {
+                problems.push(format!(
+                    "{here}: an anchor into {}, which is not Markdown",
+                    dest.display()
+                ));
+                continue;
+            };
+            if !target_anchors.contains(&anchor) {
+                problems.push(format!(
+                    "{here}: no heading with the anchor #{anchor} in {}",
+                    dest.display()
+                ));
+            }
+        }
+    }
+    problems
+}
+
+#[test]
+fn every_relative_link_and_anchor_of_the_documentation_resolves() {
+    let files = documentation_files();
+    assert!(
+        files.len() >= 3,
+        "the documentation files were not found: {files:?}"
+    );
+    let problems: Vec<String> = files.iter().flat_map(|f| broken_links(f)).collect();
+    assert!(
+        problems.is_empty(),
+        "broken links:\n  {}",
+        problems.join("\n  ")
+    );
+}
+
+#[test]
+fn the_link_check_sees_a_broken_link_and_a_broken_anchor() {
+    let dir = tempfile::tempdir().unwrap();
+    let doc = dir.path().join("doc.md");
+    fs::write(
+        dir.path().join("other.md"),
+        "# Other page\n\n## The `check` command\n",
+    )
+    .unwrap();
+    fs::write(
+        &doc,
+        "# Title: one\n\n```\n[in a code block](missing-in-fence.md)\n```\n\n\
+         Fine: [a](other.md#the-check-command), [b](#title-one), [c](https://example.org/x),\n\
+         `[code](missing-in-code.md)`.\n\
+         Broken: [d](missing.md), [e](other.md#no-such-heading), [f](#nowhere).\n",
+    )
+    .unwrap();
+    let problems = broken_links(&doc);
+    assert_eq!(problems.len(), 3, "{problems:#?}");
+    assert!(problems[0].contains("missing.md") && problems[0].contains("does not exist"));
+    assert!(problems[1].contains("#no-such-heading"));
+    assert!(problems[2].contains("#nowhere"));
+}
+
+#[test]
+fn anchors_follow_githubs_slugs() {
+    let text = "# Audit trail: `events.jsonl`\n## The Ansible role's tests\n\
+                ## What `bash .ci/run` runs\n## Forgejo ≥ 15 — and *more*\n## Metrics\n## Metrics\n\
+                ## [Linked](x.md) heading\n";
+    let a = anchors(text);
+    for want in [
+        "audit-trail-eventsjsonl",
+        "the-ansible-roles-tests",
+        "what-bash-cirun-runs",
+        "forgejo--15--and-more",
+        "metrics",
+        "metrics-1",
+        "linked-heading",
+    ] {
+        assert!(a.contains(want), "{want} not in {a:?}");
+    }
+}
+
+// --- The configuration table against --help ---------------------------------------------------
+
+/// `--help` of the binary (stdout), or `None` when it exits non-zero (a subcommand that does not
+/// exist yet).
+fn help(args: &[&str]) -> Option<String> {
+    let out = Command::new(BIN)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {BIN}: {e}"));
+    out.status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// The long flags a `--help` defines: the first `--flag` of each option line (indented, starting
+/// with `-`), without clap's own.
+fn help_flags(help: &str) -> BTreeSet<String> {
+    help.lines()
+        .filter(|l| {
+            let indent = l.len() - l.trim_start().len();
+            (1..8).contains(&indent) && l.trim_start().starts_with('-')
+        })
+        .filter_map(|l| long_flags(l).into_iter().next())
+        .filter(|f| !BUILTIN_FLAGS.contains(&f.as_str()))
+        .collect()
+}
+
+/// Every `--flag` token of a text, in order.
+fn long_flags(text: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let b = text.as_bytes();
+    let mut i = 0;
+    while let Some(pos) = text[i..].find("--") {
+        let start = i + pos;
+        let preceded = start > 0 && (b[start - 1].is_ascii_alphanumeric() || b[start - 1] == b'-');
+        let mut end = start + 2;
+        while end < b.len()
+            && (b[end].is_ascii_lowercase() || b[end].is_ascii_digit() || b[end] == b'-')
+        {
+            end += 1;
+        }
+        if !preceded && end > start + 2 && b[start + 2].is_ascii_lowercase() {
+            out.push(text[start..end].trim_end_matches('-').to_string());
+        }
+        i = end.max(start + 2);
+    }
+    out
+}
+
+/// The subcommands the top-level `--help` lists (without `help`).
+fn listed_subcommands(top: &str) -> BTreeSet<String> {
+    top.lines()
+        .skip_while(|l| l.trim() != "Commands:")
+        .skip(1)
+        .take_while(|l| !l.trim().is_empty())
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|c| *c != "help")
+        .map(str::to_string)
+        .collect()
+}
+
+/// The lines of a `## ` section of the README, up to the next `## ` heading.
+fn section<'a>(text: &'a str, heading: &str) -> Vec<&'a str> {
+    let lines = prose_lines(text);
+    let Some(start) = lines.iter().position(|(_, l)| l.trim() == heading) else {
+        panic!("README.md has no `{heading}` section");
+    };
+    let mut out = Vec::new();
+    let mut in_fence = false;
+    for line in text.lines().skip(lines[start].0) {
+        if line.trim_start().starts_with("```") {
+            in_fence = !in_fence;
+        }
+        if !in_fence && line.starts_with("## ") {
+            break;
+        }
+        out.push(line);
+    }
+    out
+}
+
+/// One row of the configuration table: the flags of its first column and its `commands`.
+struct Row {
+    line: String,
+    flags: Vec<String>,
+    commands: BTreeSet<String>,
+}
+
+fn cells(line: &str) -> Vec<String> {
+    let protected = line.replace("\\|", "\u{0}");
+    protected
+        .trim()
+        .trim_matches('|')
+        .split('|')
+        .map(|c| c.replace('\u{0}', "|").trim().to_string())
+        .collect()
+}
+
+/// The flag table of README.md's `## Configuration`: `| flag | default | commands | meaning |`.
+fn configuration_table(readme: &str) -> Vec<Row> {
+    let lines = section(readme, "## Configuration");
+    let header_at = lines
+        .iter()
+        .position(|l| l.trim_start().starts_with('|'))
+        .expect("the configuration section has no table");
+    let header = cells(lines[header_at]);
+    let column = |name: &str| {
+        header
+            .iter()
+            .position(|h| h == name)
+            .unwrap_or_else(|| panic!("the configuration table has no `{name}` column: {header:?}"))
+    };
+    let (flag_col, commands_col) = (column("flag"), column("commands"));
+    lines[header_at + 2..]
+        .iter()
+        .take_while(|l| l.trim_start().starts_with('|'))
+        .map(|l| {
+            let c = cells(l);
+            Row {
+                line: l.to_string(),
+                flags: long_flags(c.get(flag_col).map_or("", String::as_str)),
+                commands: c
+                    .get(commands_col)
+                    .map_or("", String::as_str)
+                    .split(',')
+                    .map(|s| s.trim().to_string())
+                    .filter(|s| !s.is_empty())
+                    .collect(),
+            }
+        })
+        .collect()
+}
+
+/// Every subcommand whose flags the table must cover, with the flags its `--help` shows.
+fn subcommand_flags() -> BTreeMap<String, BTreeSet<String>> {
+    let top = help(&["--help"]).expect("`--help` fails");
+    let listed = listed_subcommands(&top);
+    let mut subs: BTreeSet<String> = REQUIRED_SUBCOMMANDS.iter().map(|s| s.to_string()).collect();
+    subs.extend(listed.iter().cloned());
+    let mut out = BTreeMap::new();
+    for sub in &subs {
+        let text = help(&[sub, "--help"])
+            .unwrap_or_else(|| panic!("`{sub} --help` fails although `--help` lists it"));
+        out.insert(sub.clone(), help_flags(&text));
+    }
+    // `check` is being added: required as soon as its --help works, listed or not.
+    if !out.contains_key("check")
+        && let Some(text) = help(&["check", "--help"])
+    {
+        out.insert("check".to_string(), help_flags(&text));
+    }
+    for (sub, flags) in &out {
+        assert!(!flags.is_empty(), "no flags read from `{sub} --help`");
+    }
+    out
+}
+
+/// What is wrong between the table and the flags of the subcommands (empty when they agree).
+/// The `commands` column is checked for `run`, `sweep`, `status` and every subcommand the column
+/// names anywhere; a subcommand it never names (`check`, which takes the flags of `run`) only
+/// needs its flags in the table.
+fn table_problems(rows: &[Row], subs: &BTreeMap<String, BTreeSet<String>>) -> Vec<String> {
+    let mut problems = Vec::new();
+    let in_table: BTreeSet<&String> = rows.iter().flat_map(|r| &r.flags).collect();
+    for (sub, flags) in subs {
+        for f in flags {
+            if !in_table.contains(f) {
+                problems.push(format!(
+                    "`{sub} --help` shows {f}, which the configuration table lacks"
+                ));
+            }
+        }
+    }
+    let shown: BTreeSet<&String> = subs.values().flatten().collect();
+    let mut columns: BTreeMap<&String, BTreeSet<&String>> = BTreeMap::new();
+    let mut checked: BTreeSet<&str> = REQUIRED_SUBCOMMANDS.into_iter().collect();
+    for r in rows {
+        if r.flags.is_empty() {
+            problems.push(format!("a table row without a --flag: {}", r.line));
+        }
+        for c in &r.commands {
+            if !subs.contains_key(c) {
+                problems.push(format!(
+                    "`{c}` in the commands column is not a subcommand: {}",
+                    r.line
+                ));
+            }
+            checked.insert(c.as_str());
+        }
+        for f in &r.flags {
+            if !shown.contains(f) {
+                problems.push(format!(
+                    "the configuration table has {f}, which no --help shows"
+                ));
+            }
+            columns.entry(f).or_default().extend(&r.commands);
+        }
+    }
+    for (f, named) in columns {
+        for sub in checked.iter().filter(|s| subs.contains_key(**s as &str)) {
+            let has = subs[*sub].contains(f);
+            let says = named.iter().any(|c| c.as_str() == *sub);
+            if has != says {
+                problems.push(format!(
+                    "{f}: `{sub} --help` {} it, but its commands column {} `{sub}`",
+                    if has { "shows" } else { "does not show" },
+                    if says { "names" } else { "does not name" }
+                ));
+            }
+        }
+    }
+    problems
+}
+
+#[test]
+fn the_configuration_table_lists_exactly_the_flags_of_every_help() {
+    let readme = read(&root().join("README.md"));
+    let rows = configuration_table(&readme);
+    let subs = subcommand_flags();
+    let problems = table_problems(&rows, &subs);
+    assert!(
+        problems.is_empty(),
+        "README.md's configuration table and --help disagree:\n  {}",
+        problems.join("\n  ")
+    );
+    // The commands section names every subcommand.
+    let commands = section(&readme, "## Commands").join("\n");
+    for sub in subs.keys() {
+        assert!(
+            commands.contains(&format!("ci-ephemeral-provisioner {sub} ")),
+            "README.md's commands section does not show `{sub}`"
+        );
+    }
+}
+
+#[test]
+fn the_table_check_sees_a_missing_flag_a_stray_flag_and_a_wrong_column() {
+    let readme = read(&root().join("README.md"));
+    let subs = subcommand_flags();
+    let good = configuration_table(&readme);
+    assert!(table_problems(&good, &subs).is_empty());
+
+    // A row dropped from the table.
+    let table: Vec<&str> = readme
+        .lines()
+        .filter(|l| l.starts_with("| `--idle-timeout"))
+        .collect();
+    assert_eq!(table.len(), 1);
+    let without = readme.replace(&format!("{}\n", table[0]), "");
+    let problems = table_problems(&configuration_table(&without), &subs);
+    assert!(
+        problems
+            .iter()
+            .any(|p| p.contains("--idle-timeout") && p.contains("lacks")),
+        "{problems:#?}"
+    );
+
+    // A flag no --help has.
+    let stray = readme.replace(
+        &format!("{}\n", table[0]),
+        &format!("{}\n| `--no-such-flag` | — | run | … |\n", table[0]),
+    );
+    let problems = table_problems(&configuration_table(&stray), &subs);
+    assert!(
+        problems
+            .iter()
+            .any(|p| p.contains("--no-such-flag") && p.contains("no --help")),
+        "{problems:#?}"
+    );
+
+    // The commands column of a row says `sweep` for a flag only `run` has.
+    let wrong = readme.replace(table[0], &table[0].replacen("| run |", "| run, sweep |", 1));
+    assert_ne!(wrong, readme);
+    let problems = table_problems(&configuration_table(&wrong), &subs);
+    assert!(
+        problems
+            .iter()
+            .any(|p| p.contains("--idle-timeout") && p.contains("`sweep --help` does not show")),
+        "{problems:#?}"
+    );
+}
+
+#[test]
+fn help_flags_are_read_from_option_lines_only() {
+    let text = "Does things. See --not-this.\n\nOptions:\n      --forgejo-url <URL>  Base URL; with --dry-run too\n  -v, --verbose            Debug logging\n  -h, --help               Print help\n";
+    let flags = help_flags(text);
+    assert_eq!(
+        flags,
+        ["--forgejo-url", "--verbose"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect()
+    );
+}
