@@ -2,7 +2,7 @@
 
 use std::fs;
 use std::io::Read;
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
@@ -233,32 +233,7 @@ fn read_token(arg: &Option<PathBuf>) -> Result<Secret, Fatal> {
             }
         },
     };
-    let meta = fs::metadata(&path)
-        .map_err(|e| usage(format!("cannot read token file {}: {e}", path.display())))?;
-    let mode = meta.permissions().mode();
-    if mode & 0o077 != 0 {
-        return Err(usage(format!(
-            "token file {} is readable by group or others (mode {:04o}); run `chmod 600 {}`",
-            path.display(),
-            mode & 0o7777,
-            path.display()
-        )));
-    }
-    let mut text = String::new();
-    fs::File::open(&path)
-        .and_then(|f| f.take(64 * 1024).read_to_string(&mut text))
-        .map_err(|e| usage(format!("cannot read token file {}: {e}", path.display())))?;
-    let token = text.trim();
-    if token.is_empty() {
-        return Err(usage(format!("token file {} is empty", path.display())));
-    }
-    if token.chars().any(|c| c.is_whitespace() || c.is_control()) {
-        return Err(usage(format!(
-            "token file {} must hold only the token (one line, no spaces)",
-            path.display()
-        )));
-    }
-    Ok(Secret::new(token.to_string()))
+    crate::secret::read_token_file(&path).map_err(usage)
 }
 
 /// `--fixture` only makes sense for a dry-run (clap's `requires` is satisfied by a

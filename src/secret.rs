@@ -1,6 +1,14 @@
-//! Secrets (the Forgejo token, runner tokens) in a type that never prints itself.
+//! Secrets (the Forgejo token, runner tokens) in a type that never prints itself, and the one
+//! reader of the Forgejo token file.
 
 use std::fmt;
+use std::fs;
+use std::io::Read;
+use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
+use std::path::Path;
+
+/// The token file is read up to this many bytes (a token is 40 hex digits).
+pub const MAX_TOKEN_FILE_BYTES: u64 = 64 * 1024;
 
 #[derive(Clone, PartialEq, Eq)]
 pub struct Secret(String);
@@ -36,9 +44,189 @@ impl Drop for Secret {
     }
 }
 
+/// Reads the Forgejo token from `path`, which is opened once and then judged by that handle
+/// (`fstat`), so what is checked is what is read: never through a symlink (`O_NOFOLLOW`), never
+/// blocking on a FIFO (`O_NONBLOCK`), not inherited by a child (`O_CLOEXEC`). The file must be a
+/// regular file, owned by the effective uid, with no bits for group or others; it must hold the
+/// token alone (surrounding whitespace is dropped). Errors say what to fix.
+pub fn read_token_file(path: &Path) -> Result<Secret, String> {
+    let shown = path.display();
+    let file = fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|e| {
+            let is_link = fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_symlink());
+            if e.raw_os_error() == Some(libc::ELOOP) && is_link {
+                format!(
+                    "token file {shown} is a symlink: point --token-file at the file itself \
+                     (`readlink -f {shown}`)"
+                )
+            } else {
+                format!("cannot read token file {shown}: {e}")
+            }
+        })?;
+    let meta = file
+        .metadata()
+        .map_err(|e| format!("cannot read token file {shown}: {e}"))?;
+    let ft = meta.file_type();
+    if !ft.is_file() {
+        let what = if ft.is_dir() {
+            "a directory"
+        } else if ft.is_fifo() {
+            "a FIFO"
+        } else if ft.is_socket() {
+            "a socket"
+        } else if ft.is_char_device() || ft.is_block_device() {
+            "a device"
+        } else {
+            "not a regular file"
+        };
+        return Err(format!(
+            "token file {shown} is {what}: point --token-file at a regular file holding the token"
+        ));
+    }
+    // SAFETY: geteuid(2) cannot fail and touches no memory.
+    let euid = unsafe { libc::geteuid() };
+    if meta.uid() != euid {
+        return Err(format!(
+            "token file {shown} is owned by uid {}, not by the uid this runs as ({euid}); \
+             run `chown {euid} {shown}`",
+            meta.uid()
+        ));
+    }
+    let mode = meta.mode();
+    if mode & 0o077 != 0 {
+        return Err(format!(
+            "token file {shown} is readable by group or others (mode {:04o}); run `chmod 600 {shown}`",
+            mode & 0o7777
+        ));
+    }
+    let mut bytes = Vec::new();
+    file.take(MAX_TOKEN_FILE_BYTES)
+        .read_to_end(&mut bytes)
+        .map_err(|e| format!("cannot read token file {shown}: {e}"))?;
+    let text = String::from_utf8(bytes).map_err(|e| {
+        // Not shown: the bytes may be the token.
+        let mut b = e.into_bytes();
+        b.fill(0);
+        format!("token file {shown} is not UTF-8 text")
+    })?;
+    let text = Secret::new(text);
+    let token = text.expose().trim();
+    if token.is_empty() {
+        return Err(format!("token file {shown} is empty"));
+    }
+    if token.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        return Err(format!(
+            "token file {shown} must hold only the token (one line, no spaces)"
+        ));
+    }
+    Ok(Secret::new(token.to_string()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    use std::os::unix::fs::PermissionsExt;
+
+    fn token_file(dir: &Path, name: &str, text: &str, mode: u32) -> std::path::PathBuf {
+        let p = dir.join(name);
+        fs::write(&p, text).unwrap();
+        fs::set_permissions(&p, fs::Permissions::from_mode(mode)).unwrap();
+        p
+    }
+
+    #[test]
+    fn a_private_regular_file_of_ours_is_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = token_file(dir.path(), "t", "  cac45fa0123\n", 0o600);
+        assert_eq!(read_token_file(&p).unwrap().expose(), "cac45fa0123");
+        let p = token_file(dir.path(), "r", "cac45fa0123", 0o400);
+        assert_eq!(read_token_file(&p).unwrap().expose(), "cac45fa0123");
+    }
+
+    #[test]
+    fn any_bit_for_group_or_others_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        for mode in [0o640, 0o620, 0o610, 0o604, 0o602, 0o601, 0o644, 0o660] {
+            let p = token_file(dir.path(), &format!("t{mode:o}"), "cac45fa0123", mode);
+            let e = read_token_file(&p).expect_err(&format!("mode {mode:o} must be refused"));
+            assert!(
+                e.contains(&format!("mode {mode:04o}")) && e.contains("chmod 600"),
+                "{mode:o}: {e}"
+            );
+            assert!(!e.contains("cac45fa"), "{e}");
+        }
+    }
+
+    #[test]
+    fn a_symlink_is_refused_even_to_a_good_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let target = token_file(dir.path(), "real", "cac45fa0123", 0o600);
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        let e = read_token_file(&link).unwrap_err();
+        assert!(
+            e.contains("is a symlink") && e.contains("point --token-file at the file itself"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_file_owned_by_another_uid_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        // SAFETY: geteuid(2) cannot fail.
+        let p = if unsafe { libc::geteuid() } == 0 {
+            let p = token_file(dir.path(), "t", "cac45fa0123", 0o600);
+            std::os::unix::fs::chown(&p, Some(65534), Some(65534)).unwrap();
+            p
+        } else {
+            // Not root: a file of root's that anyone may open.
+            std::path::PathBuf::from("/etc/passwd")
+        };
+        let e = read_token_file(&p).unwrap_err();
+        assert!(e.contains("is owned by uid") && e.contains("chown"), "{e}");
+    }
+
+    #[test]
+    fn a_directory_or_a_fifo_is_refused_without_blocking() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path().join("d");
+        fs::create_dir(&d).unwrap();
+        fs::set_permissions(&d, fs::Permissions::from_mode(0o700)).unwrap();
+        let fifo = dir.path().join("fifo");
+        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        for (p, what) in [(d, "a directory"), (fifo, "a FIFO")] {
+            // In a thread: a reader that blocks on the FIFO must fail the test, not hang it.
+            let (tx, rx) = std::sync::mpsc::channel();
+            let q = p.clone();
+            std::thread::spawn(move || tx.send(read_token_file(&q).map(|_| ())));
+            let got = rx
+                .recv_timeout(std::time::Duration::from_secs(10))
+                .unwrap_or_else(|_| panic!("reading {what} blocked"));
+            let e = got.expect_err(what);
+            assert!(e.contains(what), "{what}: {e}");
+        }
+    }
+
+    #[test]
+    fn empty_or_more_than_the_token_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = token_file(dir.path(), "e", " \n\t", 0o600);
+        assert!(read_token_file(&p).unwrap_err().contains("is empty"));
+        let p = token_file(dir.path(), "two", "abc def\n", 0o600);
+        assert!(read_token_file(&p).unwrap_err().contains("only the token"));
+        let missing = dir.path().join("missing");
+        assert!(
+            read_token_file(&missing)
+                .unwrap_err()
+                .contains("cannot read token file")
+        );
+    }
 
     #[test]
     fn never_formats_itself() {

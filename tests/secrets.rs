@@ -193,3 +193,57 @@ fn the_scan_finds_a_planted_token() {
         "{found:?}"
     );
 }
+
+/// The token file is judged by the handle it is read through: a file readable by the group, a
+/// symlink (even to a good file), a file of another user, a FIFO (without hanging) or a directory
+/// are each refused with exit 2 and a message that says what to fix, before any request.
+#[test]
+fn a_token_file_that_is_not_ours_private_and_plain_is_refused_with_exit_2() {
+    use std::os::unix::fs::PermissionsExt;
+    let env = Env::new();
+    let dir = env.tmp.path();
+    let file = |name: &str, mode: u32| {
+        let p = dir.join(name);
+        fs::write(&p, format!("{API_TOKEN}\n")).unwrap();
+        fs::set_permissions(&p, fs::Permissions::from_mode(mode)).unwrap();
+        p
+    };
+    let group_readable = file("group-readable", 0o640);
+    let link = dir.join("link-to-good");
+    std::os::unix::fs::symlink(&env.token_file, &link).unwrap();
+    let fifo = dir.join("fifo");
+    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    let directory = dir.join("directory");
+    fs::create_dir(&directory).unwrap();
+    fs::set_permissions(&directory, fs::Permissions::from_mode(0o700)).unwrap();
+    let mut cases = vec![
+        (group_readable, "chmod 600"),
+        (link, "point --token-file at the file itself"),
+        (fifo, "is a FIFO"),
+        (directory, "is a directory"),
+    ];
+    if unsafe { libc::geteuid() } == 0 {
+        let theirs = file("theirs", 0o600);
+        std::os::unix::fs::chown(&theirs, Some(65534), Some(65534)).unwrap();
+        cases.push((theirs, "chown"));
+    }
+    for (path, fix) in cases {
+        for sub in ["run", "sweep"] {
+            let mut c = env.cmd_with(sub, false);
+            c.args(["--token-file", path.to_str().unwrap()]);
+            let out = env.exec(c);
+            assert_eq!(out.code, Some(2), "{}, {sub}: {out:?}", path.display());
+            assert!(
+                out.stderr.contains(path.to_str().unwrap()) && out.stderr.contains(fix),
+                "{}, {sub}: wants {fix:?}: {out:?}",
+                path.display()
+            );
+            assert!(!out.stderr.contains(&API_TOKEN[..12]), "{out:?}");
+        }
+    }
+    assert!(env.fake.requests().is_empty(), "Forgejo was asked");
+    // The control: the good file itself is read.
+    let out = env.exec(env.cmd("sweep"));
+    assert_eq!(out.code, Some(0), "{out:?}");
+}
