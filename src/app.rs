@@ -319,6 +319,7 @@ fn take_lock(dir: &Path) -> Result<Lock, Fatal> {
         .truncate(false)
         .write(true)
         .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
         .open(&path)
         .map_err(|e| {
             Fatal(

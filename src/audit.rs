@@ -53,7 +53,9 @@ impl EventsFile {
         let path = self.path();
         let current = match &self.open {
             Some((_, len)) => *len,
-            None => match fs::metadata(&path) {
+            // The entry itself: a symlink planted there is never followed (the open below
+            // fails on it).
+            None => match fs::symlink_metadata(&path) {
                 Ok(m) => m.len(),
                 Err(e) if e.kind() == io::ErrorKind::NotFound => 0,
                 Err(e) => return Err(e),
@@ -72,6 +74,7 @@ impl EventsFile {
                     .create(true)
                     .append(true)
                     .mode(0o600)
+                    .custom_flags(crate::state::STATE_OPEN_FLAGS)
                     .open(&path)?;
                 let len = f.metadata()?.len();
                 self.open.insert((f, len))
@@ -91,6 +94,12 @@ impl AuditSink for EventsFile {
         let mut line = serde_json::to_vec(record).map_err(|e| format!("cannot encode: {e}"))?;
         line.push(b'\n');
         self.try_append(&line).map_err(|e| {
+            if e.raw_os_error() == Some(libc::ELOOP) {
+                return format!(
+                    "cannot append to the audit trail: {}",
+                    crate::state::open_error(&self.path(), &e)
+                );
+            }
             format!(
                 "cannot append to {} (rotated to {} past --events-max-bytes {}): {e}",
                 self.path().display(),
@@ -154,15 +163,20 @@ pub fn tail(dir: &Path, n: usize) -> Result<Vec<Value>, String> {
 /// Reads at most the last 256 KiB of `path` (records are a few hundred bytes).
 fn tail_of(path: &Path, n: usize) -> Result<Vec<Value>, String> {
     const WINDOW: u64 = 256 * 1024;
-    let mut f = match fs::File::open(path) {
+    let mut f = match crate::state::open_state_file(path) {
         Ok(f) => f,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
-        Err(e) => return Err(format!("cannot read {}: {e}", path.display())),
+        Err(e) => return Err(crate::state::open_error(path, &e).to_string()),
     };
     let mut text = String::new();
     let read = f
         .metadata()
         .and_then(|m| {
+            if !m.file_type().is_file() {
+                return Err(io::Error::other(
+                    "not a regular file (a directory or FIFO?)",
+                ));
+            }
             let start = m.len().saturating_sub(WINDOW);
             f.seek(SeekFrom::Start(start))?;
             let mut bytes = Vec::new();
@@ -205,6 +219,28 @@ mod tests {
         assert!(parse_bytes("ten").is_err());
         assert!(parse_bytes("10 parsecs").is_err());
         assert!(parse_bytes("99999999999999999999GiB").is_err());
+    }
+
+    #[test]
+    fn the_trail_is_never_appended_or_read_through_a_symlink() {
+        let dir = tempfile::tempdir().unwrap();
+        let outside = dir.path().join("outside.jsonl");
+        fs::write(&outside, "{\"i\": 1}\n").unwrap();
+        let state = dir.path().join("state");
+        fs::create_dir(&state).unwrap();
+        std::os::unix::fs::symlink(&outside, state.join(EVENTS_FILE)).unwrap();
+        let mut f = EventsFile::new(&state, MIN_MAX_BYTES);
+        let e = f.append(&json!({"i": 2})).unwrap_err();
+        let path = state.join(EVENTS_FILE).display().to_string();
+        assert!(e.contains(&path) && e.contains("symlink"), "{e}");
+        assert_eq!(fs::read_to_string(&outside).unwrap(), "{\"i\": 1}\n");
+        let e = tail(&state, 10).unwrap_err();
+        assert!(e.contains(&path) && e.contains("symlink"), "{e}");
+        // The rotated file too.
+        fs::remove_file(state.join(EVENTS_FILE)).unwrap();
+        std::os::unix::fs::symlink(&outside, state.join(EVENTS_ROTATED)).unwrap();
+        let e = tail(&state, 10).unwrap_err();
+        assert!(e.contains(EVENTS_ROTATED) && e.contains("symlink"), "{e}");
     }
 
     #[test]

@@ -4,8 +4,6 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
-use std::fs;
-use std::io;
 use std::path::Path;
 
 use anyhow::{Context, Result, anyhow};
@@ -150,10 +148,10 @@ impl Counters {
 /// Reads `counters.json`; missing is a fresh start. A broken file is an error naming it.
 pub fn load(dir: &Path) -> Result<Counters> {
     let path = dir.join(COUNTERS_FILE);
-    let text = match fs::read_to_string(&path) {
-        Ok(t) => t,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Counters::default()),
-        Err(e) => return Err(anyhow!("cannot read {}: {e}", path.display())),
+    let text = match crate::state::read_state_text(&path, crate::state::MAX_STATE_BYTES) {
+        Ok(Some(t)) => t,
+        Ok(None) => return Ok(Counters::default()),
+        Err(e) => return Err(anyhow!("{e}")),
     };
     let c: Counters = serde_json::from_str(&text)
         .with_context(|| format!("{} is not valid counters JSON", path.display()))?;

@@ -7,7 +7,7 @@
 use std::collections::BTreeMap;
 use std::fs;
 use std::io::{self, Read, Write};
-use std::os::unix::fs::PermissionsExt;
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, anyhow};
@@ -221,34 +221,91 @@ impl FileStore {
     }
 }
 
+/// The flags every file of the state directory is opened with: never through a symlink planted
+/// at its path (`O_NOFOLLOW`: the open fails with `ELOOP`), never inherited by a child.
+pub const STATE_OPEN_FLAGS: i32 = libc::O_NOFOLLOW | libc::O_CLOEXEC;
+
+/// Why a file of the state directory could not be read.
+#[derive(Debug)]
+pub enum StateFileError {
+    /// The open or the read failed (a permission, an I/O error): the file may be fine.
+    Unreadable(String),
+    /// It is not a regular file of a size this tool writes (a symlink, a directory, a FIFO, a
+    /// huge file): it is left unread.
+    NotPlain(String),
+}
+
+impl std::fmt::Display for StateFileError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            StateFileError::Unreadable(m) | StateFileError::NotPlain(m) => f.write_str(m),
+        }
+    }
+}
+
+/// Opens a file of the state directory for reading: never through a symlink (`O_NOFOLLOW`),
+/// never blocking on a FIFO (`O_NONBLOCK`, harmless for a regular file).
+pub fn open_state_file(path: &Path) -> io::Result<fs::File> {
+    fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(STATE_OPEN_FLAGS | libc::O_NONBLOCK)
+        .open(path)
+}
+
+/// The error of an open with [`STATE_OPEN_FLAGS`], saying so when `path` is a symlink.
+pub fn open_error(path: &Path, e: &io::Error) -> StateFileError {
+    let is_link = fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_symlink());
+    if e.raw_os_error() == Some(libc::ELOOP) && is_link {
+        StateFileError::NotPlain(format!(
+            "{} is not a regular file but a symlink, which is never followed in the state directory",
+            path.display()
+        ))
+    } else {
+        StateFileError::Unreadable(format!("cannot read {}: {e}", path.display()))
+    }
+}
+
+/// Reads a small file of the state directory, opened once ([`open_state_file`]) and judged by
+/// that handle: a regular file of at most `max` bytes. `Ok(None)` when there is none.
+pub fn read_state_text(path: &Path, max: u64) -> Result<Option<String>, StateFileError> {
+    let file = match open_state_file(path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(open_error(path, &e)),
+    };
+    let unreadable =
+        |e: io::Error| StateFileError::Unreadable(format!("cannot read {}: {e}", path.display()));
+    let meta = file.metadata().map_err(unreadable)?;
+    if !meta.file_type().is_file() {
+        return Err(StateFileError::NotPlain(format!(
+            "{} is not a regular file (a directory or FIFO?)",
+            path.display()
+        )));
+    }
+    if meta.len() > max {
+        return Err(StateFileError::NotPlain(format!(
+            "{} is {} bytes, larger than any this tool writes ({max} bytes at most)",
+            path.display(),
+            meta.len()
+        )));
+    }
+    let mut text = String::new();
+    file.take(max + 1)
+        .read_to_string(&mut text)
+        .map_err(unreadable)?;
+    Ok(Some(text))
+}
+
 /// Reads cycle.json without changing it. `Ok(None)` when there is none.
 pub fn read_state_file(path: &Path) -> Result<Option<CycleState>> {
-    let meta = match fs::symlink_metadata(path) {
-        Ok(m) => m,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(anyhow!("cannot read {}: {e}", path.display())),
-    };
     let fix = "it was left unchanged and nothing else was done. Fix or move it by hand; the VM and \
                runner registrations of that cycle may still exist: after moving the file, run \
                `tofu destroy` in the module directory, then `ci-ephemeral-provisioner sweep`";
-    if !meta.file_type().is_file() {
-        return Err(anyhow!(
-            "{} is not a regular file (a symlink or directory?); {fix}",
-            path.display()
-        ));
-    }
-    if meta.len() > MAX_STATE_BYTES {
-        return Err(anyhow!(
-            "{} is {} bytes, larger than any cycle.json this tool writes ({} bytes at most); {fix}",
-            path.display(),
-            meta.len(),
-            MAX_STATE_BYTES
-        ));
-    }
-    let mut text = String::new();
-    fs::File::open(path)
-        .and_then(|f| f.take(MAX_STATE_BYTES + 1).read_to_string(&mut text))
-        .map_err(|e| anyhow!("cannot read {}: {e}; {fix}", path.display()))?;
+    let text = match read_state_text(path, MAX_STATE_BYTES) {
+        Ok(Some(t)) => t,
+        Ok(None) => return Ok(None),
+        Err(e) => return Err(anyhow!("{e}; {fix}")),
+    };
     parse_state(&text)
         .map(Some)
         .map_err(|e| anyhow!("{} is unusable: {e:#}; {fix}", path.display()))
@@ -267,9 +324,10 @@ pub fn write_atomic_mode(path: &Path, bytes: &[u8], mode: u32) -> Result<()> {
         Some(d) if !d.as_os_str().is_empty() => d,
         _ => Path::new("."),
     };
+    // A new file (`O_EXCL`, and never through a symlink), private until it is complete.
     let mut tmp = tempfile::Builder::new()
         .prefix(".tmp-")
-        .tempfile_in(dir)
+        .make_in(dir, create_private)
         .with_context(|| format!("cannot create a temporary file in {}", dir.display()))?;
     tmp.write_all(bytes)
         .and_then(|_| {
@@ -289,6 +347,16 @@ pub fn write_atomic_mode(path: &Path, bytes: &[u8], mode: u32) -> Result<()> {
         .and_then(|d| d.sync_all())
         .with_context(|| format!("cannot fsync directory {}", dir.display()))?;
     Ok(())
+}
+
+/// Creates `path`, which must not exist (not even as a symlink): mode 0600, `O_NOFOLLOW`.
+pub fn create_private(path: &Path) -> io::Result<fs::File> {
+    fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(STATE_OPEN_FLAGS)
+        .open(path)
 }
 
 impl StateStore for FileStore {
@@ -340,20 +408,12 @@ impl StateStore for FileStore {
 
 /// Reads `held-jobs.json` without changing it; none when it does not exist.
 pub fn read_holds_file(path: &Path) -> Result<Holds, HoldsError> {
-    let unreadable =
-        |e: io::Error| HoldsError::Unreadable(format!("cannot read {}: {e}", path.display()));
-    let meta = match fs::symlink_metadata(path) {
-        Ok(m) => m,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Holds::default()),
-        Err(e) => return Err(unreadable(e)),
+    let text = match read_state_text(path, MAX_STATE_BYTES) {
+        Ok(Some(t)) => t,
+        Ok(None) => return Ok(Holds::default()),
+        Err(StateFileError::Unreadable(m)) => return Err(HoldsError::Unreadable(m)),
+        Err(StateFileError::NotPlain(m)) => return Err(HoldsError::Unusable(m)),
     };
-    if !meta.file_type().is_file() || meta.len() > MAX_STATE_BYTES {
-        return Err(HoldsError::Unusable(format!(
-            "{} is not a regular file of at most {MAX_STATE_BYTES} bytes",
-            path.display()
-        )));
-    }
-    let text = fs::read_to_string(path).map_err(unreadable)?;
     parse_holds(&text)
         .map_err(|e| HoldsError::Unusable(format!("{} is unusable: {e:#}", path.display())))
 }
@@ -468,6 +528,108 @@ mod tests {
         let mut v = serde_json::to_value(sample()).unwrap();
         v["cycle_id"] = serde_json::json!("20261014t150757z-dryrun");
         assert!(parse_state(&v.to_string()).is_ok());
+    }
+
+    /// A file outside the state directory, and a symlink to it at `name` inside.
+    fn planted(dir: &Path, name: &str, text: &str) -> (PathBuf, PathBuf) {
+        let outside = dir.join("outside");
+        fs::create_dir_all(&outside).unwrap();
+        let target = outside.join(format!("{name}.target"));
+        fs::write(&target, text).unwrap();
+        let state = dir.join("state");
+        fs::create_dir_all(&state).unwrap();
+        let link = state.join(name);
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        (link, target)
+    }
+
+    #[test]
+    fn no_reader_follows_a_symlink_in_the_state_directory() {
+        let dir = tempfile::tempdir().unwrap();
+        let cycle = serde_json::to_string(&sample()).unwrap();
+        let (link, target) = planted(dir.path(), STATE_FILE, &cycle);
+        let e = format!("{:#}", read_state_file(&link).unwrap_err());
+        assert!(
+            e.contains(&link.display().to_string()) && e.contains("symlink"),
+            "{e}"
+        );
+        let (link, _) = planted(dir.path(), HOLDS_FILE, "{\"version\": 1, \"jobs\": []}");
+        match read_holds_file(&link) {
+            Err(HoldsError::Unusable(m)) => {
+                assert!(
+                    m.contains(&link.display().to_string()) && m.contains("symlink"),
+                    "{m}"
+                )
+            }
+            other => panic!("{other:?}"),
+        }
+        let counters = serde_json::to_string(&crate::metrics::Counters::default()).unwrap();
+        let (link, _) = planted(dir.path(), crate::metrics::COUNTERS_FILE, &counters);
+        let e = format!(
+            "{:#}",
+            crate::metrics::load(link.parent().unwrap()).unwrap_err()
+        );
+        assert!(
+            e.contains(&link.display().to_string()) && e.contains("symlink"),
+            "{e}"
+        );
+        let (link, _) = planted(dir.path(), "last-run.json", "{}");
+        let e = read_state_text(&link, MAX_STATE_BYTES)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains(&link.display().to_string()) && e.contains("symlink"),
+            "{e}"
+        );
+        assert_eq!(
+            fs::read_to_string(&target).unwrap(),
+            cycle,
+            "target untouched"
+        );
+    }
+
+    #[test]
+    fn a_fifo_in_the_state_directory_is_refused_without_blocking() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join(STATE_FILE);
+        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let (tx, rx) = std::sync::mpsc::channel();
+        let p = fifo.clone();
+        std::thread::spawn(move || tx.send(read_state_text(&p, MAX_STATE_BYTES).map(|_| ())));
+        let got = rx
+            .recv_timeout(std::time::Duration::from_secs(10))
+            .expect("reading a FIFO blocked");
+        assert!(matches!(got, Err(StateFileError::NotPlain(_))), "{got:?}");
+    }
+
+    #[test]
+    fn atomic_writes_never_write_through_a_symlink() {
+        let dir = tempfile::tempdir().unwrap();
+        // At the destination: the rename replaces the link itself.
+        let (link, target) = planted(dir.path(), "last-run.json", "outside");
+        write_atomic(&link, b"{}\n").unwrap();
+        assert!(fs::symlink_metadata(&link).unwrap().file_type().is_file());
+        assert_eq!(fs::read(&link).unwrap(), b"{}\n");
+        assert_eq!(fs::read_to_string(&target).unwrap(), "outside");
+        // At a temporary file's name: its creation fails, and the target is left alone.
+        let (link, target) = planted(dir.path(), ".tmp-planted", "outside");
+        let e = create_private(&link).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::AlreadyExists, "{e}");
+        assert_eq!(fs::read_to_string(&target).unwrap(), "outside");
+        let dangling = dir.path().join("state/.tmp-dangling");
+        let nowhere = dir.path().join("outside/never-created");
+        std::os::unix::fs::symlink(&nowhere, &dangling).unwrap();
+        assert!(create_private(&dangling).is_err());
+        assert!(!nowhere.exists(), "created through a dangling symlink");
+        // No temporary file is left behind.
+        let left: Vec<_> = fs::read_dir(dir.path().join("state"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with(".tmp-") && n != ".tmp-planted" && n != ".tmp-dangling")
+            .collect();
+        assert!(left.is_empty(), "{left:?}");
     }
 
     #[test]

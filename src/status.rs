@@ -1,7 +1,6 @@
 //! `status`: the cycle in progress, the last run, the last events, and the warnings that make
 //! `status --check` fail (a health check). Read-only: takes no lock, writes nothing.
 
-use std::fs;
 use std::path::Path;
 use std::time::Duration;
 
@@ -13,6 +12,8 @@ use crate::state::{CycleState, STATE_FILE, read_state_file};
 use crate::time::{Timestamp, format_duration};
 
 pub const EVENTS_SHOWN: usize = 10;
+/// last-run.json is read up to this size (a sweep of thousands of registrations lists each).
+const MAX_LAST_RUN_BYTES: u64 = 64 * 1024 * 1024;
 /// Longer details are cut in the text form (the JSON form and the files have them whole).
 const TEXT_DETAIL: usize = 300;
 
@@ -135,13 +136,10 @@ pub fn gather(dir: &Path, limits: &Limits, now: Timestamp) -> Value {
     };
     let last_path = dir.join(crate::app::LAST_RUN_FILE);
     let (last_run, last_run_error): (Option<Value>, Option<String>) =
-        match fs::read_to_string(&last_path) {
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => (None, None),
-            Err(e) => (
-                None,
-                Some(format!("cannot read {}: {e}", last_path.display())),
-            ),
-            Ok(t) => match serde_json::from_str(&t) {
+        match crate::state::read_state_text(&last_path, MAX_LAST_RUN_BYTES) {
+            Ok(None) => (None, None),
+            Err(e) => (None, Some(e.to_string())),
+            Ok(Some(t)) => match serde_json::from_str(&t) {
                 Ok(v) => (Some(v), None),
                 Err(e) => (
                     None,

@@ -1,0 +1,166 @@
+//! What the binary does with files it does not control, against the fake Forgejo and the real
+//! terraform/tofu CLI: a symlink planted in the state directory at any file it reads or writes
+//! is never followed (the step fails naming the file; the link's target is untouched).
+
+mod support;
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use ci_ephemeral_provisioner::state::CycleState;
+use ci_ephemeral_provisioner::time::Timestamp;
+use support::fake_forgejo::Conn;
+use support::harness::Env;
+
+// ---------------------------------------------------------------------------------------------
+// Symlinks in the state directory
+// ---------------------------------------------------------------------------------------------
+
+/// A symlink at `<state>/<name>` to a file outside the state directory holding `text` (valid
+/// contents: a reader that followed the link would find nothing wrong). Returns the link and
+/// the target.
+fn plant(env: &Env, name: &str, text: &str) -> (PathBuf, PathBuf) {
+    fs::create_dir_all(&env.state).unwrap();
+    let outside = env.tmp.path().join("outside");
+    fs::create_dir_all(&outside).unwrap();
+    let target = outside.join(name);
+    fs::write(&target, text).unwrap();
+    let link = env.state.join(name);
+    std::os::unix::fs::symlink(&target, &link).unwrap();
+    (link, target)
+}
+
+fn is_symlink(p: &Path) -> bool {
+    fs::symlink_metadata(p).is_ok_and(|m| m.file_type().is_symlink())
+}
+
+fn assert_names(out: &support::harness::Outcome, path: &Path, what: &str) {
+    assert!(
+        out.stderr.contains(path.to_str().unwrap()) && out.stderr.contains("symlink"),
+        "{what}: the error names the file and says it is a symlink: {out:?}"
+    );
+}
+
+#[test]
+fn a_symlinked_lock_file_stops_the_run_and_nothing_is_written_through_it() {
+    let env = Env::new();
+    env.fake.add_job(&["debian"]);
+    let (link, target) = plant(&env, "cycle.lock", "not a lock\n");
+    for sub in ["run", "sweep"] {
+        let out = env.exec(env.cmd(sub));
+        assert_eq!(out.code, Some(1), "{sub}: {out:?}");
+        assert!(
+            out.stderr.contains(link.to_str().unwrap()),
+            "{sub}: names the lock file: {out:?}"
+        );
+        assert_eq!(fs::read_to_string(&target).unwrap(), "not a lock\n");
+        assert!(is_symlink(&link));
+    }
+    // A dangling link: following it would create the file it names.
+    fs::remove_file(&link).unwrap();
+    let nowhere = env.tmp.path().join("outside/created-through-the-link");
+    std::os::unix::fs::symlink(&nowhere, &link).unwrap();
+    let out = env.run(&[]);
+    assert_eq!(out.code, Some(1), "{out:?}");
+    assert!(!nowhere.exists(), "the lock was created through the link");
+    assert!(env.vm_log().is_empty(), "tofu ran: {}", env.vm_log());
+    assert!(
+        env.fake.requests().iter().all(|r| r.method == "GET"),
+        "{:?}",
+        env.fake.requests()
+    );
+}
+
+#[test]
+fn a_symlinked_cycle_or_held_jobs_file_fails_the_run_and_is_never_read() {
+    // cycle.json: a valid cycle in progress, outside.
+    let env = Env::new();
+    let mut s = CycleState::new("20261129t110000z-beef".into(), Timestamp(1_764_414_000_000));
+    s.runner_prefix = "ephemeral-".into();
+    let cycle = serde_json::to_string(&s).unwrap();
+    let (link, target) = plant(&env, "cycle.json", &cycle);
+    let out = env.run(&[]);
+    assert_eq!(out.code, Some(1), "{out:?}");
+    assert_names(&out, &link, "cycle.json");
+    assert_eq!(fs::read_to_string(&target).unwrap(), cycle);
+    assert!(env.vm_log().is_empty(), "tofu ran");
+
+    // held-jobs.json: valid (no job held), outside. The run fails and removes the link.
+    let env = Env::new();
+    let holds = "{\"version\": 1, \"jobs\": []}\n";
+    let (link, target) = plant(&env, "held-jobs.json", holds);
+    let out = env.run(&[]);
+    assert_eq!(out.code, Some(1), "{out:?}");
+    assert_names(&out, &link, "held-jobs.json");
+    assert_eq!(fs::read_to_string(&target).unwrap(), holds);
+}
+
+#[test]
+fn symlinked_counters_and_last_run_are_reported_and_replaced_never_written_through() {
+    let env = Env::new();
+    let counters = serde_json::to_string(&ci_ephemeral_provisioner::metrics::Counters {
+        first_run_at: Some(Timestamp::now()),
+        last_success_at: Some(Timestamp::now()),
+        ..Default::default()
+    })
+    .unwrap();
+    let now = Timestamp::now().to_string();
+    let last_run = format!(
+        "{{\"command\": \"run\", \"exit_code\": 0, \"outcome\": \"idle\", \"started_at\": \"{now}\", \"finished_at\": \"{now}\"}}"
+    );
+    let (counters_link, counters_target) = plant(&env, "counters.json", &counters);
+    let (last_link, last_target) = plant(&env, "last-run.json", &last_run);
+    // `status` reports both (it does not crash, and does not read their targets).
+    let mut c = env.cmd("status");
+    c.arg("--check");
+    let out = env.exec(c);
+    assert_eq!(out.code, Some(1), "{out:?}");
+    for link in [&counters_link, &last_link] {
+        assert!(
+            out.stdout.contains(link.to_str().unwrap()) && out.stdout.contains("symlink"),
+            "status names {}: {out:?}",
+            link.display()
+        );
+    }
+    assert!(out.stdout.contains("last run: UNREADABLE"), "{out:?}");
+    // A run is told the counters are unreadable, and writes both files anew (the rename
+    // replaces the link itself): the targets are untouched.
+    let out = env.run(&[]);
+    assert_names(&out, &counters_link, "counters.json");
+    for (link, target, text) in [
+        (&counters_link, &counters_target, &counters),
+        (&last_link, &last_target, &last_run),
+    ] {
+        assert_eq!(&fs::read_to_string(target).unwrap(), text);
+        assert!(
+            fs::symlink_metadata(link).unwrap().file_type().is_file(),
+            "{} replaced by a file",
+            link.display()
+        );
+    }
+}
+
+#[test]
+fn a_symlinked_audit_trail_fails_the_run_and_is_never_appended_to() {
+    let env = Env::new();
+    let stale = env
+        .fake
+        .add_runner("ephemeral-stale", true, Conn::NeverConnected);
+    let line =
+        "{\"at\": \"2026-11-29T10:00:00Z\", \"kind\": \"failure\", \"detail\": \"outside\"}\n";
+    let (link, target) = plant(&env, "events.jsonl", line);
+    let out = env.exec(env.cmd("sweep"));
+    assert_eq!(out.code, Some(1), "{out:?}");
+    assert_names(&out, &link, "events.jsonl");
+    assert_eq!(fs::read_to_string(&target).unwrap(), line);
+    assert!(is_symlink(&link));
+    // The sweep itself went on (the trail is a record, not a gate): the stale one is gone.
+    assert_eq!(env.fake.deleted_ids(), vec![stale]);
+    // `status` reports the trail unreadable rather than showing the target's records.
+    let out = env.exec(env.cmd("status"));
+    assert!(
+        out.stdout.contains("events: UNREADABLE") && out.stdout.contains(link.to_str().unwrap()),
+        "{out:?}"
+    );
+    assert!(!out.stdout.contains("outside"), "{out:?}");
+}
