@@ -195,15 +195,62 @@ impl log::Log for CappedLogger {
         Self::allowed(meta) && self.inner.enabled(meta)
     }
 
+    /// A record is one line whatever it holds: control characters (a runner name from Forgejo
+    /// with `\n<3>…`, an ESC sequence, tofu's multi-line stderr) are written escaped, so no text
+    /// can forge a log line (or a journald priority) or drive a terminal.
     fn log(&self, record: &log::Record<'_>) {
-        if Self::allowed(record.metadata()) {
-            self.inner.log(record);
+        if !Self::allowed(record.metadata()) {
+            return;
         }
+        let text = record.args().to_string();
+        if !text.chars().any(needs_escape) {
+            self.inner.log(record);
+            return;
+        }
+        let escaped = escape_controls(&text);
+        self.inner.log(
+            &log::Record::builder()
+                .metadata(record.metadata().clone())
+                .module_path(record.module_path())
+                .file(record.file())
+                .line(record.line())
+                .args(format_args!("{escaped}"))
+                .build(),
+        );
     }
 
     fn flush(&self) {
         self.inner.flush();
     }
+}
+
+/// Characters that must not reach a log line or a terminal as they are: control characters
+/// (C0, DEL, C1: newlines, ESC), the line and paragraph separators, and the bidirectional
+/// overrides that make a line read other than it is.
+pub fn needs_escape(c: char) -> bool {
+    const MARKS: [(char, char); 4] = [
+        ('\u{200e}', '\u{200f}'), // left-to-right and right-to-left marks
+        ('\u{2028}', '\u{2029}'), // line and paragraph separators
+        ('\u{202a}', '\u{202e}'), // bidirectional embeddings and overrides
+        ('\u{2066}', '\u{2069}'), // bidirectional isolates
+    ];
+    c.is_control() || MARKS.iter().any(|&(lo, hi)| (lo..=hi).contains(&c))
+}
+
+/// `text` with every character of [`needs_escape`] written as Rust escapes it (`\n`, `\r`,
+/// `\t`, `\u{1b}`); everything else as it is.
+pub fn escape_controls(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        match c {
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if needs_escape(c) => out.extend(c.escape_unicode()),
+            c => out.push(c),
+        }
+    }
+    out
 }
 
 fn state_dir(arg: &Option<PathBuf>) -> PathBuf {

@@ -208,7 +208,7 @@ fn ago(secs: &Value) -> String {
         .unwrap_or_else(|| "?".into())
 }
 
-/// Pure: the human-readable status.
+/// Pure: the human-readable status, one line per item (control characters escaped).
 pub fn text(doc: &Value) -> String {
     let mut o: Vec<String> = Vec::new();
     let s = |v: &Value| v.as_str().unwrap_or("?").to_string();
@@ -324,7 +324,12 @@ pub fn text(doc: &Value) -> String {
             o.push(format!("  {}", event_text(e)));
         }
     }
-    o.join("\n")
+    // Names, statuses and errors come from Forgejo (and tofu): every line is one line, with
+    // their control characters escaped, so none can forge a line or drive the terminal.
+    o.iter()
+        .map(|l| crate::app::escape_controls(l))
+        .collect::<Vec<_>>()
+        .join("\n")
 }
 
 fn summary_line(v: &Value) -> String {
@@ -483,6 +488,22 @@ mod tests {
         assert_eq!(w.len(), 3, "{w:?}");
         assert!(w[1].contains("destroy failed") && w[1].contains("tofu exited 1"));
         assert!(w[2].contains("cycle c7") && w[2].contains("--max-cycle-duration 6h"));
+    }
+
+    #[test]
+    fn the_text_form_escapes_what_forgejo_said() {
+        let forged = "ephemeral-x\n<3>forged\u{1b}[2J\r";
+        let doc = json!({
+            "state_dir": "/s",
+            "warnings": [format!("w {forged}")],
+            "last_run": {"command": "sweep", "failures": [format!("HTTP 500: {forged}")]},
+            "events": [{"at": "t", "kind": "intent", "step": "delete_runner", "name": forged,
+                        "status": forged}],
+        });
+        let t = text(&doc);
+        assert!(!t.contains(['\x1b', '\r']), "{t:?}");
+        assert!(t.lines().all(|l| !l.starts_with("<3>")), "{t}");
+        assert!(t.contains("ephemeral-x\\n<3>forged\\u{1b}[2J\\r"), "{t}");
     }
 
     #[test]

@@ -1,15 +1,20 @@
-//! What the binary does with files it does not control, against the fake Forgejo and the real
-//! terraform/tofu CLI: a symlink planted in the state directory at any file it reads or writes
-//! is never followed (the step fails naming the file; the link's target is untouched).
+//! What the binary does with files and text it does not control, against the fake Forgejo and
+//! the real terraform/tofu CLI: a symlink planted in the state directory at any file it reads or
+//! writes is never followed (the step fails naming the file; the link's target is untouched),
+//! and text from Forgejo (runner names, statuses, error messages) never reaches a log line or
+//! `status` with its control characters: it cannot forge a line, a journald priority, or
+//! drive the terminal.
 
 mod support;
 
 use std::fs;
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
 
 use ci_ephemeral_provisioner::state::CycleState;
 use ci_ephemeral_provisioner::time::Timestamp;
-use support::fake_forgejo::Conn;
+use support::fake_forgejo::{Conn, Fault};
 use support::harness::Env;
 
 // ---------------------------------------------------------------------------------------------
@@ -163,4 +168,111 @@ fn a_symlinked_audit_trail_fails_the_run_and_is_never_appended_to() {
         "{out:?}"
     );
     assert!(!out.stdout.contains("outside"), "{out:?}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Forgejo's text in logs and status
+// ---------------------------------------------------------------------------------------------
+
+const FORGED: &str = "\n<3>forged line\x1b[2J";
+
+/// Three registrations of ours whose text would forge lines: an offline one named with a line
+/// break, a journald priority and an ESC sequence (deleted by the sweep, its name logged); one
+/// whose status is such a string (skipped as doubtful, its status logged); one whose DELETE
+/// fails with such an error message (logged and reported).
+fn hostile_world(env: &Env) {
+    env.fake.add_runner(
+        &format!("ephemeral-x{FORGED}\r\u{9b}31m\u{202e}"),
+        true,
+        Conn::NeverConnected,
+    );
+    let odd = env
+        .fake
+        .add_runner("ephemeral-odd", true, Conn::NeverConnected);
+    env.fake
+        .set_status_override(odd, Some(&format!("offline{FORGED}")));
+    let failing = env
+        .fake
+        .add_runner("ephemeral-failing", true, Conn::NeverConnected);
+    let body = serde_json::json!({ "message": format!("boom{FORGED}"), "url": "x" }).to_string();
+    env.fake.inject(
+        "DELETE",
+        &format!("/actions/runners/{failing}"),
+        Fault::StatusBody(500, body),
+        100,
+    );
+}
+
+/// Every line is one the binary meant: none starts with the forged text, no raw ESC, CR or C1
+/// control reaches the output, and the escaped form shows the text was there.
+fn assert_clean(what: &str, text: &str) {
+    for l in text.lines() {
+        assert!(
+            !l.starts_with("<3>forged") && !l.starts_with("forged"),
+            "{what}: a forged line: {l:?}\n{text}"
+        );
+    }
+    assert!(
+        !text.contains(['\x1b', '\r', '\u{9b}', '\u{202e}']),
+        "{what}: a raw control character:\n{text:?}"
+    );
+    assert!(
+        text.contains("\\n<3>forged line\\u{1b}[2J"),
+        "{what}: the name is shown, escaped:\n{text}"
+    );
+}
+
+/// Runs the binary with stderr in a file of our own; with `journal`, `JOURNAL_STREAM` names it
+/// (the logger then writes `<N>` priority prefixes).
+fn stderr_of(env: &Env, mut c: Command, journal: bool) -> (Option<i32>, String) {
+    let err = env.tmp.path().join(format!("stderr-{journal}"));
+    let file = fs::File::create(&err).unwrap();
+    if journal {
+        let m = file.metadata().unwrap();
+        c.env("JOURNAL_STREAM", format!("{}:{}", m.dev(), m.ino()));
+    }
+    c.stdout(Stdio::null()).stderr(file).stdin(Stdio::null());
+    let status = c.status().unwrap();
+    (status.code(), fs::read_to_string(&err).unwrap())
+}
+
+#[test]
+fn forgejo_text_cannot_forge_a_log_line_or_drive_the_terminal() {
+    for journal in [false, true] {
+        let env = Env::new();
+        hostile_world(&env);
+        let (code, err) = stderr_of(&env, env.cmd("sweep"), journal);
+        assert_eq!(code, Some(1), "the failed DELETE fails the sweep: {err}");
+        assert_clean(&format!("sweep stderr (journal: {journal})"), &err);
+        assert!(
+            err.contains("offline\\n<3>forged line"),
+            "the status: {err}"
+        );
+        assert!(err.contains("boom\\n<3>forged line"), "the error: {err}");
+        if journal {
+            assert!(
+                err.lines()
+                    .all(|l| l.starts_with("<") && l.as_bytes().get(2) == Some(&b'>')),
+                "every line carries our priority:\n{err}"
+            );
+        } else {
+            assert!(err.lines().all(|l| l.starts_with("[20")), "{err}");
+        }
+        // `status` shows the last run's failures and the trail's records, with the same text.
+        let out = env.exec(env.cmd("status"));
+        assert_clean("status stdout", &out.stdout);
+        assert!(
+            !out.stderr.contains('\x1b'),
+            "status stderr: {:?}",
+            out.stderr
+        );
+        // The JSON form keeps the text whole (JSON escapes it).
+        let mut c = env.cmd("status");
+        c.args(["--output", "json"]);
+        let doc = env.exec(c).json();
+        assert!(
+            doc.to_string().contains("\\n<3>forged line\\u001b[2J"),
+            "{doc}"
+        );
+    }
 }
