@@ -2,7 +2,7 @@
 
 use std::fs;
 use std::io::Read;
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
@@ -14,6 +14,7 @@ use serde_json::{Value, json};
 use crate::cli::{Cli, Command, ForgejoArgs, OutputFormat, RunArgs, StatusArgs, SweepArgs};
 use crate::cycle::{self, Clock, CycleConfig, End, Sleep, World};
 use crate::dry::{DryClock, DryForgejo, DryLauncher, DryTofu, Fixture, FixtureForgejo, Plan};
+use crate::escape::{escape_controls, needs_escape};
 use crate::forgejo::{Forgejo, HttpForgejo, Scope, load_ca_file, validate_url};
 use crate::launch::CommandLauncher;
 use crate::model::label_names;
@@ -34,9 +35,9 @@ pub const LAST_RUN_FILE: &str = "last-run.json";
 pub const LOCK_FILE: &str = "cycle.lock";
 
 /// A reason to stop before doing anything, with its exit status.
-struct Fatal(u8, String);
+pub(crate) struct Fatal(pub(crate) u8, pub(crate) String);
 
-fn usage(msg: impl Into<String>) -> Fatal {
+pub(crate) fn usage(msg: impl Into<String>) -> Fatal {
     Fatal(EXIT_USAGE, msg.into())
 }
 
@@ -46,6 +47,7 @@ pub fn main() -> ExitCode {
         Command::Run(a) => (a.common.local.verbose, a.common.dry_run, "run"),
         Command::Sweep(a) => (a.common.local.verbose, a.common.dry_run, "sweep"),
         Command::Status(a) => (a.local.verbose, false, "status"),
+        Command::Check(a) => (a.common.local.verbose, false, "check"),
     };
     init_logging(verbose, dry_run);
     log::debug!(
@@ -56,6 +58,7 @@ pub fn main() -> ExitCode {
         Command::Run(a) => cmd_run(a),
         Command::Sweep(a) => cmd_sweep(a),
         Command::Status(a) => cmd_status(a),
+        Command::Check(a) => crate::check::cmd_check(a),
     };
     match result {
         Ok(code) => ExitCode::from(code),
@@ -162,7 +165,7 @@ fn log_config(args: &dyn std::fmt::Debug, token: Option<&Secret>, dir: Option<&P
 }
 
 /// `--metrics-file` must be a `.prom` file: node_exporter's textfile collector reads no other.
-fn check_metrics_file(common: &ForgejoArgs) -> Result<(), Fatal> {
+pub(crate) fn check_metrics_file(common: &ForgejoArgs) -> Result<(), Fatal> {
     if let Some(p) = &common.metrics_file
         && p.extension().and_then(|e| e.to_str()) != Some("prom")
     {
@@ -224,36 +227,7 @@ impl log::Log for CappedLogger {
     }
 }
 
-/// Characters that must not reach a log line or a terminal as they are: control characters
-/// (C0, DEL, C1: newlines, ESC), the line and paragraph separators, and the bidirectional
-/// overrides that make a line read other than it is.
-pub fn needs_escape(c: char) -> bool {
-    const MARKS: [(char, char); 4] = [
-        ('\u{200e}', '\u{200f}'), // left-to-right and right-to-left marks
-        ('\u{2028}', '\u{2029}'), // line and paragraph separators
-        ('\u{202a}', '\u{202e}'), // bidirectional embeddings and overrides
-        ('\u{2066}', '\u{2069}'), // bidirectional isolates
-    ];
-    c.is_control() || MARKS.iter().any(|&(lo, hi)| (lo..=hi).contains(&c))
-}
-
-/// `text` with every character of [`needs_escape`] written as Rust escapes it (`\n`, `\r`,
-/// `\t`, `\u{1b}`); everything else as it is.
-pub fn escape_controls(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    for c in text.chars() {
-        match c {
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
-            c if needs_escape(c) => out.extend(c.escape_unicode()),
-            c => out.push(c),
-        }
-    }
-    out
-}
-
-fn state_dir(arg: &Option<PathBuf>) -> PathBuf {
+pub(crate) fn state_dir(arg: &Option<PathBuf>) -> PathBuf {
     if let Some(d) = arg {
         return d.clone();
     }
@@ -268,7 +242,7 @@ fn state_dir(arg: &Option<PathBuf>) -> PathBuf {
     PathBuf::from("/var/lib/ci-ephemeral-provisioner")
 }
 
-fn read_token(arg: &Option<PathBuf>) -> Result<Secret, Fatal> {
+pub(crate) fn read_token(arg: &Option<PathBuf>) -> Result<Secret, Fatal> {
     let path = match arg {
         Some(p) => p.clone(),
         None => match std::env::var_os("CREDENTIALS_DIRECTORY") {
@@ -298,7 +272,7 @@ fn check_fixture(common: &ForgejoArgs) -> Result<(), Fatal> {
 /// Forgejo's `VARCHAR(255)` (the REST registration stores it as sent; a longer one fails).
 pub const MAX_PREFIX_BYTES: usize = 128;
 
-fn check_prefix(prefix: &str) -> Result<(), Fatal> {
+pub(crate) fn check_prefix(prefix: &str) -> Result<(), Fatal> {
     if prefix.is_empty() {
         return Err(usage(
             "--runner-prefix must not be empty: it is the only mark of the registrations this tool may delete",
@@ -314,7 +288,7 @@ fn check_prefix(prefix: &str) -> Result<(), Fatal> {
 }
 
 /// The Forgejo client of a live run or a live dry-run.
-fn http_forgejo(
+pub(crate) fn http_forgejo(
     common: &ForgejoArgs,
     url: &str,
     scope: Scope,
@@ -335,7 +309,7 @@ fn http_forgejo(
     ))
 }
 
-fn forgejo_target(common: &ForgejoArgs) -> Result<(String, Scope), Fatal> {
+pub(crate) fn forgejo_target(common: &ForgejoArgs) -> Result<(String, Scope), Fatal> {
     let url = common.forgejo_url.as_deref().ok_or_else(|| {
         usage("--forgejo-url is required (or CI_EPHEMERAL_PROVISIONER_FORGEJO_URL)")
     })?;
@@ -349,17 +323,65 @@ struct Lock {
     _file: fs::File,
 }
 
-fn take_lock(dir: &Path) -> Result<Lock, Fatal> {
-    fs::DirBuilder::new()
-        .recursive(true)
-        .mode(0o700)
-        .create(dir)
-        .map_err(|e| {
-            Fatal(
+/// What is at the state directory's path, and whether this user may keep its state there.
+pub(crate) enum StateDir {
+    Usable,
+    /// Nothing there yet; `run` and `sweep` create it (0700).
+    Missing,
+}
+
+/// Refuses a state directory that is not a directory, or that someone else could change under
+/// us: owned by another user, or writable by group or others (exit 2, with what to fix).
+pub(crate) fn inspect_state_dir(dir: &Path) -> Result<StateDir, Fatal> {
+    let meta = match fs::metadata(dir) {
+        Ok(m) => m,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(StateDir::Missing),
+        Err(e) => {
+            return Err(Fatal(
                 EXIT_FAILED,
-                format!("cannot create state directory {}: {e}", dir.display()),
-            )
-        })?;
+                format!("cannot inspect state directory {}: {e}", dir.display()),
+            ));
+        }
+    };
+    if !meta.is_dir() {
+        return Err(usage(format!(
+            "state directory {} is not a directory; point --state-dir (or $STATE_DIRECTORY) at a directory, or move what is there",
+            dir.display()
+        )));
+    }
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let me = unsafe { libc::geteuid() };
+    if meta.uid() != me {
+        return Err(usage(format!(
+            "state directory {} is owned by uid {}, not by this user (uid {me}): another user could change the cycle state under us; `chown` it to the service's user or point --state-dir elsewhere",
+            dir.display(),
+            meta.uid()
+        )));
+    }
+    let mode = meta.mode() & 0o7777;
+    if mode & 0o022 != 0 {
+        return Err(usage(format!(
+            "state directory {} is writable by group or others (mode {mode:04o}): anyone in them could replace the cycle state; run `chmod go-w {}`",
+            dir.display(),
+            dir.display()
+        )));
+    }
+    Ok(StateDir::Usable)
+}
+
+fn take_lock(dir: &Path) -> Result<Lock, Fatal> {
+    if let StateDir::Missing = inspect_state_dir(dir)? {
+        fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)
+            .map_err(|e| {
+                Fatal(
+                    EXIT_FAILED,
+                    format!("cannot create state directory {}: {e}", dir.display()),
+                )
+            })?;
+    }
     let path = dir.join(LOCK_FILE);
     let file = fs::OpenOptions::new()
         .create(true)
@@ -430,7 +452,7 @@ impl Clock for RealClock {
     }
 }
 
-fn policy(a: &RunArgs, labels: &str) -> Policy {
+pub(crate) fn policy(a: &RunArgs, labels: &str) -> Policy {
     Policy {
         runner_prefix: a.common.runner_prefix.clone(),
         label_names: label_names(labels),
@@ -455,9 +477,9 @@ fn cycle_config(a: &RunArgs, policy: Policy, labels: String, forgejo_url: String
     }
 }
 
-fn cmd_run(a: RunArgs) -> Result<u8, Fatal> {
+/// The checks of `run`'s flags that need no I/O; the labels, when they pass.
+pub(crate) fn validate_run_args(a: &RunArgs) -> Result<String, Fatal> {
     check_prefix(&a.common.runner_prefix)?;
-    check_fixture(&a.common)?;
     let labels = a.labels.clone().unwrap_or_default();
     if label_names(&labels).is_empty() {
         return Err(usage(
@@ -485,6 +507,12 @@ fn cmd_run(a: RunArgs) -> Result<u8, Fatal> {
         )));
     }
     check_metrics_file(&a.common)?;
+    Ok(labels)
+}
+
+fn cmd_run(a: RunArgs) -> Result<u8, Fatal> {
+    check_fixture(&a.common)?;
+    let labels = validate_run_args(&a)?;
     let policy = policy(&a, &labels);
 
     if a.common.dry_run {
@@ -661,7 +689,7 @@ fn dry_run(a: &RunArgs, policy: Policy, labels: String) -> Result<u8, Fatal> {
     let (inner, cycle, holds, now, url): (Box<dyn Forgejo>, _, _, _, String) =
         match &a.common.fixture {
             Some(path) => {
-                let fx = Fixture::load(path).map_err(|e| Fatal(EXIT_FAILED, format!("{e:#}")))?;
+                let fx = Fixture::load(path).map_err(|e| usage(format!("{e:#}")))?;
                 let inner = FixtureForgejo {
                     runners: fx.runners,
                     jobs: fx.jobs,
@@ -729,13 +757,25 @@ fn print_plan(actions: &[Value], report: &Report, output: OutputFormat) {
         }
         OutputFormat::Text => {
             if actions.is_empty() {
-                println!("plan: nothing to do ({})", report.outcome);
+                println!("plan: nothing to do ({})", escape_controls(&report.outcome));
             } else {
                 println!("plan ({} action(s)):", actions.len());
                 for a in actions {
                     let mut line = a["action"].as_str().unwrap_or("?").to_string();
                     if let Some(obj) = a.as_object() {
-                        for (k, v) in obj.iter().filter(|(k, _)| *k != "action") {
+                        // What it acts on first, why last.
+                        const ORDER: [&str; 5] =
+                            ["runner_id", "name", "job_id", "job_handle", "reason"];
+                        let rank = |k: &str| {
+                            ORDER
+                                .iter()
+                                .position(|o| *o == k)
+                                .unwrap_or(ORDER.len() - 1)
+                        };
+                        let mut fields: Vec<_> =
+                            obj.iter().filter(|(k, _)| *k != "action").collect();
+                        fields.sort_by_key(|(k, _)| rank(k));
+                        for (k, v) in fields {
                             line.push_str(&format!(
                                 " {k}={}",
                                 v.as_str()
@@ -744,12 +784,13 @@ fn print_plan(actions: &[Value], report: &Report, output: OutputFormat) {
                             ));
                         }
                     }
-                    println!("  {line}");
+                    println!("  {}", escape_controls(&line));
                 }
-                println!("then: {}", report.outcome);
+                println!("then: {}", escape_controls(&report.outcome));
             }
-            for f in &report.failures {
-                println!("error: {f}");
+            let failures = report.failures.len() as u64 + report.failures_not_listed;
+            if failures > 0 {
+                println!("{failures} error(s), logged above");
             }
         }
     }
@@ -765,7 +806,7 @@ fn cmd_sweep(a: SweepArgs) -> Result<u8, Fatal> {
         let plan: Plan = Plan::default();
         let inner: Box<dyn Forgejo> = match &c.fixture {
             Some(path) => {
-                let fx = Fixture::load(path).map_err(|e| Fatal(EXIT_FAILED, format!("{e:#}")))?;
+                let fx = Fixture::load(path).map_err(|e| usage(format!("{e:#}")))?;
                 if fx.cycle.is_some() {
                     return Err(Fatal(EXIT_FAILED, "the fixture has a cycle in progress: a sweep is refused while a VM may exist".into()));
                 }
@@ -809,7 +850,11 @@ fn cmd_sweep(a: SweepArgs) -> Result<u8, Fatal> {
     report.set_audit(events_file(&dir, c));
     announce_run(&dir, metrics_target(c), report.started_at);
     if let Err(Fatal(_, msg)) = refuse_if_cycle(&dir) {
-        // Past the lock: kept in last-run.json, counted in the metrics, exit 1.
+        // Past the lock: kept in last-run.json, counted in the metrics, exit 1. The report
+        // names the cycle in progress that is the reason.
+        if let Ok(Some(s)) = read_state_file(&dir.join(crate::state::STATE_FILE)) {
+            report.cycle_id = Some(s.cycle_id);
+        }
         report.fail(msg);
         report.outcome = "refused".into();
         return finish(
@@ -873,6 +918,29 @@ fn refuse_if_cycle(dir: &Path) -> Result<(), Fatal> {
 
 fn cmd_status(a: StatusArgs) -> Result<u8, Fatal> {
     let dir = state_dir(&a.local.state_dir);
+    // Read-only and often run by root: the owner is not ours to judge here, only that the
+    // directory is there (a typo must not look like a host where no run happened yet).
+    match fs::metadata(&dir) {
+        Ok(m) if m.is_dir() => {}
+        Ok(_) => {
+            return Err(usage(format!(
+                "state directory {} is not a directory; point --state-dir at the pool's state directory",
+                dir.display()
+            )));
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(usage(format!(
+                "state directory {} does not exist: is --state-dir right? (the service creates it when it first starts; under the Ansible role it is /var/lib/ci-ephemeral-provisioner/<pool>)",
+                dir.display()
+            )));
+        }
+        Err(e) => {
+            return Err(Fatal(
+                EXIT_FAILED,
+                format!("cannot inspect state directory {}: {e}", dir.display()),
+            ));
+        }
+    }
     let limits = crate::status::Limits {
         max_success_age: a.max_success_age,
         max_cycle_duration: a.max_cycle_duration,

@@ -38,6 +38,12 @@ pub enum Command {
     Run(RunArgs),
     /// Delete offline registrations with the runner prefix; refused while a cycle is in progress.
     Sweep(SweepArgs),
+    /// Check everything a cycle will need and change nothing: the token file, Forgejo (version
+    /// ≥ 15, the token accepted for the scope), the tofu binary and module (init and validate in
+    /// a temporary copy), the launch command, the state directory, labels and prefix. Takes the
+    /// flags and environment of `run`; one line per check; exit 0 when all pass, 1 when one fails,
+    /// 2 on a usage error (--dry-run and --fixture do not apply).
+    Check(RunArgs),
     /// Show the cycle in progress, the last run, the last events and any warning (with --check:
     /// exit 1 on a warning, a health check). Read-only: takes no lock.
     Status(StatusArgs),
@@ -51,7 +57,8 @@ pub enum OutputFormat {
 
 #[derive(Debug, Args)]
 pub struct ForgejoArgs {
-    /// Base URL of Forgejo (≥ 15), e.g. https://forgejo.example.org. Plain http only to loopback.
+    /// Base URL of Forgejo (≥ 15), e.g. https://forgejo.example.org: required (except for a
+    /// dry-run with --fixture). Plain http only to loopback; no user:password@, no #fragment.
     #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_FORGEJO_URL", value_name = "URL")]
     pub forgejo_url: Option<String>,
 
@@ -79,7 +86,7 @@ pub struct ForgejoArgs {
     pub http_timeout: Duration,
 
     /// Name prefix of our registrations (`<prefix><cycle id>-<n>`). Only registrations with this
-    /// prefix are ever deleted. Must not be empty.
+    /// prefix are ever deleted. Must not be empty; at most 128 bytes.
     #[arg(
         long,
         env = "CI_EPHEMERAL_PROVISIONER_RUNNER_PREFIX",
@@ -97,13 +104,15 @@ pub struct ForgejoArgs {
     )]
     pub sweep_max_deletions: usize,
 
-    /// Never POST, DELETE, run tofu, lock or write: only GET requests; print the plan and exit 0.
+    /// Never POST, DELETE, run tofu, lock or write: only GET requests; print the plan and exit 0
+    /// (1 when the world could not be read, so the plan is incomplete).
     #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_DRY_RUN")]
     pub dry_run: bool,
 
     /// With --dry-run: take the world from this JSON file instead of Forgejo (no network, no token,
-    /// no state dir). Format: {"cycle": <cycle.json or null>, "runners": [...], "jobs": [...] or
-    /// null, "now": "<RFC 3339>"}.
+    /// no state dir). Format: {"runners": [...], "jobs": [...] or null, and optionally "cycle":
+    /// <cycle.json or null> and "now": "<RFC 3339>"}; any other key is an error, except comments
+    /// in keys that start with _.
     #[arg(
         long,
         env = "CI_EPHEMERAL_PROVISIONER_FIXTURE",
@@ -117,8 +126,9 @@ pub struct ForgejoArgs {
     #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_EVENTS_MAX_BYTES", default_value = "10MiB", value_parser = crate::audit::parse_bytes, value_name = "SIZE")]
     pub events_max_bytes: u64,
 
-    /// Prometheus text file written (atomically, mode 0644) at the end of every run and sweep,
-    /// for node_exporter's textfile collector, e.g.
+    /// Prometheus text file written (atomically, mode 0644) when a run or sweep gets past the
+    /// lock (with run_in_progress 1) and again when it ends, for node_exporter's textfile
+    /// collector, e.g.
     /// /var/lib/prometheus/node-exporter/ci-ephemeral-provisioner.prom. Must end in .prom.
     #[arg(
         long,
@@ -148,8 +158,8 @@ pub struct RunArgs {
     #[command(flatten)]
     pub common: ForgejoArgs,
 
-    /// Runner labels, comma-separated, e.g. debian:host,docker. Jobs match when their runs_on ⊆
-    /// the label names (the part before `:`).
+    /// Runner labels, comma-separated, e.g. debian:host,docker: required. Jobs match when their
+    /// runs_on ⊆ the label names (the part before `:`).
     #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_LABELS", value_name = "LIST")]
     pub labels: Option<String>,
 
@@ -214,7 +224,8 @@ pub struct RunArgs {
     #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_MAX_CYCLE_DURATION", default_value = "6h", value_parser = parse_duration, value_name = "DURATION")]
     pub max_cycle_duration: Duration,
 
-    /// Past this the VM is torn down even with a runner up (an error, exit 1).
+    /// Past this the VM is torn down even with a runner up (an error, exit 1). Not shorter than
+    /// --max-cycle-duration.
     #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_HARD_DEADLINE", default_value = "24h", value_parser = parse_duration, value_name = "DURATION")]
     pub hard_deadline: Duration,
 }
@@ -251,9 +262,9 @@ pub struct StatusArgs {
 /// Flags every subcommand has: where the state lives, how to print, how much to log.
 #[derive(Debug, Args)]
 pub struct LocalArgs {
-    /// Directory of cycle.json, cycle.lock, last-run.json, events.jsonl and counters.json
-    /// [default: $STATE_DIRECTORY, else
-    /// /var/lib/ci-ephemeral-provisioner].
+    /// Directory of cycle.json, cycle.lock, last-run.json, events.jsonl (and events.jsonl.1),
+    /// counters.json and held-jobs.json; owned by this user, not writable by group or others
+    /// [default: $STATE_DIRECTORY, else /var/lib/ci-ephemeral-provisioner].
     #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_STATE_DIR", value_name = "DIR")]
     pub state_dir: Option<PathBuf>,
 

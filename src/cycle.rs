@@ -9,7 +9,7 @@ use crate::holds::HoldsError;
 use crate::launch::{LaunchRequest, Launcher};
 use crate::model::may_delete;
 use crate::planner::{self, DeleteReason, Observation, Policy, RunContext, Step, TeardownReason};
-use crate::report::{ALREADY_GONE, DELETED, Report, Stopwatch};
+use crate::report::{ALREADY_GONE, DELETED, PLANNED, Report, Stopwatch};
 use crate::state::{CycleState, Launch, NotServed, Phase, StateStore};
 use crate::sweep;
 use crate::time::{Timestamp, format_duration};
@@ -622,6 +622,7 @@ impl Driver<'_, '_> {
                 let detail = match outcome {
                     Deleted::Now => DELETED,
                     Deleted::AlreadyGone => ALREADY_GONE,
+                    Deleted::Planned => PLANNED,
                 };
                 log::info!(
                     "registration {id} ({}) {detail}: {}",
@@ -962,9 +963,14 @@ impl Driver<'_, '_> {
     }
 
     fn destroy(&mut self) -> Option<End> {
-        let cycle_id = self.state.as_ref()?.cycle_id.clone();
+        let s = self.state.as_ref()?;
+        let cycle_id = s.cycle_id.clone();
+        let reason = s
+            .teardown_reason
+            .clone()
+            .unwrap_or_else(|| "teardown".to_string());
         let sw = Stopwatch::start();
-        match self.w.tofu.destroy(&cycle_id) {
+        match self.w.tofu.destroy(&cycle_id, &reason) {
             Ok(()) => {
                 crate::crash_point!("destroy-done-unsaved");
                 let s = self.state.as_mut()?;
@@ -1140,7 +1146,7 @@ mod tests {
         fn outputs(&mut self, _: &str) -> Result<Outputs, StepError> {
             Ok(Outputs::new())
         }
-        fn destroy(&mut self, _: &str) -> Result<(), StepError> {
+        fn destroy(&mut self, _: &str, _: &str) -> Result<(), StepError> {
             Ok(())
         }
     }

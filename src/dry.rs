@@ -46,6 +46,7 @@ impl Fixture {
     pub fn load(path: &std::path::Path) -> Result<Fixture> {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("cannot read fixture {}", path.display()))?;
+        check_fixture_keys(&text, path)?;
         // Anything the quick reading does not take (not JSON, wrong types) is read again below,
         // which says precisely what is wrong.
         // (A derived struct would also accept an array: only an object takes the quick way.)
@@ -137,6 +138,59 @@ impl Fixture {
     }
 }
 
+/// The keys a fixture may have (besides `_comment`-style keys starting with `_`), and whether
+/// each one must be there.
+const FIXTURE_KEYS: [(&str, bool); 4] = [
+    ("cycle", false),
+    ("runners", true),
+    ("jobs", true),
+    ("now", false),
+];
+
+/// A fixture is read strictly at its top level: a misspelled or missing key is an error that
+/// names it, never an empty world that plans "nothing to do".
+fn check_fixture_keys(text: &str, path: &std::path::Path) -> Result<()> {
+    if !text.trim_start().starts_with('{') {
+        // Not an object: the reading below says what it is.
+        return Ok(());
+    }
+    let Ok(keys) = serde_json::from_str::<BTreeMap<String, serde::de::IgnoredAny>>(text) else {
+        return Ok(());
+    };
+    let known = || {
+        FIXTURE_KEYS
+            .iter()
+            .map(|(k, _)| format!("{k:?}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    for key in keys.keys() {
+        if key.starts_with('_') || FIXTURE_KEYS.iter().any(|(k, _)| k == key) {
+            continue;
+        }
+        let hint = FIXTURE_KEYS
+            .iter()
+            .find(|(k, _)| k.starts_with(key.as_str()) || key.starts_with(k))
+            .map(|(k, _)| format!(" (did you mean {k:?}?)"))
+            .unwrap_or_default();
+        return Err(anyhow!(
+            "fixture {} has an unknown key {key:?}{hint}; a fixture has the keys {} (and comments in keys starting with _)",
+            path.display(),
+            known()
+        ));
+    }
+    for (key, required) in FIXTURE_KEYS {
+        if required && !keys.contains_key(key) {
+            return Err(anyhow!(
+                "fixture {} has no {key:?} key; write \"{key}\": [] for none (a fixture has the keys {})",
+                path.display(),
+                known()
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Answers reads from the fixture the way Forgejo would.
 pub struct FixtureForgejo {
     pub runners: Vec<Value>,
@@ -219,6 +273,8 @@ pub struct DryForgejo {
     pub plan: Plan,
     created: BTreeMap<i64, String>,
     deleted: BTreeSet<i64>,
+    /// Names of the registrations read so far, for the plan's deletions.
+    names: BTreeMap<i64, String>,
     next_id: i64,
 }
 
@@ -230,6 +286,7 @@ impl DryForgejo {
             plan,
             created: BTreeMap::new(),
             deleted: BTreeSet::new(),
+            names: BTreeMap::new(),
             next_id: -1,
         }
     }
@@ -263,15 +320,19 @@ impl Forgejo for DryForgejo {
             }));
         }
         let r = self.inner.get_runner(id);
+        if let Ok(Some(Runner { name: Some(n), .. })) = &r {
+            self.names.insert(id, n.clone());
+        }
         self.count(r)
     }
 
     fn delete_runner(&mut self, id: i64, reason: &str) -> Result<Deleted, ApiError> {
-        self.plan
-            .borrow_mut()
-            .push(json!({"action": "delete_runner", "runner_id": id, "reason": reason}));
+        let name = self.created.get(&id).or_else(|| self.names.get(&id));
+        self.plan.borrow_mut().push(
+            json!({"action": "delete_runner", "runner_id": id, "name": name, "reason": reason}),
+        );
         self.deleted.insert(id);
-        Ok(Deleted::Now)
+        Ok(Deleted::Planned)
     }
 
     fn register_runner(&mut self, name: &str) -> Result<NewRunner, ApiError> {
@@ -293,6 +354,11 @@ impl Forgejo for DryForgejo {
         let r = self.inner.list_runners_page(page, limit);
         let mut p = self.count(r)?;
         p.rows.retain(|r| !self.deleted.contains(&r.id));
+        for r in &p.rows {
+            if let Some(n) = &r.name {
+                self.names.insert(r.id, n.clone());
+            }
+        }
         // Every page must report the same count (as Forgejo does): the planned deletions of
         // existing registrations (positive ids; planned ones are negative) come off all of them.
         let gone = self.deleted.iter().filter(|id| **id > 0).count() as u64;
@@ -321,10 +387,10 @@ impl Tofu for DryTofu {
         Ok(Outputs::new())
     }
 
-    fn destroy(&mut self, _cycle_id: &str) -> Result<(), StepError> {
+    fn destroy(&mut self, _cycle_id: &str, reason: &str) -> Result<(), StepError> {
         self.plan
             .borrow_mut()
-            .push(json!({"action": "tofu_destroy"}));
+            .push(json!({"action": "tofu_destroy", "reason": reason}));
         Ok(())
     }
 }
@@ -426,9 +492,27 @@ mod tests {
     fn a_fixture_of_the_wrong_shape_still_says_what_is_wrong() {
         let err = |t: &str| format!("{:#}", load(t).err().unwrap());
         assert!(err("[]").contains("is not a JSON object"));
-        assert!(err(r#"{"runners": {}}"#).contains("\"runners\" in fixture"));
-        assert!(err(r#"{"jobs": 3}"#).contains("\"jobs\" in fixture"));
-        assert!(err(r#"{"now": 3}"#).contains("\"now\" in fixture"));
+        assert!(err(r#"{"runners": {}, "jobs": []}"#).contains("\"runners\" in fixture"));
+        assert!(err(r#"{"runners": [], "jobs": 3}"#).contains("\"jobs\" in fixture"));
+        assert!(err(r#"{"runners": [], "jobs": [], "now": 3}"#).contains("\"now\" in fixture"));
         assert!(err("{").contains("is not valid JSON"));
+    }
+
+    #[test]
+    fn fixture_keys_are_strict() {
+        let err = |t: &str| format!("{:#}", load(t).err().unwrap());
+        let e = err("{}");
+        assert!(e.contains("has no \"runners\" key"), "{e}");
+        let e = err(r#"{"runners": [], "job": []}"#);
+        assert!(
+            e.contains("unknown key \"job\" (did you mean \"jobs\"?)"),
+            "{e}"
+        );
+        let e = err(r#"{"runners": []}"#);
+        assert!(e.contains("has no \"jobs\" key"), "{e}");
+        let e = err(r#"{"runners": [], "jobs": [], "cylce": null}"#);
+        assert!(e.contains("unknown key \"cylce\""), "{e}");
+        // Comments, and the optional keys left out, are fine.
+        assert!(load(r#"{"_comment": "x", "runners": [], "jobs": null}"#).is_ok());
     }
 }

@@ -19,6 +19,8 @@ pub enum Deleted {
     Now,
     /// 404: it was already gone.
     AlreadyGone,
+    /// A dry-run: the deletion went into the plan, nothing was sent.
+    Planned,
 }
 
 pub struct NewRunner {
@@ -134,6 +136,20 @@ impl Scope {
 /// trailing slash.
 pub fn validate_url(url: &str) -> Result<String, String> {
     let trimmed = url.trim().trim_end_matches('/');
+    // Checked before anything quotes the URL: it is copied into every error message.
+    if let Some(at) = userinfo_end(trimmed) {
+        let scheme_end = trimmed.find("://").map_or(0, |i| i + 3);
+        return Err(format!(
+            "\"{}…@{}\" holds a user name or password; remove it (Forgejo is authenticated by the token in --token-file alone, and a URL is copied into every log line and report)",
+            &trimmed[..scheme_end],
+            &trimmed[at + 1..]
+        ));
+    }
+    if trimmed.contains('#') {
+        return Err(format!(
+            "{url:?} must not have a #fragment; write the base URL only, like https://forgejo.example.org"
+        ));
+    }
     let uri: ureq::http::Uri = trimmed
         .parse()
         .map_err(|e| format!("{url:?} is not a URL: {e}"))?;
@@ -151,6 +167,29 @@ pub fn validate_url(url: &str) -> Result<String, String> {
         )),
         _ => Err(format!("{url:?} must start with https://")),
     }
+}
+
+/// Index of the `@` that ends a `user:password@` in the authority of `url`, if there is one.
+fn userinfo_end(url: &str) -> Option<usize> {
+    let start = url.find("://").map_or(0, |i| i + 3);
+    let rest = &url[start..];
+    let authority_len = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    rest[..authority_len].rfind('@').map(|i| start + i)
+}
+
+/// The major version of a Forgejo version string (`15.0.3+gitea-1.22.0` → 15).
+pub fn major_version(version: &str) -> Option<u64> {
+    let v = version.trim().trim_start_matches('v');
+    let digits: String = v.chars().take_while(char::is_ascii_digit).collect();
+    if digits.is_empty()
+        || !matches!(
+            v[digits.len()..].chars().next(),
+            None | Some('.' | '-' | '+')
+        )
+    {
+        return None;
+    }
+    digits.parse().ok()
 }
 
 fn is_loopback_host(host: &str) -> bool {
@@ -241,6 +280,7 @@ impl<R: ureq::unversioned::resolver::Resolver> ureq::unversioned::resolver::Reso
 
 pub struct HttpForgejo {
     agent: ureq::Agent,
+    base_url: String,
     runners_url: String,
     scope: Scope,
     auth: Secret,
@@ -315,6 +355,7 @@ impl HttpForgejo {
         );
         HttpForgejo {
             agent,
+            base_url: base_url.to_string(),
             runners_url: format!("{base_url}/api/v1/{}", scope.runners_path()),
             scope,
             auth: Secret::new(format!("token {}", token.expose())),
@@ -391,6 +432,26 @@ impl HttpForgejo {
         Ok((status, total, text))
     }
 
+    /// `GET /api/v1/version`: the version string Forgejo reports, e.g. `15.0.3+gitea-1.22.0`.
+    pub fn version(&mut self) -> Result<String, ApiError> {
+        let url = format!("{}/api/v1/version", self.base_url);
+        let (status, _, body) = self.send("GET", &url, None)?;
+        if status != 200 {
+            return Err(self.status_error(format!("GET {url}"), status, &body));
+        }
+        serde_json::from_str::<Value>(&body)
+            .ok()
+            .and_then(|v| v.get("version")?.as_str().map(str::to_string))
+            .ok_or_else(|| ApiError {
+                status: None,
+                request: format!("GET {url}"),
+                detail: format!(
+                    "the answer has no \"version\" string: {}; is --forgejo-url the address of Forgejo?",
+                    snippet(&body)
+                ),
+            })
+    }
+
     fn status_error(&self, request: String, status: u16, body: &str) -> ApiError {
         let message = first_message(body).unwrap_or_else(|| snippet(body));
         self.status_error_saying(request, status, message)
@@ -435,6 +496,13 @@ pub fn load_ca_file(
 }
 
 fn transport_hint(e: &ureq::Error) -> String {
+    let text = e.to_string();
+    // rustls reads a plain-http answer as a TLS record of an unknown type.
+    if text.contains("InvalidContentType") || text.contains("corrupt message") {
+        return format!(
+            "TLS failed: {text}: the server did not answer with TLS; is this a plain-http port? Put Forgejo's https address in --forgejo-url (http:// is allowed only to loopback)"
+        );
+    }
     match e {
         ureq::Error::Timeout(t) => {
             format!("timed out ({t}); check that Forgejo is reachable or raise --http-timeout")
@@ -443,14 +511,12 @@ fn transport_hint(e: &ureq::Error) -> String {
             format!("TLS failed: {e}; for a private CA pass its certificate with --ca-file")
         }
         // rustls reports certificate problems through the I/O layer.
-        other
-            if other
-                .to_string()
-                .to_ascii_lowercase()
-                .contains("certificate") =>
-        {
+        other if text.to_ascii_lowercase().contains("certificate") => {
             format!("TLS failed: {other}; for a private CA pass its certificate with --ca-file")
         }
+        other if text.contains("Connection refused") => format!(
+            "request failed: {other}; is Forgejo listening at the host and port of --forgejo-url?"
+        ),
         other => format!("request failed: {other}"),
     }
 }
@@ -664,6 +730,38 @@ mod tests {
         assert!(validate_url("http://localhost.evil.example").is_err());
         assert!(validate_url("ftp://forgejo.example.org").is_err());
         assert!(validate_url("forgejo.example.org").is_err());
+    }
+
+    #[test]
+    fn urls_with_credentials_or_fragments_are_refused_without_echoing_the_password() {
+        for url in [
+            "https://admin:hunter2@forgejo.example.org",
+            "https://hunter2@forgejo.example.org/sub",
+            "http://u:hunter2@127.0.0.1:3000",
+        ] {
+            let e = validate_url(url).unwrap_err();
+            assert!(e.contains("user name or password"), "{url}: {e}");
+            assert!(
+                !e.contains("hunter2"),
+                "{url}: the error repeats the secret: {e}"
+            );
+        }
+        let e = validate_url("https://forgejo.example.org/#frag").unwrap_err();
+        assert!(e.contains("#fragment"), "{e}");
+        // An `@` in the path is not userinfo.
+        assert!(validate_url("https://forgejo.example.org/@sub").is_ok());
+    }
+
+    #[test]
+    fn forgejo_major_versions() {
+        assert_eq!(major_version("15.0.3+gitea-1.22.0"), Some(15));
+        assert_eq!(major_version("v16.1.0"), Some(16));
+        assert_eq!(major_version("15.0.0-dev-12-abcdef+gitea-1.22.0"), Some(15));
+        assert_eq!(major_version("14"), Some(14));
+        assert_eq!(major_version("1.22.0"), Some(1));
+        assert_eq!(major_version("development"), None);
+        assert_eq!(major_version("15a.1"), None);
+        assert_eq!(major_version(""), None);
     }
 
     #[test]

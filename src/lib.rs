@@ -18,11 +18,13 @@ macro_rules! crash_point {
 
 pub mod app;
 pub mod audit;
+pub mod check;
 pub mod cli;
 #[cfg(debug_assertions)]
 pub mod crashpoint;
 pub mod cycle;
 pub mod dry;
+pub mod escape;
 pub mod forgejo;
 pub mod holds;
 pub mod launch;

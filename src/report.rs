@@ -14,6 +14,8 @@ use crate::time::Timestamp;
 pub const ALREADY_GONE: &str = "already gone (404)";
 /// The detail of a `delete_runner` event whose DELETE Forgejo answered 204.
 pub const DELETED: &str = "deleted";
+/// A dry-run's deletion: in the plan, never sent.
+pub const PLANNED: &str = "would be deleted (dry-run: nothing sent)";
 /// Details longer than this are cut in the audit trail (tofu's stderr can be long).
 pub const MAX_AUDIT_DETAIL: usize = 2048;
 
@@ -378,6 +380,7 @@ impl Report {
         let (ok, detail) = match result {
             Ok(Deleted::Now) => (true, DELETED.to_string()),
             Ok(Deleted::AlreadyGone) => (true, ALREADY_GONE.to_string()),
+            Ok(Deleted::Planned) => (true, PLANNED.to_string()),
             Err(e) => (false, e),
         };
         let e = self.event("delete_runner", ok, detail);
@@ -392,6 +395,9 @@ impl Report {
             (false, true) => 0,
             (false, false) => 1,
         };
+        if self.exit_code == 1 && self.outcome == "swept" {
+            self.outcome = "sweep_failed".into();
+        }
         if self.exit_code != 0 && (self.outcome.is_empty() || self.outcome == "cycle_finished") {
             self.outcome = format!(
                 "{}_with_errors",
@@ -425,12 +431,21 @@ impl Report {
             seconds(self.duration_ms)
         );
         out.push_str(&format!("\n  {}", self.summary.line()));
+        // Names and errors in events come from Forgejo and tofu: escaped, one line each.
         for e in &self.events {
-            out.push_str(&format!("\n  {}", event_line(e)));
+            out.push_str(&format!(
+                "\n  {}",
+                crate::escape::escape_controls(&event_line(e))
+            ));
         }
         if let Some(s) = &self.sweep {
             out.push_str(&format!(
-                "\n  sweep: {} listed on {} pages, {} offline with our prefix, {} deleted, {} already gone, {} failed, {} doubtful skipped, {} left over the cap{}",
+                "\n  sweep{}: {} listed on {} pages, {} offline with our prefix, {} deleted, {} already gone, {} failed, {} doubtful skipped, {} left over the cap",
+                if s.error.is_some() {
+                    " FAILED (the listing is incomplete)"
+                } else {
+                    ""
+                },
                 s.listed,
                 s.pages,
                 s.found,
@@ -439,16 +454,19 @@ impl Report {
                 s.failed.len(),
                 s.skipped_doubtful.len(),
                 s.left_over_cap,
-                s.error.as_ref().map(|e| format!("; ERROR: {e}")).unwrap_or_default()
             ));
         }
-        for f in &self.failures {
-            out.push_str(&format!("\n  error: {f}"));
-        }
+        // Each failure was logged at error level when it happened (on stderr, or the journal):
+        // the summary counts them rather than printing every one a second time.
+        let failures = self.failures.len() as u64 + self.failures_not_listed;
         if self.failures_not_listed > 0 {
             out.push_str(&format!(
-                "\n  ({} more failures: repeats or past the first {MAX_FAILURES}; all are in the log)",
-                self.failures_not_listed
+                "\n  {failures} error(s), logged as they happened; the first {} are kept in last-run.json (`ci-ephemeral-provisioner status` shows them)",
+                self.failures.len()
+            ));
+        } else if failures > 0 {
+            out.push_str(&format!(
+                "\n  {failures} error(s), logged as they happened and kept in last-run.json (`ci-ephemeral-provisioner status` shows them)"
             ));
         }
         out

@@ -300,7 +300,10 @@ pub fn read_state_text(path: &Path, max: u64) -> Result<Option<String>, StateFil
 pub fn read_state_file(path: &Path) -> Result<Option<CycleState>> {
     let fix = "it was left unchanged and nothing else was done. Fix or move it by hand; the VM and \
                runner registrations of that cycle may still exist: after moving the file, run \
-               `tofu destroy` in the module directory, then `ci-ephemeral-provisioner sweep`";
+               `tofu destroy` in the --tofu-dir as the service's user with the service's \
+               environment (under the Ansible role: `ci-ephemeral-provisioner-tofu POOL destroy \
+               -auto-approve`; never tofu as root in the state directory), then \
+               `ci-ephemeral-provisioner sweep` (see docs/troubleshooting.md)";
     let text = match read_state_text(path, MAX_STATE_BYTES) {
         Ok(Some(t)) => t,
         Ok(None) => return Ok(None),

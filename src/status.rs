@@ -327,7 +327,7 @@ pub fn text(doc: &Value) -> String {
     // Names, statuses and errors come from Forgejo (and tofu): every line is one line, with
     // their control characters escaped, so none can forge a line or drive the terminal.
     o.iter()
-        .map(|l| crate::app::escape_controls(l))
+        .map(|l| crate::escape::escape_controls(l))
         .collect::<Vec<_>>()
         .join("\n")
 }

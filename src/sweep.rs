@@ -291,6 +291,15 @@ pub fn sweep_with(
                 on_delete(&swept(r), Some(Ok(Deleted::Now)));
                 report.deleted.push(swept(r));
             }
+            Ok(Deleted::Planned) => {
+                log::info!(
+                    "sweep: would delete offline runner {} ({}) (dry-run: nothing sent)",
+                    r.id,
+                    r.name.as_deref().unwrap_or("?")
+                );
+                on_delete(&swept(r), Some(Ok(Deleted::Planned)));
+                report.deleted.push(swept(r));
+            }
             Ok(Deleted::AlreadyGone) => {
                 on_delete(&swept(r), Some(Ok(Deleted::AlreadyGone)));
                 report.already_gone.push(r.id);

@@ -45,7 +45,8 @@ pub trait Tofu {
     /// `init`, then `apply`.
     fn apply(&mut self, cycle_id: &str) -> Result<(), StepError>;
     fn outputs(&mut self, cycle_id: &str) -> Result<Outputs, StepError>;
-    fn destroy(&mut self, cycle_id: &str) -> Result<(), StepError>;
+    /// `reason` (why the VM goes) is for logs and plans only.
+    fn destroy(&mut self, cycle_id: &str, reason: &str) -> Result<(), StepError>;
 }
 
 /// Parses `tofu output -json` (an object of `{sensitive, type, value}`).
@@ -175,7 +176,8 @@ impl Tofu for CliTofu {
         parse_outputs(&stdout).map_err(StepError::failed)
     }
 
-    fn destroy(&mut self, cycle_id: &str) -> Result<(), StepError> {
+    fn destroy(&mut self, cycle_id: &str, reason: &str) -> Result<(), StepError> {
+        log::info!("tearing down the VM of cycle {cycle_id}: {reason}");
         self.change(cycle_id, "destroy")
     }
 }

@@ -445,6 +445,16 @@ fn sweep_is_refused_while_a_cycle_exists() {
     let out = env.exec(env.cmd("sweep"));
     assert_eq!(out.code, Some(1), "{out:?}");
     assert!(out.stderr.contains("refused"), "{out:?}");
+    // The summary names the cycle that is the reason, not "(no cycle)".
+    let cycle_id = env.cycle_json().unwrap()["cycle_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        out.stdout
+            .starts_with(&format!("sweep {cycle_id}: refused")),
+        "{out:?}"
+    );
     assert!(env.fake.deleted_ids().is_empty());
 }
 

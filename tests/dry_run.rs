@@ -81,7 +81,7 @@ fn reuse_deletes_the_unconsumed_registration_before_registering_again() {
     let a = actions(&v);
     assert_eq!(
         a[0],
-        json!({"action": "delete_runner", "runner_id": 514, "reason": "unconsumed"})
+        json!({"action": "delete_runner", "runner_id": 514, "name": "ephemeral-20261014t150000z-5c1d-2", "reason": "unconsumed"})
     );
     assert_eq!(a[1]["action"], "register_runner");
     assert_eq!(a[1]["job_id"], 903);
@@ -123,7 +123,7 @@ fn a_registration_whose_runner_never_connected_is_deleted_as_a_failed_start() {
     let a = actions(&v);
     assert_eq!(
         a[0],
-        json!({"action": "delete_runner", "runner_id": 514, "reason": "never_connected"})
+        json!({"action": "delete_runner", "runner_id": 514, "name": "ephemeral-20261014t150000z-5c1d-2", "reason": "never_connected"})
     );
     // One failed start is not yet a broken VM: the next job gets a runner.
     assert_eq!(a[1]["action"], "register_runner", "{v}");
@@ -155,9 +155,20 @@ fn reuse_after_a_consumed_registration_only_registers() {
 fn teardown_destroys_then_sweeps_only_stale_offline_prefixed_registrations() {
     let (code, v, _) = plan("teardown-stale.json", &[]);
     assert_eq!(code, Some(0));
-    let mut want = vec![json!({"action": "tofu_destroy"})];
-    for id in [106, 424, 514, 516, 518] {
-        want.push(json!({"action": "delete_runner", "runner_id": id, "reason": "sweep"}));
+    let mut want = vec![json!({
+        "action": "tofu_destroy",
+        "reason": "idle timeout: no job waited while the VM was free"
+    })];
+    for (id, name) in [
+        (106, "ephemeral-20261003t080000z-0b9e-1"),
+        (424, "ephemeral-20261013t090000z-77c1-4"),
+        (514, "ephemeral-20261014t101500z-3f2a-1"),
+        (516, "ephemeral-20261014t101500z-3f2a-2"),
+        (518, "ephemeral-20261014t101500z-3f2a-3"),
+    ] {
+        want.push(
+            json!({"action": "delete_runner", "runner_id": id, "name": name, "reason": "sweep"}),
+        );
     }
     assert_eq!(actions(&v), &want);
     assert_eq!(
@@ -170,9 +181,17 @@ fn teardown_destroys_then_sweeps_only_stale_offline_prefixed_registrations() {
 #[test]
 fn job_cap_and_cycle_age_force_teardown() {
     let (_, v, _) = plan("reuse-consumed.json", &["--max-jobs-per-vm", "1"]);
-    assert_eq!(actions(&v)[0], json!({"action": "tofu_destroy"}), "{v}");
+    assert_eq!(
+        actions(&v)[0],
+        json!({"action": "tofu_destroy", "reason": "job cap reached (--max-jobs-per-vm)"}),
+        "{v}"
+    );
     let (_, v, _) = plan("reuse-consumed.json", &["--max-cycle-duration", "10m"]);
-    assert_eq!(actions(&v)[0], json!({"action": "tofu_destroy"}), "{v}");
+    assert_eq!(
+        actions(&v)[0],
+        json!({"action": "tofu_destroy", "reason": "cycle reached --max-cycle-duration"}),
+        "{v}"
+    );
 }
 
 #[test]
@@ -183,7 +202,11 @@ fn a_plan_that_ends_in_a_failure_teardown_still_exits_0() {
         &["--hard-deadline", "20m", "--max-cycle-duration", "10m"],
     );
     assert_eq!(code, Some(0), "{stderr}");
-    assert_eq!(actions(&v)[0], json!({"action": "tofu_destroy"}), "{v}");
+    assert_eq!(
+        actions(&v)[0],
+        json!({"action": "tofu_destroy", "reason": "cycle passed --hard-deadline; tearing down even with a runner up"}),
+        "{v}"
+    );
 }
 
 #[test]
@@ -191,7 +214,10 @@ fn failed_destroy_is_retried_first() {
     let (code, v, _) = plan("failed-destroy.json", &[]);
     assert_eq!(code, Some(0));
     let a = actions(&v);
-    assert_eq!(a[0], json!({"action": "tofu_destroy"}));
+    assert_eq!(
+        a[0],
+        json!({"action": "tofu_destroy", "reason": "idle timeout: no job waited while the VM was free"})
+    );
     assert_eq!(a.len(), 6, "{v}");
     assert!(a[1..].iter().all(|x| x["reason"] == "sweep"));
 }
@@ -223,19 +249,50 @@ fn every_bundled_fixture_plans_cleanly_in_text_too() {
 fn broken_fixture_is_a_clear_error() {
     let tmp = tempfile::tempdir().unwrap();
     let f = tmp.path().join("broken.json");
-    std::fs::write(&f, r#"{"cycle": {"version": 7}}"#).unwrap();
+    std::fs::write(
+        &f,
+        r#"{"cycle": {"version": 7}, "runners": [], "jobs": []}"#,
+    )
+    .unwrap();
     let out = Command::new(BIN)
         .args(["run", "--dry-run", "--fixture"])
         .arg(&f)
         .args(["--labels", "debian"])
         .output()
         .unwrap();
-    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
         err.contains("broken.json") && err.contains("version 7"),
         "{err}"
     );
+}
+
+#[test]
+fn an_empty_or_misspelled_fixture_is_an_error_not_an_idle_world() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (text, says) in [
+        ("{}", "has no \"runners\" key"),
+        (
+            r#"{"job": [], "runners": []}"#,
+            "unknown key \"job\" (did you mean \"jobs\"?)",
+        ),
+    ] {
+        let f = tmp.path().join("world.json");
+        std::fs::write(&f, text).unwrap();
+        for sub in ["run", "sweep"] {
+            let mut c = Command::new(BIN);
+            c.args([sub, "--dry-run", "--fixture"]).arg(&f);
+            if sub == "run" {
+                c.args(["--labels", "debian"]);
+            }
+            let out = c.output().unwrap();
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(2), "{sub} {text}: {err}");
+            assert!(err.contains(says), "{sub} {text}: {err}");
+            assert!(out.stdout.is_empty(), "no plan is printed");
+        }
+    }
 }
 
 #[test]
@@ -263,7 +320,7 @@ fn a_changed_prefix_does_not_strand_the_cycles_own_registrations() {
     let a = actions(&v);
     assert_eq!(
         a[0],
-        json!({"action": "delete_runner", "runner_id": 514, "reason": "unconsumed"})
+        json!({"action": "delete_runner", "runner_id": 514, "name": "ephemeral-20261014t150000z-5c1d-2", "reason": "unconsumed"})
     );
     assert!(
         a[1]["name"].as_str().unwrap().starts_with("ephemeral-"),

@@ -111,6 +111,14 @@ fn assert_refused(env: &Env, what: &str, before: &dyn Fn() -> String) {
             out.stderr.contains(path.to_str().unwrap()),
             "{what}, {sub}: the error names the file: {out:?}"
         );
+        // The way out runs tofu as the service's user, with its environment: under the role
+        // its state and TF_DATA_DIR are not in the module directory.
+        assert!(
+            out.stderr
+                .contains("`ci-ephemeral-provisioner-tofu POOL destroy -auto-approve`")
+                && out.stderr.contains("never tofu as root"),
+            "{what}, {sub}: the recovery hint: {out:?}"
+        );
         assert_eq!(before(), snapshot, "{what}, {sub}: cycle.json changed");
     }
     // `status` reports it (and exits 0: it is a report, not an action).

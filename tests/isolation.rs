@@ -276,3 +276,18 @@ fn forgejo_text_cannot_forge_a_log_line_or_drive_the_terminal() {
         );
     }
 }
+
+/// The text report and the plan on stdout carry the same names: escaped there too.
+#[test]
+fn forgejo_text_is_escaped_in_the_report_and_the_plan() {
+    let env = Env::new();
+    hostile_world(&env);
+    let mut c = env.cmd("sweep");
+    c.arg("--dry-run");
+    let plan = env.exec(c);
+    assert_eq!(plan.code, Some(0), "{plan:?}");
+    assert_clean("the plan", &plan.stdout);
+    let out = env.exec(env.cmd("sweep"));
+    assert_eq!(out.code, Some(1), "{out:?}");
+    assert_clean("the report", &out.stdout);
+}

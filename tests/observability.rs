@@ -477,7 +477,8 @@ fn only_runs_past_the_lock_write_metrics() {
     let prom = metrics_path(&env);
     let prom_arg = prom.to_str().unwrap();
 
-    // Before anything ran, status --check says so.
+    // Before anything ran (the service made its state directory), status --check says so.
+    fs::create_dir_all(&env.state).unwrap();
     let st = status(&env, &["--check"]);
     assert_eq!(st.code, Some(1), "{st:?}");
     assert!(st.stdout.contains("no run recorded yet"), "{st:?}");

@@ -7,7 +7,7 @@
 //! - `SIM_SEED=1234 cargo test --release --test sim -- --nocapture`: replays one seed and
 //!   prints its whole trace.
 //!
-//! See README "Deterministic simulation".
+//! See docs/testing.md, "Deterministic simulation".
 
 #[path = "sim/driver.rs"]
 mod driver;

@@ -414,7 +414,7 @@ impl Tofu for SimTofu {
         }
     }
 
-    fn destroy(&mut self, cycle_id: &str) -> Result<(), StepError> {
+    fn destroy(&mut self, cycle_id: &str, _reason: &str) -> Result<(), StepError> {
         self.0.boundary("before", "tofu destroy");
         let stop = self.0.stop();
         let fault = self.fault(

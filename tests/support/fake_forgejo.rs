@@ -409,6 +409,8 @@ struct World {
     /// an order that depends on it (see `list_runners`).
     rows_version: u64,
     tie_seed: u64,
+    /// What `GET /api/v1/version` answers.
+    forgejo_version: String,
 }
 
 /// A request as the handler needs it.
@@ -501,6 +503,7 @@ impl World {
             rng: seed | 1,
             rows_version: 0,
             tie_seed: seed.rotate_left(17),
+            forgejo_version: FORGEJO_VERSION.to_string(),
         }
     }
 
@@ -672,7 +675,7 @@ impl World {
         let (scope, rest): (Scope, &[&str]) = match segs.as_slice() {
             ["version"] => {
                 return if inc.method == "GET" {
-                    Reply::json(200, &json!({"version": FORGEJO_VERSION}))
+                    Reply::json(200, &json!({"version": self.forgejo_version}))
                 } else {
                     Reply::method_not_allowed()
                 };
@@ -1313,6 +1316,11 @@ impl FakeForgejo {
             },
         );
         (id, handle)
+    }
+
+    /// What `GET /api/v1/version` answers from now on (`FORGEJO_VERSION` until then).
+    pub fn set_forgejo_version(&self, version: &str) {
+        self.world().forgejo_version = version.to_string();
     }
 
     /// Queues a job's run behind another run of its concurrency group (`true`), or lets it go

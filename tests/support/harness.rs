@@ -153,7 +153,7 @@ impl Env {
             "--http-timeout",
             "2s",
         ]);
-        if sub == "run" {
+        if sub == "run" || sub == "check" {
             c.args([
                 "--labels",
                 "debian:host",

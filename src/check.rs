@@ -1,0 +1,410 @@
+//! `check`: everything a cycle will need, tried without changing anything (no POST, no DELETE,
+//! no cycle.json, no VM). One line per check; exit 0 when all pass, 1 when one fails.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde_json::json;
+
+use crate::app::{
+    EXIT_FAILED, EXIT_OK, Fatal, StateDir, forgejo_target, http_forgejo, inspect_state_dir,
+    read_token, state_dir, usage, validate_run_args,
+};
+use crate::cli::{OutputFormat, RunArgs};
+use crate::forgejo::{Forgejo, major_version};
+use crate::launch::{CommandLauncher, Launcher};
+use crate::model::label_names;
+use crate::process::{ChildSpec, find_executable, run_child};
+use crate::signals::StopFlag;
+use crate::state::{STATE_FILE, read_state_file};
+
+/// The oldest Forgejo whose runner API (`/actions/runners`, `…/jobs`) this tool speaks.
+pub const MIN_FORGEJO_MAJOR: u64 = 15;
+/// How long `tofu init` (which may download providers) and `validate` may take.
+const TOFU_CHECK_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// One check: what was checked, and what was found (`Ok`) or what to do (`Err`).
+struct Line {
+    name: &'static str,
+    result: Result<String, String>,
+}
+
+pub(crate) fn cmd_check(a: RunArgs) -> Result<u8, Fatal> {
+    if a.common.dry_run || a.common.fixture.is_some() {
+        return Err(usage(
+            "check never changes anything: --dry-run and --fixture do not apply to it",
+        ));
+    }
+    let mut lines = Vec::new();
+    let config = validate_run_args(&a).map_err(|Fatal(_, msg)| msg);
+    let labels = config.as_ref().ok().cloned();
+    lines.push(Line {
+        name: "configuration",
+        result: config.map(|labels| {
+            format!(
+                "labels {labels:?}, runner prefix {:?}",
+                a.common.runner_prefix
+            )
+        }),
+    });
+    lines.extend(check_forgejo(&a, labels.as_deref()));
+    lines.push(Line {
+        name: "tofu",
+        result: check_tofu(&a.tofu_bin, a.tofu_dir.as_deref()),
+    });
+    lines.push(Line {
+        name: "launch command",
+        result: check_launch(&a),
+    });
+    lines.push(Line {
+        name: "state directory",
+        result: check_state_dir(&state_dir(&a.common.local.state_dir)),
+    });
+    if let Some(path) = &a.common.metrics_file {
+        lines.push(Line {
+            name: "metrics file",
+            result: check_metrics_dir(path),
+        });
+    }
+    let failed = lines.iter().filter(|l| l.result.is_err()).count();
+    match a.common.local.output {
+        OutputFormat::Json => {
+            let checks: Vec<_> = lines
+                .iter()
+                .map(|l| match &l.result {
+                    Ok(d) => json!({"check": l.name, "ok": true, "detail": d}),
+                    Err(d) => json!({"check": l.name, "ok": false, "detail": d}),
+                })
+                .collect();
+            let doc = json!({"ok": failed == 0, "failed": failed, "checks": checks});
+            println!("{}", serde_json::to_string_pretty(&doc).unwrap_or_default());
+        }
+        OutputFormat::Text => {
+            for l in &lines {
+                match &l.result {
+                    Ok(d) => println!("ok    {}: {d}", l.name),
+                    Err(d) => println!("FAIL  {}: {d}", l.name),
+                }
+            }
+            if failed == 0 {
+                println!("all {} checks passed", lines.len());
+            } else {
+                println!("{failed} of {} checks failed", lines.len());
+            }
+        }
+    }
+    Ok(if failed == 0 { EXIT_OK } else { EXIT_FAILED })
+}
+
+/// The token file, then Forgejo: reachable, new enough, and accepting the token for the scope.
+fn check_forgejo(a: &RunArgs, labels: Option<&str>) -> Vec<Line> {
+    let token = read_token(&a.common.token_file).map_err(|Fatal(_, msg)| msg);
+    let mut lines = vec![Line {
+        name: "token file",
+        result: token
+            .as_ref()
+            .map(|_| "readable by this user only, not empty".to_string())
+            .map_err(Clone::clone),
+    }];
+    let target = forgejo_target(&a.common).map_err(|Fatal(_, msg)| msg);
+    let (token, (url, scope)) = match (token, target) {
+        (Ok(t), Ok(target)) => (t, target),
+        (_, Err(e)) => {
+            lines.push(Line {
+                name: "forgejo",
+                result: Err(e),
+            });
+            return lines;
+        }
+        (Err(_), Ok((url, _))) => {
+            lines.push(Line {
+                name: "forgejo",
+                result: Err(format!("{url}: not asked, there is no usable token")),
+            });
+            return lines;
+        }
+    };
+    let names = labels.map(label_names).unwrap_or_default();
+    let mut forgejo = match http_forgejo(&a.common, &url, scope.clone(), &token, &names) {
+        Ok(f) => f,
+        Err(Fatal(_, msg)) => {
+            lines.push(Line {
+                name: "forgejo",
+                result: Err(msg),
+            });
+            return lines;
+        }
+    };
+    drop(token);
+    let version = forgejo.version().map_err(|e| e.to_string()).and_then(|v| {
+        match major_version(&v) {
+            Some(m) if m >= MIN_FORGEJO_MAJOR => Ok(format!("{url} answers, Forgejo {v}")),
+            Some(_) => Err(format!(
+                "{url} runs Forgejo {v}; this tool needs Forgejo {MIN_FORGEJO_MAJOR} or later (its runner and jobs API): upgrade Forgejo"
+            )),
+            None => Err(format!(
+                "{url} reports the version {v:?}, which is not a Forgejo version; is --forgejo-url the address of Forgejo?"
+            )),
+        }
+    });
+    let reachable = version.is_ok();
+    lines.push(Line {
+        name: "forgejo",
+        result: version,
+    });
+    if !reachable {
+        return lines;
+    }
+    let runners = forgejo
+        .list_runners_page(1, 1)
+        .map_err(|e| e.to_string())
+        .map(|p| match p.total {
+            Some(n) => format!("{n} registration(s) in the scope"),
+            None => "the list answers".to_string(),
+        });
+    let jobs = if names.is_empty() {
+        Err("not asked: --labels is not set".to_string())
+    } else {
+        forgejo
+            .list_jobs()
+            .map_err(|e| e.to_string())
+            .map(|j| format!("{} waiting or running job(s) for these labels", j.len()))
+    };
+    let scope_result = match (runners, jobs) {
+        (Ok(r), Ok(j)) => Ok(format!(
+            "the token lists runners and jobs of scope {}: {r}, {j}",
+            a.common.scope
+        )),
+        (Err(e), _) | (_, Err(e)) => Err(e),
+    };
+    lines.push(Line {
+        name: "token scope",
+        result: scope_result,
+    });
+    lines
+}
+
+fn check_launch(a: &RunArgs) -> Result<String, String> {
+    let launcher = CommandLauncher {
+        command: a.launch_command.clone(),
+        timeout: a.launch_timeout,
+        stop: StopFlag::new(),
+    };
+    launcher.check_config()?;
+    let shown = a
+        .launch_command
+        .as_deref()
+        .map(|p| find_executable(p).unwrap_or_else(|| p.to_path_buf()))
+        .unwrap_or_default();
+    Ok(format!("{} is an executable file", shown.display()))
+}
+
+/// The tofu binary runs, and the module initializes and validates in a temporary copy with
+/// its own `TF_DATA_DIR`: the module directory, its state and its backend stay untouched.
+fn check_tofu(bin: &Path, dir: Option<&Path>) -> Result<String, String> {
+    let program = find_executable(bin).ok_or_else(|| {
+        format!(
+            "--tofu-bin {} is not an executable (nor found on PATH); install OpenTofu or point --tofu-bin at it (terraform works too)",
+            bin.display()
+        )
+    })?;
+    let dir = dir.ok_or("--tofu-dir is not set; it names the directory of the VM module")?;
+    if !dir.is_dir() {
+        return Err(format!(
+            "--tofu-dir {} is not a directory; point it at the VM module",
+            dir.display()
+        ));
+    }
+    let tmp = tempfile::Builder::new()
+        .prefix("ci-ephemeral-provisioner-check-")
+        .tempdir()
+        .map_err(|e| format!("cannot create a temporary directory: {e}"))?;
+    let copy = tmp.path().join("module");
+    copy_module(dir, &copy, 0).map_err(|e| {
+        format!(
+            "cannot copy the module {} to {}: {e}",
+            dir.display(),
+            copy.display()
+        )
+    })?;
+    let data = tmp.path().join("data");
+    let run = |args: &[&str]| -> Result<Vec<u8>, String> {
+        let mut all = vec![format!("-chdir={}", copy.display())];
+        all.extend(args.iter().map(|a| a.to_string()));
+        let shown = format!("{} {}", program.display(), args.join(" "));
+        let spec = ChildSpec {
+            program: program.clone(),
+            args: all.into_iter().map(Into::into).collect(),
+            env: vec![
+                ("TF_IN_AUTOMATION".into(), "1".into()),
+                ("TF_INPUT".into(), "0".into()),
+                ("TF_DATA_DIR".into(), data.display().to_string()),
+                ("TF_VAR_cycle_id".into(), "check".into()),
+            ],
+            stdin: None,
+            timeout: Some(TOFU_CHECK_TIMEOUT),
+        };
+        let r = run_child(&spec, &StopFlag::new())
+            .map_err(|e| format!("cannot run {}: {e}", program.display()))?;
+        if r.success() {
+            Ok(r.stdout)
+        } else {
+            Err(format!("`{shown}` {}", r.describe()))
+        }
+    };
+    let version = run(&["version"])?;
+    let version = String::from_utf8_lossy(&version)
+        .lines()
+        .next()
+        .unwrap_or("")
+        .trim()
+        .to_string();
+    run(&["init", "-backend=false", "-input=false", "-no-color"])
+        .map_err(|e| format!("{e}; the module {} does not initialize", dir.display()))?;
+    run(&["validate", "-no-color"])
+        .map_err(|e| format!("{e}; the module {} is not valid", dir.display()))?;
+    Ok(format!(
+        "{version}; the module {} initializes and validates (in a temporary copy)",
+        dir.display()
+    ))
+}
+
+/// Copies a module for `init`/`validate`, leaving out what tofu made there (its data
+/// directory and local state): those stay as they are and are not needed to validate.
+fn copy_module(from: &Path, to: &Path, depth: usize) -> std::io::Result<()> {
+    const SKIP: [&str; 4] = [
+        ".terraform",
+        "terraform.tfstate",
+        "terraform.tfstate.backup",
+        ".terraform.tfstate.lock.info",
+    ];
+    if depth > 16 {
+        return Err(std::io::Error::other(format!(
+            "{} is nested more than 16 directories deep (a symlink loop?)",
+            from.display()
+        )));
+    }
+    std::fs::create_dir_all(to)?;
+    for entry in std::fs::read_dir(from)? {
+        let entry = entry?;
+        let name = entry.file_name();
+        if SKIP.iter().any(|s| name == *s) {
+            continue;
+        }
+        let src = entry.path();
+        let meta = std::fs::metadata(&src)?;
+        if meta.is_dir() {
+            copy_module(&src, &to.join(&name), depth + 1)?;
+        } else if meta.is_file() {
+            std::fs::copy(&src, to.join(&name))?;
+        }
+    }
+    Ok(())
+}
+
+/// A directory this user owns, may write and can lock, or one it can create; and a cycle.json
+/// that reads (a cycle in progress is fine: the next run carries it on).
+fn check_state_dir(dir: &Path) -> Result<String, String> {
+    match inspect_state_dir(dir).map_err(|Fatal(_, msg)| msg)? {
+        StateDir::Missing => {
+            let parent = nearest_existing(dir).ok_or_else(|| {
+                format!(
+                    "state directory {} does not exist, and no parent of it does",
+                    dir.display()
+                )
+            })?;
+            if !parent.is_dir() || !writable(&parent) {
+                return Err(format!(
+                    "state directory {} does not exist, and this user cannot create it in {}: create it (owned by the service's user, mode 0700) or point --state-dir elsewhere",
+                    dir.display(),
+                    parent.display()
+                ));
+            }
+            Ok(format!(
+                "{} does not exist yet; the first run creates it in {}",
+                dir.display(),
+                parent.display()
+            ))
+        }
+        StateDir::Usable => {
+            tempfile::Builder::new()
+                .prefix(".check-")
+                .tempfile_in(dir)
+                .map_err(|e| {
+                    format!(
+                        "cannot write in state directory {}: {e}; make it writable by the service's user",
+                        dir.display()
+                    )
+                })?;
+            let lock = lock_state(dir)?;
+            let cycle = match read_state_file(&dir.join(STATE_FILE)) {
+                Ok(None) => "no cycle in progress".to_string(),
+                Ok(Some(s)) => format!("cycle {} in progress", s.cycle_id),
+                Err(e) => return Err(format!("{e:#}")),
+            };
+            Ok(format!("{} is writable{lock}; {cycle}", dir.display()))
+        }
+    }
+}
+
+/// Tries `cycle.lock` if it exists (never creates it). A lock held by a run in progress is fine.
+fn lock_state(dir: &Path) -> Result<&'static str, String> {
+    let path = dir.join(crate::app::LOCK_FILE);
+    let file = match std::fs::OpenOptions::new().write(true).open(&path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(""),
+        Err(e) => return Err(format!("cannot open lock file {}: {e}", path.display())),
+    };
+    match file.try_lock() {
+        Ok(()) => Ok(" and lockable"),
+        Err(std::fs::TryLockError::WouldBlock) => Ok(" (a run in progress holds its lock)"),
+        Err(std::fs::TryLockError::Error(e)) => Err(format!("cannot lock {}: {e}", path.display())),
+    }
+}
+
+/// The directory node_exporter reads must take our temporary file and rename.
+fn check_metrics_dir(path: &Path) -> Result<String, String> {
+    let parent = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    if !parent.is_dir() {
+        return Err(format!(
+            "--metrics-file {}: directory {} does not exist (is node_exporter's textfile directory created?)",
+            path.display(),
+            parent.display()
+        ));
+    }
+    if !writable(parent) {
+        return Err(format!(
+            "--metrics-file {}: this user cannot write in {}; grant it write access (the role uses a POSIX ACL)",
+            path.display(),
+            parent.display()
+        ));
+    }
+    Ok(format!("{} can be written", path.display()))
+}
+
+fn nearest_existing(dir: &Path) -> Option<PathBuf> {
+    dir.ancestors()
+        .skip(1)
+        .find(|p| p.exists())
+        .map(Path::to_path_buf)
+}
+
+/// Whether this process may create files in `dir` (`faccessat` with the effective ids).
+fn writable(dir: &Path) -> bool {
+    use std::os::unix::ffi::OsStrExt;
+    let Ok(c) = std::ffi::CString::new(dir.as_os_str().as_bytes()) else {
+        return false;
+    };
+    // SAFETY: `c` is a valid NUL-terminated path for the duration of the call.
+    unsafe {
+        libc::faccessat(
+            libc::AT_FDCWD,
+            c.as_ptr(),
+            libc::W_OK | libc::X_OK,
+            libc::AT_EACCESS,
+        ) == 0
+    }
+}
