@@ -705,6 +705,54 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
         );
     }
 
+    // `check` ran for each pool at deploy time, under the service's user, credential and
+    // sandbox, and everything passed.
+    for pool in ["default", "gpu"] {
+        let unit = format!("ci-ephemeral-provisioner-check@{pool}.service");
+        let s = host.show(&unit);
+        assert_eq!(
+            (s["Result"].as_str(), s["ExecMainStatus"].as_str()),
+            ("success", "0"),
+            "{unit}: {s:?}"
+        );
+        assert_eq!(
+            s.get("User").map(String::as_str),
+            Some("ci-ephemeral-provisioner")
+        );
+        let j = host.journal(&unit);
+        assert!(j.contains("all 7 checks passed"), "{unit}:\n{j}");
+        assert!(
+            !j.contains(API_TOKEN),
+            "{unit}: the token is in the journal"
+        );
+    }
+
+    // Recovery by hand: the pool's tofu as the service's user, with the pool's environment and
+    // secret environment, on the pool's working copy (a "VM" applied and destroyed).
+    let vm_dir = "var/lib/ci-ephemeral-provisioner/default/vm";
+    fs::remove_file(host.file(&format!("{vm_dir}/uid.create"))).unwrap();
+    host.sh_ok(
+        "TF_VAR_cycle_id=by-hand ci-ephemeral-provisioner-tofu default apply -auto-approve -no-color -input=false \
+         && ci-ephemeral-provisioner-tofu default destroy -auto-approve -no-color -input=false",
+    );
+    assert_eq!(host.read(&format!("{vm_dir}/uid.create")).trim(), uid);
+    let by_hand = host.read(&format!("{vm_dir}/vm.log"));
+    assert!(
+        by_hand.contains("create by-hand\n") && by_hand.contains("destroy by-hand\n"),
+        "{by_hand}"
+    );
+    let recovery_env = host.read(&format!("{vm_dir}/tofu-env.create"));
+    assert!(
+        recovery_env.contains(&format!("E2E_CLOUD_TOKEN={CLOUD_SECRET}")),
+        "{recovery_env}"
+    );
+    assert!(!recovery_env.contains(API_TOKEN) && !recovery_env.contains("CREDENTIALS_DIRECTORY"));
+    let (ok, out) = host.sh("ci-ephemeral-provisioner-tofu no-such-pool destroy");
+    assert!(
+        !ok && out.contains("no pool no-such-pool on this host"),
+        "{out}"
+    );
+
     // The gates on the units as installed (systemd 252 in the container).
     host.sh_ok(
         "d=$(mktemp -d) && cp /etc/systemd/system/ci-ephemeral-provisioner@.service $d/ci-ephemeral-provisioner@default.service \
@@ -962,6 +1010,26 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
     assert_eq!(
         host.sh_ok(&format!("stat -c '%a' {fresh_file}")).trim(),
         "644"
+    );
+
+    // A pool `check` finds broken fails the deployment, saying what to fix.
+    let broken = vars(&fake, work, &local, one_pool).replace(
+        "  tofu_bin: /usr/local/bin/tofu\n",
+        "  tofu_bin: /nonexistent/tofu\n",
+    );
+    let (ok, out, _) = host.play("broken-pool", &broken);
+    assert!(
+        !ok,
+        "a pool with a missing tofu binary was deployed:\n{out}"
+    );
+    assert!(
+        out.contains("pool default: `ci-ephemeral-provisioner check` failed")
+            && out.contains("FAIL  tofu: --tofu-bin /nonexistent/tofu is not an executable"),
+        "{out}"
+    );
+    assert!(
+        !out.contains(API_TOKEN),
+        "Ansible printed the token:\n{out}"
     );
     drop(host);
 }
