@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Proves the simulation's invariants discriminate: applies each mutation of the README table
+# Proves the simulation's invariants discriminate: applies each mutation of the table in docs/testing.md,
 # "Deterministic simulation" to the real code, runs the simulation, prints the lowest seed that
 # caught it, and restores the files. Every mutation must be caught; exits non-zero otherwise.
 #   bash tests/sim/mutations.sh            # all mutations, SIM_SEEDS (default 3000) each
