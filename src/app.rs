@@ -42,6 +42,17 @@ pub(crate) fn usage(msg: impl Into<String>) -> Fatal {
 }
 
 pub fn main() -> ExitCode {
+    // First of all, before the token is read: no process of our user (tofu, a provider, a
+    // module's local-exec, the launch command) may read our memory, environment or descriptors
+    // through /proc, and no core dump may hold the token.
+    if let Err(e) = crate::secret::forbid_dumping() {
+        eprintln!(
+            "error: cannot make this process non-dumpable (prctl PR_SET_DUMPABLE 0): {e}; \
+             refusing to run, since a process of the same user could then read the Forgejo \
+             token from its memory"
+        );
+        return ExitCode::from(EXIT_FAILED);
+    }
     let cli = Cli::parse();
     let (verbose, dry_run, sub) = match &cli.command {
         Command::Run(a) => (a.common.local.verbose, a.common.dry_run, "run"),
@@ -242,8 +253,15 @@ pub(crate) fn state_dir(arg: &Option<PathBuf>) -> PathBuf {
     PathBuf::from("/var/lib/ci-ephemeral-provisioner")
 }
 
+/// The Forgejo token: `--token-file -` reads standard input (the role's units:
+/// `StandardInput=file:…`), a path reads that file, and without the flag
+/// `$CREDENTIALS_DIRECTORY/forgejo-token` (`LoadCredential=`). Called at most once per process:
+/// standard input is `/dev/null` after it was read.
 pub(crate) fn read_token(arg: &Option<PathBuf>) -> Result<Secret, Fatal> {
     let path = match arg {
+        Some(p) if p.as_os_str() == crate::secret::STDIN_PATH => {
+            return crate::secret::read_token_stdin().map_err(usage);
+        }
         Some(p) => p.clone(),
         None => match std::env::var_os("CREDENTIALS_DIRECTORY") {
             Some(d) => Path::new(&d).join("forgejo-token"),

@@ -1,14 +1,37 @@
-//! Secrets (the Forgejo token, runner tokens) in a type that never prints itself, and the one
-//! reader of the Forgejo token file.
+//! Secrets (the Forgejo token, runner tokens) in a type that never prints itself, the one reader
+//! of the Forgejo token (a file, or standard input for `--token-file -`), and the switch that
+//! keeps a same-user process out of this one's memory (`PR_SET_DUMPABLE`).
 
 use std::fmt;
 use std::fs;
 use std::io::Read;
+use std::os::fd::{AsRawFd, FromRawFd};
 use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::path::Path;
 
 /// The token file is read up to this many bytes (a token is 40 hex digits).
 pub const MAX_TOKEN_FILE_BYTES: u64 = 64 * 1024;
+
+/// `--token-file -`: the token comes on standard input.
+pub const STDIN_PATH: &str = "-";
+
+/// Makes this process non-dumpable (`prctl(PR_SET_DUMPABLE, 0)`), before anything secret is in
+/// its memory: a process of the same user — tofu, a provider plugin, a module's `local-exec`, the
+/// launch command — can then not read our `/proc/<pid>/mem`, `environ` or `fd/` (they become
+/// root's) nor ptrace us, and no core dump is ever written. Children are not affected: `execve`
+/// makes them dumpable again.
+pub fn forbid_dumping() -> Result<(), String> {
+    // SAFETY: PR_SET_DUMPABLE takes an integer argument and touches no memory of ours.
+    let rc = unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0 as libc::c_ulong, 0, 0, 0) };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error().to_string());
+    }
+    // SAFETY: as above; PR_GET_DUMPABLE returns the flag.
+    match unsafe { libc::prctl(libc::PR_GET_DUMPABLE, 0, 0, 0, 0) } {
+        0 => Ok(()),
+        n => Err(format!("the flag still reads {n} after setting it to 0")),
+    }
+}
 
 #[derive(Clone, PartialEq, Eq)]
 pub struct Secret(String);
@@ -106,20 +129,101 @@ pub fn read_token_file(path: &Path) -> Result<Secret, String> {
     file.take(MAX_TOKEN_FILE_BYTES)
         .read_to_end(&mut bytes)
         .map_err(|e| format!("cannot read token file {shown}: {e}"))?;
+    judge(bytes, &format!("token file {shown}"))
+}
+
+/// Reads the Forgejo token from standard input (`--token-file -`), to its end and at most
+/// [`MAX_TOKEN_FILE_BYTES`], with the checks of a token file's content, then replaces fd 0 with
+/// `/dev/null` at once — whether the read worked or not — so that the token's file or pipe is no
+/// longer open in this process: no child can inherit it, `/proc/<pid>/fd/0` shows `/dev/null`.
+/// Refused when standard input is a terminal (nothing to wait for there). Under systemd,
+/// `StandardInput=file:PATH` opens PATH with the service manager's privileges, so a root-only file
+/// can feed a service that could never open it itself.
+pub fn read_token_stdin() -> Result<Secret, String> {
+    // SAFETY: isatty(3) on fd 0 touches no memory of ours.
+    if unsafe { libc::isatty(0) } == 1 {
+        return Err(
+            "--token-file - reads the token from standard input, which is a terminal here: \
+                    redirect it from the file (`--token-file - < FILE`) or a pipe, or give \
+                    --token-file PATH"
+                .into(),
+        );
+    }
+    let read = read_fd0();
+    let replaced = stdin_to_dev_null();
+    let bytes = read.map_err(|e| format!("cannot read the token from standard input: {e}"))?;
+    replaced.map_err(|e| {
+        format!("cannot replace standard input with /dev/null after reading the token: {e}")
+    })?;
+    judge(bytes, "the token on standard input (--token-file -)")
+}
+
+/// Everything on fd 0 up to the cap and one byte more (so that too much is told from the cap),
+/// into one buffer allocated up front: no reallocation leaves a copy behind in freed memory.
+fn read_fd0() -> std::io::Result<Vec<u8>> {
+    let cap = MAX_TOKEN_FILE_BYTES as usize;
+    // SAFETY: fd 0 is only borrowed: ManuallyDrop never closes it (stdin_to_dev_null replaces it).
+    let mut stdin = std::mem::ManuallyDrop::new(unsafe { fs::File::from_raw_fd(0) });
+    let mut buf = vec![0u8; cap + 1];
+    let mut n = 0;
+    while n < buf.len() {
+        match stdin.read(&mut buf[n..]) {
+            Ok(0) => break,
+            Ok(k) => n += k,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => {
+                buf.fill(0);
+                return Err(e);
+            }
+        }
+    }
+    if n > cap {
+        buf.fill(0);
+        return Err(std::io::Error::other(format!(
+            "it holds more than {} KiB, more than a token",
+            cap / 1024
+        )));
+    }
+    buf.truncate(n);
+    Ok(buf)
+}
+
+/// fd 0 becomes `/dev/null` (dup2), which closes what it was.
+fn stdin_to_dev_null() -> std::io::Result<()> {
+    let null = fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_CLOEXEC)
+        .open("/dev/null")?;
+    let fd = null.as_raw_fd();
+    if fd == 0 {
+        // fd 0 was closed: /dev/null is there now; keep it open.
+        std::mem::forget(null);
+        return Ok(());
+    }
+    // SAFETY: both descriptors are open; dup2(2) replaces fd 0 atomically.
+    if unsafe { libc::dup2(fd, 0) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// The token in `bytes` (`what` names where they came from): UTF-8, surrounding whitespace
+/// dropped, not empty, one word. The bytes are zeroed on every path.
+fn judge(bytes: Vec<u8>, what: &str) -> Result<Secret, String> {
     let text = String::from_utf8(bytes).map_err(|e| {
         // Not shown: the bytes may be the token.
         let mut b = e.into_bytes();
         b.fill(0);
-        format!("token file {shown} is not UTF-8 text")
+        format!("{what} is not UTF-8 text")
     })?;
     let text = Secret::new(text);
     let token = text.expose().trim();
     if token.is_empty() {
-        return Err(format!("token file {shown} is empty"));
+        return Err(format!("{what} is empty"));
     }
     if token.chars().any(|c| c.is_whitespace() || c.is_control()) {
         return Err(format!(
-            "token file {shown} must hold only the token (one line, no spaces)"
+            "{what} must hold only the token (one line, no spaces)"
         ));
     }
     Ok(Secret::new(token.to_string()))
@@ -226,6 +330,20 @@ mod tests {
                 .unwrap_err()
                 .contains("cannot read token file")
         );
+    }
+
+    #[test]
+    fn the_content_is_judged_the_same_wherever_it_came_from() {
+        let ok = |b: &str| judge(b.as_bytes().to_vec(), "x").map(|s| s.expose().to_string());
+        assert_eq!(ok(" cac45fa0123\n").unwrap(), "cac45fa0123");
+        assert_eq!(ok("cac45fa0123").unwrap(), "cac45fa0123");
+        assert_eq!(ok("\n \t").unwrap_err(), "x is empty");
+        for two in ["abc def", "abc\ndef\n", "abc\u{7}def"] {
+            let e = ok(two).unwrap_err();
+            assert_eq!(e, "x must hold only the token (one line, no spaces)");
+        }
+        let e = judge(vec![0xff, 0xfe, b'a'], "x").unwrap_err();
+        assert_eq!(e, "x is not UTF-8 text");
     }
 
     #[test]
