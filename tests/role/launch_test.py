@@ -10,7 +10,12 @@ in a directory of the scenario with its own PATH, where a fake `forgejo-runner` 
 `cloud-init`) behave as the scenario says. Each scenario then checks the exit status, the time
 taken, what the operator reads on stderr, and what reached "the VM".
 
-Scenarios run in parallel (most of their time is sleeping); the whole test takes about 15 s.
+Most scenarios start a runner (RUNNER_ACTION unset, which means start); the later ones then run
+the command again with RUNNER_ACTION=check or stop and empty stdin, as the provisioner does, and
+check what it answers and what is left on "the VM" (the runner's process, UUID.pid, UUID.token).
+The fake runner reads its token file and ends on SIGTERM as forgejo-runner does (see RUNNER_STUB).
+
+Scenarios run in parallel (most of their time is sleeping); the whole test takes about 20 s.
 
 Usage: launch_test.py [--template FILE] [-k SUBSTRING]... [-v] [--keep]
   --template  render this file instead of role/templates/launch.sh.j2 (to try a mutation)
@@ -147,17 +152,40 @@ sys.exit(subprocess.run(["/bin/sh", "-c", command], env=env, cwd=vm).returncode)
 
 # --- the fake forgejo-runner on "the VM" ---------------------------------------------------------
 RUNNER_STUB = r'''#!@PYTHON@
-"""Fake forgejo-runner: --version and one-job as $FAKE_VM/runner.json says."""
-import json, os, stat, sys, time
+"""Fake forgejo-runner: --version and one-job as $FAKE_VM/runner.json says.
+
+Like the real one (ppaslan/runner a811c1ac): it reads its --token-url file once, while it builds
+its configuration (internal/app/cmd/args.go, connectionFromArguments -> config.ResolveSecretURL),
+which takes a moment here (so a launch that removes the file too early is caught), and logs
+"Starting job" only after that (internal/app/cmd/job.go, runJob). SIGTERM (main.go:
+signal.NotifyContext) ends it: "single task poller is shutting down", exit 0; how it ended goes
+to $FAKE_VM/runner-exit.json. Modes: declare, late, quick, fail, silent (never declares),
+hold (reads its token only once $FAKE_VM/go exists), ignores-term (a task that does not stop on
+SIGTERM: only SIGKILL ends it)."""
+import json, os, signal, stat, sys, time
 vm = os.environ["FAKE_VM"]
 with open(os.path.join(vm, "runner.json"), encoding="utf-8") as f:
     cfg = json.load(f)
 if sys.argv[1:] == ["--version"]:
     print(cfg["version"])
     sys.exit(0)
+mode = cfg["mode"]
+def log(msg, level="info"):
+    print(f'time="2026-01-01T00:00:00Z" level={level} msg="{msg}"', file=sys.stderr, flush=True)
+def ended(how):
+    with open(os.path.join(vm, "runner-exit.json"), "w", encoding="utf-8") as f:
+        json.dump({"how": how, "pid": os.getpid()}, f)
+def on_term(signum, frame):
+    log("single task poller is shutting down")
+    ended("SIGTERM")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, signal.SIG_IGN if mode == "ignores-term" else on_term)
 args = sys.argv[1:]
 token_url = args[args.index("--token-url") + 1] if "--token-url" in args else ""
 path = token_url[len("file:"):]
+time.sleep(0.3)
+while mode == "hold" and not os.path.exists(os.path.join(vm, "go")):
+    time.sleep(0.05)
 st = os.stat(path)
 with open(path, encoding="utf-8") as f:
     token = f.read()
@@ -165,25 +193,25 @@ record = {"argv": args, "pid": os.getpid(), "token": token, "token_mode": oct(st
           "token_in_env": any(token.strip() in v for v in os.environ.values())}
 with open(os.path.join(vm, "runner-run.json"), "w", encoding="utf-8") as f:
     json.dump(record, f)
-def log(msg, level="info"):
-    print(f'time="2026-01-01T00:00:00Z" level={level} msg="{msg}"', file=sys.stderr, flush=True)
 log("Starting job")
-mode = cfg["mode"]
 if mode == "fail":
     for i in range(8):
         log(f"config check {i}: ok")
     log("fail to invoke Declare", "error")
     print("Error: unauthenticated: unregistered runner", file=sys.stderr)
+    ended("exit 1")
     sys.exit(1)
 if mode == "late":
     time.sleep(2)
-if mode in ("declare", "late", "quick"):
+if mode in ("declare", "late", "quick", "ignores-term"):
     log("runner: ephemeral-1, with version: v12.8.2, with labels: [debian], ephemeral: true, declared successfully")
 if mode == "quick":
+    ended("exit 0")
     sys.exit(0)
 end = time.time() + 40
 while time.time() < end and not os.path.exists(os.path.join(vm, "stop")):
     time.sleep(0.1)
+ended("exit 0")
 '''
 
 # `cloud-init status --wait`: installs the runner a second later (as a first boot would), then
@@ -262,10 +290,13 @@ class Case:
 
     def __init__(self, name, *, variant="a", answers=(), then="ok", version="forgejo-runner version v12.8.2",
                  mode="declare", runner=True, cloud_init=None, labels="debian:host", timeout=120,
-                 address=ADDRESS, uuid=None, check=None):
+                 address=ADDRESS, uuid=None, check=None, action=None, after=None):
         self.name, self.variant, self.answers, self.then = name, variant, list(answers), then
         self.version, self.mode, self.runner, self.cloud_init = version, mode, runner, cloud_init
         self.labels, self.timeout, self.check = labels, timeout, check
+        # action: RUNNER_ACTION of the first run (None: not set, which means start). after(c):
+        # what happens next (c.act("check"), the runner ending, ...), before the check.
+        self.action, self.after, self.acts = action, after, []
         # "@case@" in the address: this case's directory (where a ProxyCommand would leave a mark).
         self.address = address
         self.uuid = uuid or f"00000000-0000-4000-8000-{zlib.crc32(name.encode()):012d}"
@@ -286,7 +317,8 @@ class Case:
                 write(self.vm / "cloud-init-hangs", "")
         elif self.runner:
             write(self.vm / "bin" / "forgejo-runner", runner, 0o755)
-        env = {
+        self.rendered = rendered[self.variant]
+        self.env = {
             "PATH": f"{work / 'bin'}:{os.environ['PATH']}",
             "FAKE_HOST_BIN": str(work / "host-bin"),
             "FAKE_SSH_DIR": str(self.ssh_dir),
@@ -302,39 +334,88 @@ class Case:
             "TOFU_OUTPUT_SSH_PRIVATE_KEY": PRIVATE_KEY,
             "TOFU_OUTPUT_HOST_KEYS": OUTPUT_HOST_KEY,
         }
+        self.rc, self.stdout, self.stderr, self.elapsed = self.invoke(self.action, TOKEN + "\n")
+        self.calls = self.ssh_calls()
+        run = self.vm / "runner-run.json"
+        self.started = json.loads(run.read_text()) if run.exists() else None
+        self.alive = self.started is not None and pid_alive(self.started["pid"])
+        self.after_failed = None
+        if self.after:
+            try:
+                self.after(self)
+            except Failed as e:
+                self.after_failed = e
+        return self
+
+    def invoke(self, action, stdin):
+        """One run of the launch command: (exit status, stdout, stderr, seconds)."""
+        env = dict(self.env)
+        if action is not None:
+            env["RUNNER_ACTION"] = action
         started = time.monotonic()
         # Its own process group, killed past the launch timeout (+5 s), as the provisioner does.
-        p = subprocess.Popen([str(rendered[self.variant])], env=env, stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        p = subprocess.Popen([str(self.rendered)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             stdin=subprocess.DEVNULL if stdin is None else subprocess.PIPE, text=True,
                              start_new_session=True)
         try:
-            out, err = p.communicate(TOKEN + "\n", timeout=self.timeout + 5)
+            out, err = p.communicate(stdin, timeout=self.timeout + 5)
         except subprocess.TimeoutExpired:
             os.killpg(p.pid, signal.SIGKILL)
             out, err = p.communicate()
             err += f"\n[launch_test: killed after {self.timeout + 5}s]"
-        self.elapsed = time.monotonic() - started
-        self.rc, self.stdout, self.stderr = p.returncode, out, err
-        self.calls = [json.loads(l) for l in (self.ssh_dir / "calls.jsonl").read_text().splitlines()] \
-            if (self.ssh_dir / "calls.jsonl").exists() else []
-        run = self.vm / "runner-run.json"
-        self.started = json.loads(run.read_text()) if run.exists() else None
-        self.alive = self.started is not None and pid_alive(self.started["pid"])
-        return self
+        return p.returncode, out, err, time.monotonic() - started
+
+    def act(self, action):
+        """RUNNER_ACTION=action (check, stop), stdin empty, as the provisioner runs it; its
+        result (rc, stdout, stderr, elapsed, calls: the ssh calls it made) is appended to acts."""
+        before = len(self.ssh_calls())
+        rc, out, err, elapsed = self.invoke(action, None)
+        r = {"action": action, "rc": rc, "stdout": out, "stderr": err, "elapsed": elapsed,
+             "calls": self.ssh_calls()[before:]}
+        self.acts.append(r)
+        return r
+
+    def ssh_calls(self):
+        f = self.ssh_dir / "calls.jsonl"
+        return [json.loads(l) for l in f.read_text().splitlines()] if f.exists() else []
+
+    def runner_file(self, ext):
+        """UUID.<ext> in the runner directory on "the VM"."""
+        return self.work / "shared" / "runner-dir" / f"{self.uuid}.{ext}"
+
+    def runner_pid(self):
+        """The runner's pid: from its own record, else from the pid file."""
+        if self.started:
+            return self.started["pid"]
+        try:
+            return int(self.runner_file("pid").read_text())
+        except (OSError, ValueError):
+            return None
+
+    def end_runner(self):
+        """The runner ends by itself (its job done): it exits, and is gone."""
+        write(self.vm / "stop", "")
+        wait_for(lambda: not pid_alive(self.runner_pid()), 5, f"{self.name}: the runner did not end")
 
     def stop(self):
         write(self.vm / "stop", "")
-        if self.started and pid_alive(self.started["pid"]):
+        pid = self.runner_pid() if hasattr(self, "work") else None
+        if pid_alive(pid):
             try:
-                os.kill(self.started["pid"], signal.SIGTERM)
+                os.kill(pid, signal.SIGKILL if self.mode == "ignores-term" else signal.SIGTERM)
             except OSError:
                 pass
+        for p in getattr(self, "others", []):
+            p.kill()
+            p.wait()
 
     def remote_calls(self):
         return [c for c in self.calls if c["command"] != "true"]
 
 
 def pid_alive(pid):
+    if pid is None:
+        return False
     try:
         os.kill(pid, 0)
     except OSError:
@@ -344,6 +425,14 @@ def pid_alive(pid):
         return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def wait_for(cond, seconds, what):
+    end = time.monotonic() + seconds
+    while not cond():
+        if time.monotonic() > end:
+            raise Failed(what)
+        time.sleep(0.05)
 
 
 # --- checks -------------------------------------------------------------------------------------
@@ -401,6 +490,9 @@ def check_good(c):
     expect(c.started["token_mode"] == "0o600", f"token file mode {c.started['token_mode']}")
     expect(not c.started["token_in_env"], "the token is in the runner's environment")
     expect(c.alive, "the runner is not running after the launch returned")
+    expect(not c.runner_file("token").exists(), "the token file is still on the VM after the runner declared itself")
+    pid = c.runner_file("pid").read_text() if c.runner_file("pid").exists() else None
+    expect(pid == f"{c.started['pid']}\n", f"the pid file holds {pid!r}, the runner's pid is {c.started['pid']}")
     expect(len(c.calls) == 2 and c.calls[0]["command"] == "true",
            f"expected one probe (`true`) and one start: {[x['command'][:40] for x in c.calls]}")
     for call in c.calls:
@@ -506,6 +598,8 @@ def check_accepted(c):
 def check_runner_fails(c):
     failed_with(c, "fail to invoke Declare", "Error: unauthenticated: unregistered runner",
                 "exited with status 1 before it declared itself", limit=5)
+    expect(not c.runner_file("token").exists(), "the token file is still on the VM after the runner exited")
+    expect(not c.runner_file("pid").exists(), "the pid file of a runner that exited is still on the VM")
 
 
 def check_silent(c):
@@ -513,6 +607,8 @@ def check_silent(c):
     expect(3.5 <= c.elapsed < c.timeout - 1, f"took {c.elapsed:.1f}s: expected a watch of several seconds "
                                              f"that ends before the launch timeout ({c.timeout}s)")
     expect(c.alive, "the runner is not running")
+    expect(not c.runner_file("token").exists(),
+           "the token file is still on the VM although the runner logged \"Starting job\" (it has read it)")
 
 
 def check_late(c):
@@ -560,6 +656,198 @@ def check_no_labels(c):
     expect(not c.calls, "ssh was run although there is no label")
 
 
+# --- check and stop (RUNNER_ACTION) --------------------------------------------------------------
+def act_result(c, i, action):
+    expect(len(c.acts) > i, f"no {action} was run")
+    r = c.acts[i]
+    expect(r["action"] == action, f"act {i} is {r['action']}, expected {action}")
+    return r
+
+
+def expect_one_strict_call(r):
+    """check and stop: one ssh call (no probe), host key checking on, no token anywhere."""
+    expect(len(r["calls"]) == 1, f"{r['action']}: {len(r['calls'])} ssh calls, expected 1")
+    for call in r["calls"]:
+        o = call["options"]
+        expect(o.get("StrictHostKeyChecking") == "yes" and o.get("BatchMode") == "yes",
+               f"{r['action']}: ssh options {o}")
+        expect(not any(TOKEN in a for a in call["argv"]), f"{r['action']}: the token is on ssh's command line")
+        expect_destination_after_dashes(call, ADDRESS)
+
+
+def exited(c):
+    """How the runner ended (its own record), or None (still running, or SIGKILLed)."""
+    f = c.vm / "runner-exit.json"
+    return json.loads(f.read_text())["how"] if f.exists() else None
+
+
+def after_check(c):
+    c.act("check")
+
+
+def check_check_running(c):
+    ok_fast(c)
+    r = act_result(c, 0, "check")
+    expect(r["rc"] == 0, f"check exited {r['rc']} while the runner runs, expected 0; stderr: {r['stderr']!r}")
+    expect_one_strict_call(r)
+    expect(pid_alive(c.runner_pid()), "check stopped the runner")
+
+
+def after_end_check(c):
+    c.end_runner()
+    c.act("check")
+
+
+def check_check_gone(c):
+    ok_fast(c)
+    r = act_result(c, 0, "check")
+    expect(r["rc"] == 3, f"check exited {r['rc']} after the runner ended, expected 3; stderr: {r['stderr']!r}")
+
+
+def check_check_cannot_tell(c):
+    ok_fast(c)
+    r = act_result(c, 0, "check")
+    expect(r["rc"] not in (0, 3) and r["rc"] > 0,
+           f"check exited {r['rc']} although ssh failed: neither 0 nor 3 (cannot tell) expected")
+    expect(re.search("cannot tell whether runner .* still runs", r["stderr"]),
+           f"check's stderr does not say it cannot tell: {r['stderr']!r}")
+    expect(pid_alive(c.runner_pid()), "the runner is not running")
+
+
+def after_stop_ssh_fails(c):
+    c.act("stop")
+
+
+def check_stop_cannot_confirm(c):
+    ok_fast(c)
+    r = act_result(c, 0, "stop")
+    expect(r["rc"] not in (0, None) and r["rc"] > 0, f"stop exited {r['rc']} although ssh failed")
+    expect("could not confirm" in r["stderr"], f"stop's stderr: {r['stderr']!r}")
+
+
+OTHER_UUID = "00000000-0000-4000-8000-0000000000ff"
+
+
+def after_recycled_pid(c):
+    """The runner ended, and its pid now belongs to another process: another runner's, even."""
+    c.end_runner()
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "forgejo-runner", "one-job",
+                              "--uuid", OTHER_UUID, "--token-url",
+                              f"file:{c.work}/shared/runner-dir/{OTHER_UUID}.token"])
+    c.others = [other]
+    wait_for(lambda: b"one-job" in Path(f"/proc/{other.pid}/cmdline").read_bytes(), 5, "the other process did not start")
+    write(c.runner_file("pid"), f"{other.pid}\n")
+    c.act("check")
+    c.act("stop")
+
+
+def check_recycled_pid(c):
+    ok_fast(c)
+    r = act_result(c, 0, "check")
+    expect(r["rc"] != 0, "check took another process, whose pid is in the pid file, for the runner")
+    expect(r["rc"] == 3, f"check exited {r['rc']}, expected 3 (the runner is gone)")
+    s = act_result(c, 1, "stop")
+    expect(s["rc"] == 0, f"stop exited {s['rc']}; stderr: {s['stderr']!r}")
+    expect(c.others[0].poll() is None, "stop killed another process, whose pid was in the pid file")
+
+
+def after_no_pid_file(c):
+    """A runner without a pid file (started by an earlier launch command, say)."""
+    c.runner_file("pid").unlink()
+    c.act("check")
+    c.act("stop")
+
+
+def check_no_pid_file(c):
+    ok_fast(c)
+    r = act_result(c, 0, "check")
+    expect(r["rc"] == 0, f"check exited {r['rc']} for a running runner without a pid file, expected 0")
+    s = act_result(c, 1, "stop")
+    expect(s["rc"] == 0, f"stop exited {s['rc']}; stderr: {s['stderr']!r}")
+    expect(not pid_alive(c.runner_pid()), "stop left the runner without a pid file running")
+
+
+def after_stop_check(c):
+    # A token file left behind (a runner stopped before it read it): stop removes it too.
+    write(c.runner_file("token"), TOKEN + "\n", 0o600)
+    c.act("stop")
+    c.act("check")
+
+
+def check_stop(c):
+    ok_fast(c)
+    r = act_result(c, 0, "stop")
+    expect(r["rc"] == 0, f"stop exited {r['rc']}; stderr: {r['stderr']!r}")
+    expect_one_strict_call(r)
+    expect(not pid_alive(c.runner_pid()), "the runner still runs after stop")
+    expect(exited(c) == "SIGTERM", f"the runner did not end on SIGTERM (its record: {exited(c)})")
+    expect(r["elapsed"] < 5, f"stop took {r['elapsed']:.1f}s for a runner that ends on SIGTERM")
+    expect(not c.runner_file("pid").exists(), "the pid file is still on the VM after stop")
+    expect(not c.runner_file("token").exists(), "the token file is still on the VM after stop")
+    k = act_result(c, 1, "check")
+    expect(k["rc"] == 3, f"check after stop exited {k['rc']}, expected 3")
+
+
+def after_end_stop(c):
+    c.end_runner()
+    c.act("stop")
+    c.act("check")
+
+
+def check_stop_gone(c):
+    r = act_result(c, 0, "stop")
+    expect(r["rc"] == 0, f"stop of a runner already gone exited {r['rc']}; stderr: {r['stderr']!r}")
+    expect(not c.runner_file("pid").exists(), "the pid file is still on the VM after stop")
+    k = act_result(c, 1, "check")
+    expect(k["rc"] == 3, f"check after stop exited {k['rc']}, expected 3")
+
+
+def check_stop_never_started(c):
+    check_missing(c)
+    check_stop_gone(c)
+
+
+def after_stop(c):
+    c.act("stop")
+
+
+def check_stop_kill(c):
+    ok_fast(c)
+    r = act_result(c, 0, "stop")
+    expect(r["rc"] == 0, f"stop exited {r['rc']}; stderr: {r['stderr']!r}")
+    expect(not pid_alive(c.runner_pid()), "the runner that ignores SIGTERM still runs after stop")
+    expect(exited(c) is None, f"the runner ended by itself ({exited(c)}), not by SIGKILL")
+    expect(9 <= r["elapsed"] < 15, f"stop took {r['elapsed']:.1f}s: expected SIGKILL about 10 s after SIGTERM")
+    expect("SIGKILL" in r["stderr"], f"stop does not say it used SIGKILL: {r['stderr']!r}")
+    expect(not c.runner_file("pid").exists(), "the pid file is still on the VM after stop")
+
+
+def after_token_unread(c):
+    c.token_after_start = c.runner_file("token").exists()
+    write(c.vm / "go", "")
+    wait_for(lambda: (c.vm / "runner-run.json").exists(), 5, "the runner never read its token")
+    c.started = json.loads((c.vm / "runner-run.json").read_text())
+    c.token_gone = True
+    try:
+        wait_for(lambda: not c.runner_file("token").exists(), 4, "")
+    except Failed:
+        c.token_gone = False
+
+
+def check_token_unread(c):
+    expect(c.rc == 0, f"exit status {c.rc}: a runner still starting after the watch is left to the grace")
+    expect(c.token_after_start, "the token file was removed before the runner read it")
+    expect(c.started["token"] == TOKEN + "\n", f"the runner read {c.started['token']!r}")
+    expect(c.token_gone, "the token file is still on the VM 4 s after the runner read it")
+
+
+def check_unknown_action(c):
+    expect(c.rc == 2, f"exit status {c.rc} for RUNNER_ACTION=restart, expected 2")
+    expect("RUNNER_ACTION='restart' is not start, check or stop" in c.stderr, f"stderr: {c.stderr!r}")
+    expect(not c.calls, "ssh was run for an unknown RUNNER_ACTION")
+    not_started(c)
+
+
 # Blanks around entries, an empty one, a scheme with an argument, a name with a blank inside.
 SEVERAL = " debian:host ,docker:host,, arm64:docker://node:22 , big box:host,"
 CASES = [
@@ -598,6 +886,23 @@ CASES = [
     Case("address-ipv6", address="2001:db8::10", mode="quick", check=check_address_accepted),
     Case("uuid-traversal", uuid="../../etc/x", check=check_bad_uuid),
     Case("uuid-with-a-tail", uuid="00000000-0000-4000-8000-000000000001/../../x", check=check_bad_uuid),
+    # RUNNER_ACTION: start (also unset: every case above), check and stop.
+    Case("start-explicit", action="start", mode="quick", check=check_accepted),
+    Case("unknown-action", action="restart", check=check_unknown_action),
+    Case("check-running", after=after_check, check=check_check_running),
+    Case("check-after-exit", after=after_end_check, check=check_check_gone),
+    Case("check-ssh-refused", answers=["ok", "ok", "refused"], after=after_check, check=check_check_cannot_tell),
+    Case("check-ssh-host-key", answers=["ok", "ok", "hostkey"], after=after_check, check=check_check_cannot_tell),
+    Case("check-recycled-pid", after=after_recycled_pid, check=check_recycled_pid),
+    Case("check-without-pid-file", after=after_no_pid_file, check=check_no_pid_file),
+    Case("stop", after=after_stop_check, check=check_stop),
+    Case("stop-already-gone", after=after_end_stop, check=check_stop_gone),
+    Case("stop-never-started", runner=False, after=after_end_stop, check=check_stop_never_started),
+    Case("stop-ignores-sigterm", mode="ignores-term", after=after_stop, check=check_stop_kill),
+    Case("stop-ssh-refused", answers=["ok", "ok", "refused"], after=after_stop_ssh_fails,
+         check=check_stop_cannot_confirm),
+    # The token file goes once the runner has read it, even when that is after the watch.
+    Case("token-read-after-the-watch", mode="hold", timeout=6, after=after_token_unread, check=check_token_unread),
 ]
 
 
@@ -629,6 +934,8 @@ def main():
         failures = 0
         for c in cases:
             try:
+                if c.after_failed:
+                    raise c.after_failed
                 c.check(c)
                 print(f"ok   {c.name} ({c.elapsed:.1f}s)")
                 if a.v:
