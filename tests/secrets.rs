@@ -7,7 +7,10 @@
 mod support;
 
 use std::fs;
+use std::io::Write;
 use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
 
 use support::fake_forgejo::Fault;
 use support::harness::{API_TOKEN, Env, Outcome, tofu_bin, walk};
@@ -245,5 +248,412 @@ fn a_token_file_that_is_not_ours_private_and_plain_is_refused_with_exit_2() {
     assert!(env.fake.requests().is_empty(), "Forgejo was asked");
     // The control: the good file itself is read.
     let out = env.exec(env.cmd("sweep"));
+    assert_eq!(out.code, Some(0), "{out:?}");
+}
+
+// --- `--token-file -` and what a child of the binary can reach ------------------------------
+
+/// The binary with `--token-file -` and `sub`'s flags, its output in files, its standard input
+/// `stdin` (and `input` written to it when that is a pipe); waits at most 90 s.
+fn run_with_stdin(env: &Env, mut c: Command, stdin: Stdio, input: Option<&[u8]>) -> Outcome {
+    let tag = std::process::id();
+    let out = env.tmp.path().join(format!("stdin-out-{tag}"));
+    let err = env.tmp.path().join(format!("stdin-err-{tag}"));
+    c.args(["--token-file", "-"]);
+    c.stdout(fs::File::create(&out).unwrap());
+    c.stderr(fs::File::create(&err).unwrap());
+    c.stdin(stdin);
+    let mut child = c.spawn().expect("spawn the binary");
+    drop(c);
+    if let Some(bytes) = input {
+        let mut pipe = child.stdin.take().expect("a piped stdin");
+        // A binary that refused before reading closes its end: EPIPE is its answer, not ours.
+        let _ = pipe.write_all(bytes);
+    }
+    let status = wait_at_most(&mut child, Duration::from_secs(90), &err);
+    Outcome {
+        code: status.code(),
+        stdout: fs::read_to_string(&out).unwrap_or_default(),
+        stderr: fs::read_to_string(&err).unwrap_or_default(),
+    }
+}
+
+fn wait_at_most(child: &mut Child, limit: Duration, stderr: &Path) -> std::process::ExitStatus {
+    let start = Instant::now();
+    loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            return s;
+        }
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "the binary hung; stderr:\n{}",
+                fs::read_to_string(stderr).unwrap_or_default()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn is_root() -> bool {
+    // SAFETY: geteuid(2) cannot fail.
+    unsafe { libc::geteuid() == 0 }
+}
+
+/// Gives `dir` and everything below it to `uid`.
+fn chown_tree(dir: &Path, uid: u32) {
+    std::os::unix::fs::lchown(dir, Some(uid), Some(uid)).unwrap();
+    for e in fs::read_dir(dir).unwrap().filter_map(|e| e.ok()) {
+        let p = e.path();
+        if e.file_type().unwrap().is_dir() {
+            chown_tree(&p, uid);
+        } else {
+            std::os::unix::fs::lchown(&p, Some(uid), Some(uid)).unwrap();
+        }
+    }
+}
+
+fn script(path: &Path, text: &str) {
+    use std::os::unix::fs::PermissionsExt;
+    fs::write(path, text).unwrap();
+    fs::set_permissions(path, fs::Permissions::from_mode(0o755)).unwrap();
+}
+
+/// A probe report (tests/role/module/probe.sh): its `TRY` lines, whether it ran to its end, and
+/// the provisioner it reached (`ANCESTOR <pid> ci-ephemeral-pr uid=U owner=O`), if any.
+struct Probe {
+    name: String,
+    text: String,
+}
+
+impl Probe {
+    fn tried(&self) -> usize {
+        self.text.lines().filter(|l| l.starts_with("TRY ")).count()
+    }
+
+    fn finished(&self) -> bool {
+        self.text.lines().any(|l| l.starts_with("END tried="))
+    }
+
+    /// (pid, uid, owner of /proc/pid/environ) of the provisioner among the ancestors.
+    fn provisioner(&self) -> Option<(String, String, String)> {
+        self.text.lines().find_map(|l| {
+            let rest = l.strip_prefix("ANCESTOR ")?;
+            let mut w = rest.split_whitespace();
+            let pid = w.next()?.to_string();
+            (w.next()? == "ci-ephemeral-pr").then_some(())?;
+            let uid = w.next()?.strip_prefix("uid=")?.to_string();
+            let owner = w.next()?.strip_prefix("owner=")?.to_string();
+            Some((pid, uid, owner))
+        })
+    }
+
+    /// The `TRY` line for `what`.
+    fn line(&self, what: &str) -> Option<&str> {
+        let prefix = format!("TRY {what} ");
+        self.text.lines().find(|l| l.starts_with(&prefix))
+    }
+}
+
+fn probes(dir: &Path) -> Vec<Probe> {
+    let mut v: Vec<Probe> = walk(dir)
+        .into_iter()
+        .filter(|p| {
+            let n = p.file_name().unwrap().to_string_lossy();
+            (n.starts_with("tofu.") || n.starts_with("launch."))
+                && !n.ends_with(".part")
+                && !n.ends_with(".data")
+                && !n.ends_with(".err")
+                && !n.ends_with(".list")
+        })
+        .map(|p| Probe {
+            name: p.file_name().unwrap().to_string_lossy().into_owned(),
+            text: fs::read_to_string(&p).unwrap(),
+        })
+        .collect();
+    v.sort_by(|a, b| a.name.cmp(&b.name));
+    v
+}
+
+/// Passed on to every child in the environment: the probes must find it.
+const CANARY: &str = "c4n4ry5e1f7e5t0a9b8c";
+
+/// The token comes on a pipe (`--token-file -`), and the children a cycle starts — tofu (behind
+/// a wrapper) and the launch command — each run the hostile probe of the role's end-to-end test
+/// (tests/role/module/probe.sh), as the binary's user (as root, the binary runs as nobody: root's
+/// children could read anything): the binary's /proc/PID/environ, mem, fd/ and every fd that is a
+/// file, their own environment and fd 0, every file of the state directory. The token is in
+/// none of it, the binary's /proc files are root's although it runs as another user (it is not
+/// dumpable), and each probe really got to the binary and tried what it should.
+#[test]
+fn with_the_token_on_stdin_no_child_can_reach_it() {
+    let env = Env::new();
+    let root = env.tmp.path();
+    // This run has no token file: the token exists only on the pipe.
+    fs::remove_file(&env.token_file).unwrap();
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let probe = root.join("probe.sh");
+    fs::copy(manifest.join("tests/role/module/probe.sh"), &probe).unwrap();
+    let launch = root.join("launch.sh");
+    fs::copy(manifest.join("tests/bin/launch.sh"), &launch).unwrap();
+    let probe_dir = env.vm.join("probe");
+    let tofu = root.join("probe-tofu.sh");
+    script(
+        &tofu,
+        "#!/bin/sh\n# tofu behind the probe: its fd 0 and environment are the ones tofu gets\n\
+         sh \"$PROBE_SH\" \"tofu-$1\" \"$VM_DIR/probe/tofu.$$\" \"$PROBE_STATE\" > /dev/null 2>&1\n\
+         exec \"$TOFU_REAL\" \"$@\"\n",
+    );
+    let launch_probe = root.join("probe-launch.sh");
+    script(
+        &launch_probe,
+        "#!/bin/sh\n# the probe, then the test launch command on the runner token (our stdin)\n\
+         sh \"$PROBE_SH\" launch \"$VM_DIR/probe/launch.$RUNNER_ID\" \"$PROBE_STATE\" < /dev/null > /dev/null 2>&1\n\
+         exec \"$PROBE_LAUNCH\"\n",
+    );
+    let mut c = env.cmd_with("run", false);
+    c.args(["--tofu-bin", tofu.to_str().unwrap()]);
+    c.args(["--launch-command", launch_probe.to_str().unwrap()]);
+    c.env("TOFU_REAL", tofu_bin());
+    c.env("PROBE_SH", &probe);
+    c.env("PROBE_LAUNCH", &launch);
+    c.env("PROBE_STATE", &env.state);
+    c.env("HOME", root);
+    c.env("TMPDIR", root);
+    c.env("PROBE_CANARY", CANARY);
+    let uid = if is_root() {
+        use std::os::unix::process::CommandExt;
+        chown_tree(root, 65534);
+        c.uid(65534).gid(65534);
+        65534
+    } else {
+        // SAFETY: getuid(2) cannot fail.
+        unsafe { libc::getuid() }
+    };
+    env.fake.add_job(&["debian"]);
+    let out = run_with_stdin(
+        &env,
+        c,
+        Stdio::piped(),
+        Some(format!("{API_TOKEN}\n").as_bytes()),
+    );
+    assert_eq!(out.code, Some(0), "{out:?}");
+    env.assert_at_rest();
+
+    let found = probes(&probe_dir);
+    let names: Vec<&str> = found.iter().map(|p| p.name.as_str()).collect();
+    assert!(
+        names.iter().any(|n| n.starts_with("tofu."))
+            && names.iter().any(|n| n.starts_with("launch.")),
+        "a probe did not run under tofu and under the launch command: {names:?}"
+    );
+    for p in &found {
+        assert!(
+            p.finished(),
+            "{}: the probe did not finish:\n{}",
+            p.name,
+            p.text
+        );
+        let (pid, binary_uid, owner) = p.provisioner().unwrap_or_else(|| {
+            panic!(
+                "{}: the probe never reached the binary:\n{}",
+                p.name, p.text
+            )
+        });
+        assert_eq!(binary_uid, uid.to_string(), "{}", p.name);
+        // Not dumpable: its /proc files are root's (proc(5)), so its user's children are refused.
+        assert_eq!(
+            owner, "0",
+            "{}: /proc/{pid}/environ of the binary belongs to uid {owner}: it is dumpable",
+            p.name
+        );
+        for what in ["environ", "mem", "fd/"] {
+            let what = format!("/proc/{pid}/{what}");
+            let line = p
+                .line(&what)
+                .unwrap_or_else(|| panic!("{}: {what} not tried", p.name));
+            assert!(line.contains(" error "), "{}: {line}", p.name);
+        }
+        let state = p
+            .text
+            .lines()
+            .filter(|l| l.starts_with(&format!("TRY {}", env.state.display())))
+            .count();
+        // The directory and at least cycle.json (and the lock) in it.
+        assert!(
+            state >= 3,
+            "{}: the state directory was not walked:\n{}",
+            p.name,
+            p.text
+        );
+        assert!(
+            p.tried() >= 15,
+            "{}: only {} paths tried",
+            p.name,
+            p.tried()
+        );
+        if p.name.starts_with("tofu.") {
+            // What tofu inherited as fd 0: /dev/null, nothing in it.
+            assert_eq!(
+                p.line("own fd 0"),
+                Some("TRY own fd 0 ok 0 bytes"),
+                "{}",
+                p.name
+            );
+        }
+    }
+    let haystacks: Vec<(String, Vec<u8>)> = found
+        .iter()
+        .map(|p| (p.name.clone(), p.text.clone().into_bytes()))
+        .collect();
+    let secret = [("the Forgejo token".to_string(), API_TOKEN.to_string())];
+    assert!(
+        scan(&haystacks, &secret).is_empty(),
+        "a probe read the Forgejo token: {:?}",
+        scan(&haystacks, &secret)
+    );
+    // The control: what the probes could read is in their reports — the canary of the
+    // environment the binary passed on, and the memory of the shell between it and the binary
+    // (dumpable, unlike the binary) — so an empty scan means something.
+    let canary = [("the canary".to_string(), CANARY.to_string())];
+    for p in &found {
+        let one = [(p.name.clone(), p.text.clone().into_bytes())];
+        assert_eq!(scan(&one, &canary).len(), 1, "{}:\n{}", p.name, p.text);
+        assert!(
+            p.text
+                .lines()
+                .any(|l| l.starts_with("TRY /proc/") && l.contains("/mem ok ")),
+            "{}: no memory was readable at all, so the binary's refusal says nothing:\n{}",
+            p.name,
+            p.text
+        );
+    }
+}
+
+/// With the token file itself on standard input (as systemd's `StandardInput=file:` gives it),
+/// the binary closes it as soon as it has read it: the last close of the file shows up
+/// (inotify `IN_CLOSE_NOWRITE`) while the binary still runs, held in a slow request. Without the
+/// dup2 it would stay open, inheritable, in /proc/PID/fd/0, until the binary exits.
+#[test]
+fn a_token_file_given_as_stdin_is_closed_right_after_it_was_read() {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    let env = Env::new();
+    env.fake.inject(
+        "GET",
+        "/actions/runners",
+        Fault::Delay(Duration::from_millis(1500)),
+        1,
+    );
+    let path = std::ffi::CString::new(env.token_file.to_str().unwrap()).unwrap();
+    // SAFETY: plain syscalls on a fresh descriptor and a NUL-terminated path.
+    let inotify = unsafe {
+        let fd = libc::inotify_init1(libc::IN_NONBLOCK | libc::IN_CLOEXEC);
+        assert!(fd >= 0);
+        OwnedFd::from_raw_fd(fd)
+    };
+    let wd = unsafe {
+        libc::inotify_add_watch(inotify.as_raw_fd(), path.as_ptr(), libc::IN_CLOSE_NOWRITE)
+    };
+    assert!(wd >= 0, "{}", std::io::Error::last_os_error());
+    let closed = || {
+        let mut buf = [0u8; 4096];
+        // SAFETY: reads into a buffer of ours.
+        let n = unsafe { libc::read(inotify.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
+        n > 0
+    };
+    let err = env.tmp.path().join("closed-err");
+    let mut c = env.cmd_with("sweep", false);
+    c.args(["--token-file", "-"]);
+    c.stdout(Stdio::null());
+    c.stderr(fs::File::create(&err).unwrap());
+    c.stdin(fs::File::open(&env.token_file).unwrap());
+    let mut child = c.spawn().expect("spawn the binary");
+    // Our own copy of the descriptor goes with the Command: only the binary's is left.
+    drop(c);
+    let start = Instant::now();
+    let mut closed_while_running = false;
+    while child.try_wait().unwrap().is_none() && start.elapsed() < Duration::from_secs(60) {
+        // A close seen now, and the binary still there after it: it closed fd 0 itself.
+        if closed() && child.try_wait().unwrap().is_none() {
+            closed_while_running = true;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let status = wait_at_most(&mut child, Duration::from_secs(60), &err);
+    let stderr = fs::read_to_string(&err).unwrap_or_default();
+    assert_eq!(status.code(), Some(0), "{stderr}");
+    assert!(
+        closed_while_running,
+        "the token file stayed open on the binary's fd 0 until it exited: {stderr}"
+    );
+    // The token was read and used.
+    assert!(
+        env.fake
+            .requests()
+            .iter()
+            .all(|r| r.authorization.as_deref() == Some(&format!("token {API_TOKEN}"))),
+        "{:?}",
+        env.fake.requests()
+    );
+}
+
+/// What comes on standard input is judged like a token file's content (empty, more than one
+/// word, more than 64 KiB: exit 2, before any request), and a terminal is refused with what to
+/// do instead.
+#[test]
+fn a_token_on_stdin_is_judged_like_a_file_and_a_terminal_is_refused() {
+    let env = Env::new();
+    let big = "a".repeat(70 * 1024);
+    for (input, want) in [
+        ("", "the token on standard input (--token-file -) is empty"),
+        (" \n\t\n", "is empty"),
+        (
+            "abc def\n",
+            "must hold only the token (one line, no spaces)",
+        ),
+        (big.as_str(), "more than 64 KiB"),
+    ] {
+        let out = run_with_stdin(
+            &env,
+            env.cmd_with("sweep", false),
+            Stdio::piped(),
+            Some(input.as_bytes()),
+        );
+        assert_eq!(out.code, Some(2), "{want}: {out:?}");
+        assert!(out.stderr.contains(want), "{want}: {out:?}");
+    }
+    // A terminal: a pseudo-terminal's other end as stdin.
+    // SAFETY: the usual posix_openpt sequence on descriptors of ours.
+    let (master, slave) = unsafe {
+        let m = libc::posix_openpt(libc::O_RDWR | libc::O_NOCTTY);
+        assert!(m >= 0);
+        assert_eq!(libc::grantpt(m), 0);
+        assert_eq!(libc::unlockpt(m), 0);
+        let name = std::ffi::CStr::from_ptr(libc::ptsname(m)).to_owned();
+        let s = libc::open(name.as_ptr(), libc::O_RDWR | libc::O_NOCTTY);
+        assert!(s >= 0);
+        (
+            <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(m),
+            fs::File::from(<std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(s)),
+        )
+    };
+    let out = run_with_stdin(&env, env.cmd_with("sweep", false), Stdio::from(slave), None);
+    drop(master);
+    assert_eq!(out.code, Some(2), "{out:?}");
+    assert!(
+        out.stderr.contains("standard input, which is a terminal")
+            && out.stderr.contains("--token-file - < FILE"),
+        "{out:?}"
+    );
+    assert!(env.fake.requests().is_empty(), "Forgejo was asked");
+    // The control: the token itself on a pipe works.
+    let out = run_with_stdin(
+        &env,
+        env.cmd_with("sweep", false),
+        Stdio::piped(),
+        Some(format!("{API_TOKEN}\n").as_bytes()),
+    );
     assert_eq!(out.code, Some(0), "{out:?}");
 }
