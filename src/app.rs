@@ -482,6 +482,7 @@ pub(crate) fn policy(a: &RunArgs, labels: &str) -> Policy {
         // Twice the longest a POST can take from our side: by then it has landed or never will.
         intent_settle: a.common.http_timeout.saturating_mul(2),
         job_pickup_timeout: a.job_pickup_timeout,
+        reuse_within: a.reuse_within,
     }
 }
 

@@ -190,7 +190,7 @@ pub struct RunArgs {
     #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_LAUNCH_TIMEOUT", default_value = "2m", value_parser = parse_duration, value_name = "DURATION")]
     pub launch_timeout: Duration,
 
-    /// Runners started on one VM before it is torn down.
+    /// Runners started on one VM before it is torn down; 1 gives every job a VM of its own.
     #[arg(
         long,
         env = "CI_EPHEMERAL_PROVISIONER_MAX_JOBS_PER_VM",
@@ -198,6 +198,18 @@ pub struct RunArgs {
         value_name = "N"
     )]
     pub max_jobs_per_vm: u32,
+
+    /// Whose jobs may follow each other on one VM: repo (jobs of the repository of the VM's
+    /// first job), owner (of that repository's owner) or pool (any job the pool serves). A job
+    /// outside gets a fresh VM.
+    #[arg(
+        long,
+        env = "CI_EPHEMERAL_PROVISIONER_REUSE_WITHIN",
+        value_enum,
+        default_value = "repo",
+        value_name = "BOUNDARY"
+    )]
+    pub reuse_within: crate::planner::ReuseWithin,
 
     /// Tear down when no job has waited for this long while the VM was free.
     #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_IDLE_TIMEOUT", default_value = "5m", value_parser = parse_duration, value_name = "DURATION")]

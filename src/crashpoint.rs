@@ -32,6 +32,7 @@ pub const POINTS: &[&str] = &[
     "launch-done-written",
     "launch-failed-written",
     "forget-written",
+    "check-previous-written",
     "delete-answered",
     "delete-forgotten-written",
     "resolve-listed",

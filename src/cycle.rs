@@ -6,11 +6,13 @@ use std::time::Duration;
 
 use crate::forgejo::{Deleted, Forgejo};
 use crate::holds::HoldsError;
-use crate::launch::{LaunchRequest, Launcher};
+use crate::launch::{LaunchRequest, Launcher, ProcessCheck};
 use crate::model::may_delete;
 use crate::planner::{self, DeleteReason, Observation, Policy, RunContext, Step, TeardownReason};
 use crate::report::{ALREADY_GONE, DELETED, PLANNED, Report, Stopwatch};
-use crate::state::{CycleState, Launch, NotServed, Phase, StateStore};
+use crate::state::{
+    Boundary, CycleState, Launch, NotServed, Phase, PreviousRunner, ProcessState, StateStore,
+};
 use crate::sweep;
 use crate::time::{Timestamp, format_duration};
 use crate::tofu::{Outputs, Tofu};
@@ -122,6 +124,25 @@ pub fn run(w: &mut World<'_>, cfg: &CycleConfig, report: &mut Report) -> End {
         return End::Config(format!("cycle {} is in progress but {e}", s.cycle_id));
     }
     d.drive()
+}
+
+/// The request naming an earlier runner to the launch command (check, stop): its
+/// registration's environment and the VM's outputs.
+fn runner_request<'r>(
+    cfg: &'r CycleConfig,
+    p: &'r PreviousRunner,
+    outputs: &'r Outputs,
+) -> LaunchRequest<'r> {
+    LaunchRequest {
+        runner_id: p.id,
+        runner_uuid: &p.uuid,
+        runner_name: &p.name,
+        job_id: p.job_id,
+        job_handle: &p.job_handle,
+        labels: &cfg.labels,
+        forgejo_url: &cfg.forgejo_url,
+        outputs,
+    }
 }
 
 impl Driver<'_, '_> {
@@ -369,8 +390,16 @@ impl Driver<'_, '_> {
                 }
                 self.save().err().map(|_| End::Done)
             }
-            Step::Register { job_id, job_handle } => match self.w.launcher.check_config() {
-                Ok(()) => self.register(job_id, &job_handle, now),
+            Step::CheckPrevious { id } => match self.w.launcher.check_config() {
+                Ok(()) => self.check_previous(id),
+                Err(e) => self.teardown(TeardownReason::LaunchUnusable { problem: e }),
+            },
+            Step::Register {
+                job_id,
+                job_handle,
+                boundary,
+            } => match self.w.launcher.check_config() {
+                Ok(()) => self.register(job_id, &job_handle, boundary, now),
                 // The launch command went away mid-cycle: no runner can start, so the VM goes
                 // (a cycle must never outlive its configuration).
                 Err(e) => self.teardown(TeardownReason::LaunchUnusable { problem: e }),
@@ -590,7 +619,24 @@ impl Driver<'_, '_> {
     /// Removes a registration from the state once Forgejo confirmed it gone.
     fn forget(&mut self, id: i64, now: Timestamp) -> Option<String> {
         let s = self.state.as_mut()?;
-        let name = s.registration(id).map(|r| r.name.clone());
+        let reg = s.registration(id).cloned();
+        let name = reg.as_ref().map(|r| r.name.clone());
+        // A runner was (or may have been) started for it on the VM that still runs other jobs:
+        // its process must be known gone before the next one starts there.
+        if let Some(r) = reg
+            && s.phase == Phase::Running
+            && r.launch != Launch::Pending
+            && let Some(uuid) = r.uuid
+        {
+            s.previous.push(PreviousRunner {
+                id,
+                name: r.name,
+                uuid,
+                job_id: r.job_id,
+                job_handle: r.job_handle,
+                process: r.stopped.unwrap_or(ProcessState::Unchecked),
+            });
+        }
         s.registrations.retain(|r| r.id != Some(id));
         if s.registrations.is_empty() {
             s.free_since = Some(now);
@@ -603,6 +649,11 @@ impl Driver<'_, '_> {
             && let Some(end) = self.never_connected(id)
         {
             return Some(end);
+        }
+        // After a stop, Forgejo is asked again before the DELETE: the runner may have taken its
+        // job while the stop ran (then it is no longer offline, and not deleted).
+        if let Some(end) = self.stop_before_delete(id) {
+            return end;
         }
         let name = self
             .state
@@ -657,6 +708,163 @@ impl Driver<'_, '_> {
                 None
             }
         }
+    }
+
+    /// The VM's tofu outputs, read once per run.
+    fn vm_outputs(&mut self) -> Result<Outputs, crate::tofu::StepError> {
+        if let Some(o) = &self.outputs {
+            return Ok(o.clone());
+        }
+        let cycle_id = self
+            .state
+            .as_ref()
+            .map(|s| s.cycle_id.clone())
+            .unwrap_or_default();
+        let o = self.w.tofu.outputs(&cycle_id)?;
+        self.outputs = Some(o.clone());
+        Ok(o)
+    }
+
+    /// Every registration this cycle deletes itself while its VM runs gets its runner stopped
+    /// first (`RUNNER_ACTION=stop`): a deleted registration does not end a `one-job --wait`
+    /// that keeps polling. What the stop achieved is written before the DELETE; one that failed
+    /// keeps the VM from being reused. (At teardown the destroy ends every process.) `None`
+    /// when there was nothing to stop; else how the step ends.
+    fn stop_before_delete(&mut self, id: i64) -> Option<Option<End>> {
+        let s = self.state.as_ref()?;
+        let r = s.registration(id)?;
+        if s.phase != Phase::Running || r.launch == Launch::Pending || r.stopped.is_some() {
+            return None;
+        }
+        let prev = PreviousRunner {
+            id,
+            name: r.name.clone(),
+            uuid: r.uuid.clone()?,
+            job_id: r.job_id,
+            job_handle: r.job_handle.clone(),
+            process: ProcessState::Unchecked,
+        };
+        let process = match self.vm_outputs() {
+            Err(e) if e.interrupted => {
+                return Some(Some(self.interrupted("while reading tofu outputs")));
+            }
+            Err(e) => ProcessState::NotGone(format!("reading tofu outputs failed: {}", e.message)),
+            Ok(outputs) => {
+                let req = runner_request(self.cfg, &prev, &outputs);
+                match self.w.launcher.stop(&req) {
+                    Ok(()) => ProcessState::Gone,
+                    Err(e) if e.interrupted => {
+                        return Some(Some(self.interrupted("while stopping a runner")));
+                    }
+                    Err(e) => {
+                        ProcessState::NotGone(format!("RUNNER_ACTION=stop failed: {}", e.message))
+                    }
+                }
+            }
+        };
+        // A launch command that cannot stop (one that ignores RUNNER_ACTION) only costs the
+        // VM its reuse: a warning, not a failure.
+        self.record_process(&prev, process.clone(), "stop_runner", false);
+        if let Some(r) = self.state.as_mut()?.registration_mut(id) {
+            r.stopped = Some(process);
+        }
+        Some(self.save().err().map(|_| End::Done))
+    }
+
+    /// Before the next runner starts on the VM: `RUNNER_ACTION=check` for an earlier one whose
+    /// registration is gone; `stop` when it still runs. Anything short of "gone" tears the VM
+    /// down instead of reusing it.
+    fn check_previous(&mut self, id: i64) -> Option<End> {
+        let prev = self
+            .state
+            .as_ref()?
+            .previous
+            .iter()
+            .find(|p| p.id == id)?
+            .clone();
+        let process = match self.vm_outputs() {
+            Err(e) if e.interrupted => return Some(self.interrupted("while reading tofu outputs")),
+            Err(e) => ProcessState::NotGone(format!("reading tofu outputs failed: {}", e.message)),
+            Ok(outputs) => {
+                let req = runner_request(self.cfg, &prev, &outputs);
+                match self.w.launcher.check(&req) {
+                    ProcessCheck::Gone => ProcessState::Gone,
+                    ProcessCheck::Unknown {
+                        interrupted: true, ..
+                    } => return Some(self.interrupted("while checking a runner's process")),
+                    ProcessCheck::Unknown { why, .. } => ProcessState::NotGone(why),
+                    ProcessCheck::Running => {
+                        log::warn!(
+                            "runner {id} ({}): its registration is gone but its process still runs on the VM; stopping it",
+                            prev.name
+                        );
+                        match self.w.launcher.stop(&req) {
+                            Ok(()) => ProcessState::Gone,
+                            Err(e) if e.interrupted => {
+                                return Some(self.interrupted("while stopping a runner"));
+                            }
+                            Err(e) => ProcessState::NotGone(format!(
+                                "it still ran, and RUNNER_ACTION=stop failed: {}",
+                                e.message
+                            )),
+                        }
+                    }
+                }
+            }
+        };
+        // A process known to run that could not be stopped is a failure; one the launch
+        // command cannot tell about only costs the VM its reuse.
+        let failed =
+            matches!(&process, ProcessState::NotGone(why) if why.starts_with("it still ran"));
+        self.record_process(&prev, process.clone(), "check_runner", failed);
+        if let Some(p) = self
+            .state
+            .as_mut()?
+            .previous
+            .iter_mut()
+            .find(|p| p.id == id)
+        {
+            p.process = process;
+        }
+        let end = self.save().err().map(|_| End::Done);
+        crate::crash_point!("check-previous-written");
+        end
+    }
+
+    /// The outcome of a check or stop, in the log and the report; `failed`: a failure of the
+    /// run (else a process that may still run is a warning).
+    fn record_process(
+        &mut self,
+        p: &PreviousRunner,
+        process: ProcessState,
+        step: &str,
+        failed: bool,
+    ) {
+        let detail = match &process {
+            ProcessState::Gone => "its process is gone".to_string(),
+            ProcessState::NotGone(why) => format!("its process may still run: {why}"),
+            ProcessState::Unchecked => "not checked".to_string(),
+        };
+        match &process {
+            ProcessState::NotGone(_) if failed => {
+                self.report.fail(format!(
+                    "runner {} ({}): {detail}; the VM is torn down instead of reused",
+                    p.id, p.name
+                ));
+            }
+            ProcessState::NotGone(_) => log::warn!(
+                "runner {} ({}): {detail}; the VM is not reused",
+                p.id,
+                p.name
+            ),
+            _ => log::info!("runner {} ({}): {detail}", p.id, p.name),
+        }
+        let e = self
+            .report
+            .event(step, process == ProcessState::Gone, detail);
+        e.runner_id = Some(p.id);
+        e.runner_name = Some(p.name.clone());
+        e.job_id = Some(p.job_id);
     }
 
     /// A launch that exited 0 whose runner never connected is a failed start: counted with failed
@@ -803,11 +1011,19 @@ impl Driver<'_, '_> {
         end
     }
 
-    fn register(&mut self, job_id: i64, job_handle: &str, now: Timestamp) -> Option<End> {
+    fn register(
+        &mut self,
+        job_id: i64,
+        job_handle: &str,
+        boundary: Boundary,
+        now: Timestamp,
+    ) -> Option<End> {
         // Intent first: the name is unique, so a lost answer can be found again.
         // The cycle's own prefix: its registrations stay deletable by it whatever is configured now.
         let prefix = self.cycle_prefix();
         let s = self.state.as_mut()?;
+        // The first job draws the VM's trust boundary, written with the first intent.
+        s.boundary.get_or_insert(boundary);
         let name = format!("{prefix}{}-{}", s.cycle_id, s.next_seq);
         s.next_seq += 1;
         s.registrations.push(crate::state::Registration {
@@ -823,6 +1039,7 @@ impl Driver<'_, '_> {
             connected: false,
             not_served: None,
             failed_start: false,
+            stopped: None,
         });
         if self.save().is_err() {
             return Some(End::Done);
@@ -1132,6 +1349,13 @@ mod tests {
             }
             Ok(())
         }
+        /// A runner that ran its job exited.
+        fn check(&mut self, _: &LaunchRequest<'_>) -> ProcessCheck {
+            ProcessCheck::Gone
+        }
+        fn stop(&mut self, _: &LaunchRequest<'_>) -> Result<(), StepError> {
+            Ok(())
+        }
     }
 
     struct NoopTofu;
@@ -1179,6 +1403,8 @@ mod tests {
                 handle: format!("h{i}"),
                 status: "waiting".into(),
                 runs_on: vec!["debian".into()],
+                repo_id: Some(1),
+                owner_id: Some(1),
             });
         }
         let jobs = shared.0.borrow().jobs.len();
@@ -1198,6 +1424,7 @@ mod tests {
                 hard_deadline: Duration::from_secs(7200),
                 intent_settle: Duration::from_secs(10),
                 job_pickup_timeout: Duration::from_secs(600),
+                reuse_within: crate::planner::ReuseWithin::Repo,
             },
             poll_interval: Duration::from_secs(5),
             labels: "debian".into(),

@@ -11,7 +11,7 @@ use serde_json::{Value, json};
 
 use crate::cycle::{Clock, Sleep};
 use crate::forgejo::{ApiError, Deleted, Forgejo, NewRunner, RunnerPage};
-use crate::launch::{LaunchRequest, Launcher};
+use crate::launch::{LaunchRequest, Launcher, ProcessCheck};
 use crate::model::{Job, Runner, RunnerStatus, job_matches};
 use crate::secret::Secret;
 use crate::state::{CycleState, parse_state};
@@ -415,6 +415,21 @@ impl Launcher for DryLauncher {
             action["job_id"] = json!(req.job_id);
             action["job_handle"] = json!(req.job_handle);
         }
+        Ok(())
+    }
+
+    /// The plan says the previous runner would be checked; planning goes on as if it were gone.
+    fn check(&mut self, req: &LaunchRequest<'_>) -> ProcessCheck {
+        self.plan.borrow_mut().push(json!({
+            "action": "check_runner", "runner_id": req.runner_id, "name": req.runner_name,
+        }));
+        ProcessCheck::Gone
+    }
+
+    fn stop(&mut self, req: &LaunchRequest<'_>) -> Result<(), StepError> {
+        self.plan.borrow_mut().push(json!({
+            "action": "stop_runner", "runner_id": req.runner_id, "name": req.runner_name,
+        }));
         Ok(())
     }
 }

@@ -161,6 +161,8 @@ mod tests {
             handle: format!("h{id}"),
             status: status.into(),
             runs_on: vec!["debian".into()],
+            repo_id: Some(1),
+            owner_id: Some(1),
         }
     }
 

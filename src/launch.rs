@@ -21,9 +21,29 @@ pub struct LaunchRequest<'a> {
     pub outputs: &'a Outputs,
 }
 
+/// What `RUNNER_ACTION=check` said about one runner's process on the VM.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ProcessCheck {
+    /// Exit 0: it still runs.
+    Running,
+    /// Exit 3: it is gone.
+    Gone,
+    /// Anything else (a launch command that ignores RUNNER_ACTION, an unreachable VM): it may
+    /// still run. `interrupted` when a stop request cut the call short.
+    Unknown { why: String, interrupted: bool },
+}
+
+/// `check` answers 3 for a runner's process that is gone.
+pub const CHECK_GONE: i32 = 3;
+
 pub trait Launcher {
     fn check_config(&self) -> Result<(), String>;
+    /// `RUNNER_ACTION=start`: starts the runner on the VM, the token on stdin.
     fn launch(&mut self, req: &LaunchRequest<'_>, token: &Secret) -> Result<(), StepError>;
+    /// `RUNNER_ACTION=check`: whether that runner's process still runs on the VM.
+    fn check(&mut self, req: &LaunchRequest<'_>) -> ProcessCheck;
+    /// `RUNNER_ACTION=stop`: ends that runner's process; `Ok` once it is gone.
+    fn stop(&mut self, req: &LaunchRequest<'_>) -> Result<(), StepError>;
 }
 
 /// `TOFU_OUTPUT_<NAME>` variables: strings as they are, everything else as compact JSON.
@@ -58,6 +78,7 @@ pub fn launch_env(req: &LaunchRequest<'_>) -> Vec<(String, String)> {
         ("RUNNER_NAME".to_string(), req.runner_name.to_string()),
         ("RUNNER_LABELS".to_string(), req.labels.to_string()),
         ("FORGEJO_URL".to_string(), req.forgejo_url.to_string()),
+        ("JOB_ID".to_string(), req.job_id.to_string()),
         ("JOB_HANDLE".to_string(), req.job_handle.to_string()),
     ];
     env.extend(output_env(req.outputs));
@@ -86,24 +107,7 @@ impl Launcher for CommandLauncher {
     }
 
     fn launch(&mut self, req: &LaunchRequest<'_>, token: &Secret) -> Result<(), StepError> {
-        let program = self
-            .command
-            .clone()
-            .ok_or_else(|| StepError::failed("--launch-command is not set"))?;
-        let mut env = launch_env(req);
-        // `--launch-timeout` in whole seconds (at least 1): what a launch that waits for the VM
-        // to answer may spend before it is killed.
-        env.push((
-            "LAUNCH_TIMEOUT_SECONDS".to_string(),
-            self.timeout.as_secs().max(1).to_string(),
-        ));
-        let spec = ChildSpec {
-            program: program.clone(),
-            args: vec![],
-            env,
-            stdin: Some(token.clone()),
-            timeout: Some(self.timeout),
-        };
+        let (program, spec) = self.spec(req, "start", Some(token))?;
         log::info!(
             "launching runner {} ({}) for job {} with {}",
             req.runner_id,
@@ -139,6 +143,90 @@ impl Launcher for CommandLauncher {
             )));
         }
         Ok(())
+    }
+
+    fn check(&mut self, req: &LaunchRequest<'_>) -> ProcessCheck {
+        let unknown = |why: String, interrupted: bool| ProcessCheck::Unknown { why, interrupted };
+        let (program, spec) = match self.spec(req, "check", None) {
+            Ok(x) => x,
+            Err(e) => return unknown(e.message, false),
+        };
+        log::info!(
+            "checking whether the process of runner {} ({}) is gone",
+            req.runner_id,
+            req.runner_name
+        );
+        match run_child(&spec, &self.stop) {
+            Err(e) => unknown(format!("cannot run {}: {e}", program.display()), false),
+            Ok(r) if r.interrupted => unknown(
+                format!("RUNNER_ACTION=check was interrupted ({})", r.describe()),
+                true,
+            ),
+            Ok(r) if r.success() => ProcessCheck::Running,
+            Ok(r) if !r.timed_out && r.status.code() == Some(CHECK_GONE) => ProcessCheck::Gone,
+            Ok(r) => unknown(
+                format!(
+                    "RUNNER_ACTION=check of {} {} (0 means it runs, 3 that it is gone)",
+                    program.display(),
+                    r.describe()
+                ),
+                false,
+            ),
+        }
+    }
+
+    fn stop(&mut self, req: &LaunchRequest<'_>) -> Result<(), StepError> {
+        let (program, spec) = self.spec(req, "stop", None)?;
+        log::info!(
+            "stopping the process of runner {} ({})",
+            req.runner_id,
+            req.runner_name
+        );
+        let r = run_child(&spec, &self.stop)
+            .map_err(|e| StepError::failed(format!("cannot run {}: {e}", program.display())))?;
+        if r.success() {
+            return Ok(());
+        }
+        Err(StepError {
+            message: format!(
+                "RUNNER_ACTION=stop of {} {}",
+                program.display(),
+                r.describe()
+            ),
+            interrupted: r.interrupted,
+        })
+    }
+}
+
+impl CommandLauncher {
+    /// The launch command for `action`, with the registration's environment; the token on
+    /// stdin only for `start` (check and stop get nothing).
+    fn spec(
+        &self,
+        req: &LaunchRequest<'_>,
+        action: &str,
+        token: Option<&Secret>,
+    ) -> Result<(PathBuf, ChildSpec), StepError> {
+        let program = self
+            .command
+            .clone()
+            .ok_or_else(|| StepError::failed("--launch-command is not set"))?;
+        let mut env = launch_env(req);
+        env.push(("RUNNER_ACTION".to_string(), action.to_string()));
+        // `--launch-timeout` in whole seconds (at least 1): what a launch that waits for the VM
+        // to answer may spend before it is killed.
+        env.push((
+            "LAUNCH_TIMEOUT_SECONDS".to_string(),
+            self.timeout.as_secs().max(1).to_string(),
+        ));
+        let spec = ChildSpec {
+            program: program.clone(),
+            args: vec![],
+            env,
+            stdin: token.cloned(),
+            timeout: Some(self.timeout),
+        };
+        Ok((program, spec))
     }
 }
 

@@ -120,6 +120,11 @@ pub struct Job {
     pub handle: String,
     pub status: String,
     pub runs_on: Vec<String>,
+    /// The job's repository and its owner (`repo_id`, `owner_id` of Forgejo's `ActionRunJob`):
+    /// the trust boundary of `--reuse-within`. `None` when the list did not say (then the job
+    /// shares a VM with no other).
+    pub repo_id: Option<i64>,
+    pub owner_id: Option<i64>,
 }
 
 impl Job {
@@ -162,11 +167,15 @@ impl Job {
                 .collect::<Result<_, _>>()?,
             Some(other) => return Err(format!("job {id} has a non-array \"runs_on\": {other}")),
         };
+        // Only a positive id names a repository or owner; anything else proves nothing.
+        let positive = |key: &str| obj.get(key).and_then(Value::as_i64).filter(|n| *n > 0);
         Ok(Job {
             id,
             handle,
             status,
             runs_on,
+            repo_id: positive("repo_id"),
+            owner_id: positive("owner_id"),
         })
     }
 }

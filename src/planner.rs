@@ -8,7 +8,7 @@ use serde::Serialize;
 
 use crate::holds::Holds;
 use crate::model::{Job, Runner, RunnerStatus, job_matches, may_delete, waiting_jobs};
-use crate::state::{CycleState, Launch, NotServed, Phase, Registration};
+use crate::state::{Boundary, CycleState, Launch, NotServed, Phase, ProcessState, Registration};
 use crate::time::{Timestamp, format_duration};
 
 /// Failed attempts in a row to start a runner (POST, launch, never connected) after which the VM is presumed
@@ -40,6 +40,41 @@ pub struct Policy {
     /// How long our runner may sit idle while its job is still listed as waiting before we
     /// conclude that Forgejo does not give it that job now (`--job-pickup-timeout`).
     pub job_pickup_timeout: Duration,
+    /// Whose jobs may follow each other on one VM (`--reuse-within`).
+    pub reuse_within: ReuseWithin,
+}
+
+/// The trust boundary within which a VM runs one job after another (`--reuse-within`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum ReuseWithin {
+    /// Jobs of one repository.
+    Repo,
+    /// Jobs of the repositories of one owner (user or organization).
+    Owner,
+    /// Any job the pool serves.
+    Pool,
+}
+
+impl ReuseWithin {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ReuseWithin::Repo => "repo",
+            ReuseWithin::Owner => "owner",
+            ReuseWithin::Pool => "pool",
+        }
+    }
+
+    /// Whether `job` may run on a VM whose first job set `boundary`. An id the jobs list did
+    /// not give matches nothing.
+    pub fn admits(self, boundary: &Boundary, job: &Job) -> bool {
+        let same = |a: Option<i64>, b: Option<i64>| a.is_some() && a == b;
+        match self {
+            ReuseWithin::Repo => same(boundary.repo_id, job.repo_id),
+            ReuseWithin::Owner => same(boundary.owner_id, job.owner_id),
+            ReuseWithin::Pool => true,
+        }
+    }
 }
 
 /// What the driver learned from Forgejo just before this decision.
@@ -128,6 +163,15 @@ pub enum TeardownReason {
     MaxCycleDuration,
     /// The cycle is older than `--hard-deadline`: torn down even with a runner up (an error).
     HardDeadline,
+    /// The next job waiting is outside the VM's trust boundary (`--reuse-within`): it gets a
+    /// fresh VM.
+    OutsideBoundary {
+        job_id: i64,
+        reuse_within: ReuseWithin,
+    },
+    /// An earlier runner's process may still run on the VM (the launch command could not
+    /// confirm it gone, or could not stop it): no other job may start next to it.
+    PreviousRunnerNotGone { runner_id: i64, why: String },
     /// Three failed attempts in a row to start a runner.
     BrokenVm,
     /// A runner stayed idle while its job was gone for longer than the grace. Forgejo still
@@ -170,6 +214,16 @@ impl TeardownReason {
                 "runner {runner_id} stays idle although its job is gone; destroying the VM stops it"
             ),
             TeardownReason::ApplyFailed => "tofu apply failed".into(),
+            TeardownReason::OutsideBoundary {
+                job_id,
+                reuse_within,
+            } => format!(
+                "job {job_id} is outside this VM's trust boundary (--reuse-within {}): it gets a fresh VM",
+                reuse_within.as_str()
+            ),
+            TeardownReason::PreviousRunnerNotGone { runner_id, why } => format!(
+                "the process of runner {runner_id} may still run on the VM ({why}): no other job starts next to it, the VM goes"
+            ),
             TeardownReason::LaunchUnusable { problem } => {
                 format!("no runner can be started: {problem}")
             }
@@ -240,10 +294,17 @@ pub enum Step {
     ClearJobGone {
         id: i64,
     },
-    /// Register a runner for this job and launch it on the VM.
+    /// Register a runner for this job and launch it on the VM. `boundary`: the job's, which
+    /// becomes the VM's with its first runner.
     Register {
         job_id: i64,
         job_handle: String,
+        boundary: Boundary,
+    },
+    /// Before the next runner starts on the VM: is the process of this earlier runner (whose
+    /// registration is gone) gone too? `RUNNER_ACTION=check`, then `stop` if it still runs.
+    CheckPrevious {
+        id: i64,
     },
     Teardown {
         reason: TeardownReason,
@@ -477,15 +538,47 @@ fn decide_running(
             reason: TeardownReason::MaxCycleDuration,
         };
     }
-    if let Some(job) = obs
-        .jobs
-        .as_deref()
-        .and_then(|jobs| servable_jobs(jobs, policy, ctx, now).first().copied())
-    {
-        return Step::Register {
-            job_id: job.id,
-            job_handle: job.handle.clone(),
+    // A runner process that may still run: nothing else starts on this VM.
+    if let Some((runner_id, why)) = state.previous.iter().find_map(|p| match &p.process {
+        ProcessState::NotGone(why) => Some((p.id, why.clone())),
+        _ => None,
+    }) {
+        return Step::Teardown {
+            reason: TeardownReason::PreviousRunnerNotGone { runner_id, why },
         };
+    }
+    if let Some(jobs) = obs.jobs.as_deref() {
+        let servable = servable_jobs(jobs, policy, ctx, now);
+        match servable.iter().find(|j| may_follow(state, policy, j)) {
+            Some(job) => {
+                // A vanished registration is not an exited runner.
+                if let Some(p) = state
+                    .previous
+                    .iter()
+                    .find(|p| p.process == ProcessState::Unchecked)
+                {
+                    return Step::CheckPrevious { id: p.id };
+                }
+                return Step::Register {
+                    job_id: job.id,
+                    job_handle: job.handle.clone(),
+                    boundary: Boundary {
+                        repo_id: job.repo_id,
+                        owner_id: job.owner_id,
+                    },
+                };
+            }
+            None => {
+                if let Some(job) = servable.first() {
+                    return Step::Teardown {
+                        reason: TeardownReason::OutsideBoundary {
+                            job_id: job.id,
+                            reuse_within: policy.reuse_within,
+                        },
+                    };
+                }
+            }
+        }
     }
     // Without a jobs list no runner can be started anyway (the POST needs Forgejo too), so the
     // idle timeout applies all the same: a teardown never needs Forgejo.
@@ -504,6 +597,19 @@ fn decide_running(
         } else {
             "VM free, waiting for the jobs list (request failed)".into()
         },
+    }
+}
+
+/// Whether `job` may run on this cycle's VM: any job on a VM that ran none yet, else one inside
+/// the boundary its first job set (`--reuse-within`). A cycle without a recorded boundary that
+/// ran a job (written before boundaries were) takes no other, except with `pool`.
+fn may_follow(state: &CycleState, policy: &Policy, job: &Job) -> bool {
+    match &state.boundary {
+        Some(b) => policy.reuse_within.admits(b, job),
+        None => {
+            policy.reuse_within == ReuseWithin::Pool
+                || (state.jobs_started == 0 && state.previous.is_empty())
+        }
     }
 }
 

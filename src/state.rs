@@ -75,6 +75,43 @@ pub struct Registration {
     /// before its DELETE, so that a 404 seen later is not taken for a runner that ran its job.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub failed_start: bool,
+    /// What `RUNNER_ACTION=stop` achieved before this cycle deleted the registration itself:
+    /// carried to [`PreviousRunner::process`] when it is forgotten.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stopped: Option<ProcessState>,
+}
+
+/// Whether a runner's process on the VM is gone, as far as this cycle knows.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "state", content = "why")]
+pub enum ProcessState {
+    /// Not asked yet: its registration is gone, which proves nothing about the process.
+    Unchecked,
+    /// `RUNNER_ACTION=check` answered 3, or `stop` answered 0.
+    Gone,
+    /// It may still run: `check` could not tell, or `stop` failed. The VM is never reused.
+    NotGone(String),
+}
+
+/// A runner started on this VM whose registration is forgotten. The next runner starts on the
+/// VM only once its process is known to be gone (a vanished registration is not an exited
+/// runner).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PreviousRunner {
+    pub id: i64,
+    pub name: String,
+    pub uuid: String,
+    pub job_id: i64,
+    pub job_handle: String,
+    pub process: ProcessState,
+}
+
+/// The trust boundary of a VM: the repository and owner of the first job it ran.
+/// `None` ids (a jobs list that did not say) match nothing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Boundary {
+    pub repo_id: Option<i64>,
+    pub owner_id: Option<i64>,
 }
 
 /// Why a connected runner was not given its waiting job, and the VM went.
@@ -126,6 +163,12 @@ pub struct CycleState {
     /// Non-sensitive tofu outputs, for `status`. Sensitive outputs are never written anywhere.
     #[serde(default)]
     pub outputs: BTreeMap<String, Value>,
+    /// Set with the first registration: whose jobs this VM may run (`--reuse-within`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub boundary: Option<Boundary>,
+    /// Runners started on this VM whose registrations are gone, until the cycle ends.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub previous: Vec<PreviousRunner>,
 }
 
 impl CycleState {
@@ -146,6 +189,8 @@ impl CycleState {
             destroyed_at: None,
             last_error: None,
             outputs: BTreeMap::new(),
+            boundary: None,
+            previous: Vec::new(),
         }
     }
 
@@ -478,6 +523,7 @@ mod tests {
             connected: false,
             not_served: None,
             failed_start: false,
+            stopped: None,
         });
         s
     }

@@ -241,6 +241,9 @@ enum Scenario {
     /// The first register POST is refused, then every launch command fails: the VM is presumed
     /// broken and torn down.
     StartFailures,
+    /// Two jobs of one repository: the second runs on the same VM once the first runner's
+    /// process is checked gone.
+    Reuse,
 }
 
 /// Runners that exist before the run and must still exist after it (never deleted).
@@ -272,6 +275,9 @@ impl Scenario {
                 env.fake
                     .inject("POST", "/actions/runners", Fault::Status(422), 1);
                 env.set_launch_mode("fail");
+            }
+            Scenario::Reuse => {
+                env.fake.add_job(&["debian"]);
             }
         }
         Survivors(keep)
@@ -505,6 +511,38 @@ fn matrix_failed_starts() {
     matrix(Scenario::StartFailures, 0, 1);
 }
 
+/// The reuse of the VM only (what comes before it is the full cycle's): every occurrence from
+/// the first runner's forget to the second runner's launch.
+#[test]
+fn matrix_reuse_after_the_check() {
+    let t = trace(Scenario::Reuse);
+    let occ = occurrences(&t);
+    let from = occ
+        .iter()
+        .position(|(p, _)| p == "forget-written")
+        .expect("the first runner is forgotten");
+    let to = occ
+        .iter()
+        .position(|(p, n)| p == "launch-done-written" && *n == 2)
+        .expect("a second runner is launched on the VM");
+    assert!(
+        occ[from..to]
+            .iter()
+            .any(|(p, _)| p == "check-previous-written"),
+        "{t:?}"
+    );
+    let mine = &occ[from..=to];
+    std::thread::scope(|s| {
+        for lane in 0..LANES {
+            s.spawn(move || {
+                for (point, nth) in mine.iter().skip(lane).step_by(LANES) {
+                    crash_and_converge(Scenario::Reuse, point, *nth);
+                }
+            });
+        }
+    });
+}
+
 /// The scenarios together reach every crash point in the code: a point added without a
 /// scenario that reaches it fails here.
 #[test]
@@ -515,6 +553,7 @@ fn matrix_covers_every_crash_point() {
         Scenario::LostPost,
         Scenario::ApplyFails,
         Scenario::StartFailures,
+        Scenario::Reuse,
     ]
     .into_iter()
     .flat_map(trace)

@@ -692,3 +692,27 @@ fn help_flags_are_read_from_option_lines_only() {
             .collect()
     );
 }
+
+/// The quick start shows what the first set-up command really prints.
+#[test]
+fn the_quick_start_shows_the_real_plan() {
+    let out = std::process::Command::new(BIN)
+        .args([
+            "run",
+            "--dry-run",
+            "--fixture",
+            "fixtures/fresh-cycle.json",
+            "--labels",
+            "debian:host",
+        ])
+        .current_dir(root())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0));
+    let plan = String::from_utf8(out.stdout).unwrap();
+    let readme = read(&root().join("README.md"));
+    assert!(
+        readme.contains(&format!("```\n{plan}```")),
+        "README.md's quick start does not show the plan the command prints:\n{plan}"
+    );
+}

@@ -79,13 +79,19 @@ fn reuse_deletes_the_unconsumed_registration_before_registering_again() {
     let (code, v, _) = plan("reuse-unconsumed.json", &[]);
     assert_eq!(code, Some(0));
     let a = actions(&v);
+    // Its runner is stopped first: a deleted registration does not end `one-job --wait`.
     assert_eq!(
         a[0],
+        json!({"action": "stop_runner", "runner_id": 514, "name": "ephemeral-20261014t150000z-5c1d-2"})
+    );
+    assert_eq!(
+        a[1],
         json!({"action": "delete_runner", "runner_id": 514, "name": "ephemeral-20261014t150000z-5c1d-2", "reason": "unconsumed"})
     );
-    assert_eq!(a[1]["action"], "register_runner");
-    assert_eq!(a[1]["job_id"], 903);
-    assert_eq!(a.len(), 2, "{v}");
+    // Stopped: no check of it before the next runner.
+    assert_eq!(a[2]["action"], "register_runner");
+    assert_eq!(a[2]["job_id"], 903);
+    assert_eq!(a.len(), 3, "{v}");
 }
 
 #[test]
@@ -123,10 +129,14 @@ fn a_registration_whose_runner_never_connected_is_deleted_as_a_failed_start() {
     let a = actions(&v);
     assert_eq!(
         a[0],
+        json!({"action": "stop_runner", "runner_id": 514, "name": "ephemeral-20261014t150000z-5c1d-2"})
+    );
+    assert_eq!(
+        a[1],
         json!({"action": "delete_runner", "runner_id": 514, "name": "ephemeral-20261014t150000z-5c1d-2", "reason": "never_connected"})
     );
     // One failed start is not yet a broken VM: the next job gets a runner.
-    assert_eq!(a[1]["action"], "register_runner", "{v}");
+    assert_eq!(a[2]["action"], "register_runner", "{v}");
 }
 
 #[test]
@@ -142,13 +152,62 @@ fn within_the_grace_an_offline_registration_is_left_alone() {
 }
 
 #[test]
-fn reuse_after_a_consumed_registration_only_registers() {
+fn reuse_after_a_consumed_registration_checks_its_runner_then_registers() {
     let (code, v, _) = plan("reuse-consumed.json", &[]);
     assert_eq!(code, Some(0));
     let a = actions(&v);
-    assert_eq!(a.len(), 1, "{v}");
-    assert_eq!(a[0]["action"], "register_runner");
-    assert_eq!(a[0]["name"], "ephemeral-20261014t150000z-5c1d-3");
+    assert_eq!(a.len(), 2, "{v}");
+    // A vanished registration is not an exited runner: its process is checked first.
+    assert_eq!(
+        a[0],
+        json!({"action": "check_runner", "runner_id": 526, "name": "ephemeral-20261014t150000z-5c1d-2"})
+    );
+    assert_eq!(a[1]["action"], "register_runner");
+    assert_eq!(a[1]["name"], "ephemeral-20261014t150000z-5c1d-3");
+}
+
+#[test]
+fn a_job_of_another_repository_tears_the_vm_down_for_a_fresh_one() {
+    let mut world: Value = serde_json::from_str(
+        &std::fs::read_to_string(
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/reuse-consumed.json"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    world["jobs"][0]["repo_id"] = json!(2);
+    let tmp = tempfile::tempdir().unwrap();
+    let fixture = tmp.path().join("other-repo.json");
+    std::fs::write(&fixture, world.to_string()).unwrap();
+    let run = |extra: &[&str]| {
+        let out = Command::new(BIN)
+            .args([
+                "run",
+                "--dry-run",
+                "--output",
+                "json",
+                "--labels",
+                "debian",
+                "--fixture",
+            ])
+            .arg(&fixture)
+            .args(extra)
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(0));
+        serde_json::from_slice::<Value>(&out.stdout).unwrap()
+    };
+    let v = run(&[]);
+    assert_eq!(
+        actions(&v)[0],
+        json!({"action": "tofu_destroy", "reason": "job 903 is outside this VM's trust boundary (--reuse-within repo): it gets a fresh VM"}),
+        "{v}"
+    );
+    // The same owner: `owner` and `pool` reuse the VM.
+    for within in ["owner", "pool"] {
+        let v = run(&["--reuse-within", within]);
+        assert_eq!(actions(&v)[1]["action"], "register_runner", "{within}: {v}");
+    }
 }
 
 #[test]
@@ -319,11 +378,11 @@ fn a_changed_prefix_does_not_strand_the_cycles_own_registrations() {
     assert_eq!(code, Some(0));
     let a = actions(&v);
     assert_eq!(
-        a[0],
+        a[1],
         json!({"action": "delete_runner", "runner_id": 514, "name": "ephemeral-20261014t150000z-5c1d-2", "reason": "unconsumed"})
     );
     assert!(
-        a[1]["name"].as_str().unwrap().starts_with("ephemeral-"),
+        a[2]["name"].as_str().unwrap().starts_with("ephemeral-"),
         "{v}"
     );
 }

@@ -42,6 +42,7 @@ fn valid_cycle_json() -> Vec<u8> {
         connected: false,
         not_served: None,
         failed_start: false,
+        stopped: None,
     });
     s.outputs
         .insert("address".into(), json!("192.0.2.7 — vm ✓"));

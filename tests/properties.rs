@@ -8,8 +8,8 @@ use ci_ephemeral_provisioner::model::{
     Job, Runner, RunnerStatus, may_delete, parse_jobs, parse_runner_page,
 };
 use ci_ephemeral_provisioner::state::{
-    CycleState, FileStore, Launch, NotServed, Phase, Registration, StateStore, parse_state,
-    read_state_file,
+    Boundary, CycleState, FileStore, Launch, NotServed, Phase, PreviousRunner, ProcessState,
+    Registration, StateStore, parse_state, read_state_file,
 };
 use ci_ephemeral_provisioner::sweep::{Listing, PAGE_LIMIT, list_all, select};
 use ci_ephemeral_provisioner::time::Timestamp;
@@ -150,6 +150,7 @@ fn any_registration() -> impl Strategy<Value = Registration> {
                 Just(Some(NotServed::WrongLabels))
             ],
             any::<bool>(),
+            any_process(),
         ),
     )
         .prop_map(
@@ -162,7 +163,7 @@ fn any_registration() -> impl Strategy<Value = Registration> {
                 requested_at,
                 launch,
                 launched_at,
-                (gone, connected, not_served, failed_start),
+                (gone, connected, not_served, failed_start, stopped),
             )| {
                 Registration {
                     name,
@@ -177,9 +178,37 @@ fn any_registration() -> impl Strategy<Value = Registration> {
                     connected,
                     not_served,
                     failed_start,
+                    stopped,
                 }
             },
         )
+}
+
+fn any_process() -> impl Strategy<Value = Option<ProcessState>> {
+    prop_oneof![
+        Just(None),
+        Just(Some(ProcessState::Unchecked)),
+        Just(Some(ProcessState::Gone)),
+        ".{0,20}".prop_map(|w| Some(ProcessState::NotGone(w))),
+    ]
+}
+
+fn any_previous() -> impl Strategy<Value = PreviousRunner> {
+    (
+        any::<i64>(),
+        ".{0,12}",
+        ".{0,12}",
+        any::<i64>(),
+        any_process(),
+    )
+        .prop_map(|(id, name, uuid, job_id, process)| PreviousRunner {
+            id,
+            name,
+            uuid: uuid.clone(),
+            job_id,
+            job_handle: uuid,
+            process: process.unwrap_or(ProcessState::Unchecked),
+        })
 }
 
 fn any_state() -> impl Strategy<Value = CycleState> {
@@ -200,9 +229,28 @@ fn any_state() -> impl Strategy<Value = CycleState> {
         proptest::option::of(".{0,40}"),
         proptest::option::of(".{0,40}"),
         prop::collection::btree_map("[a-z_]{1,8}", ".{0,16}".prop_map(Value::String), 0..3),
+        (
+            proptest::option::of((
+                proptest::option::of(any::<i64>()),
+                proptest::option::of(any::<i64>()),
+            )),
+            prop::collection::vec(any_previous(), 0..3),
+        ),
     )
         .prop_map(
-            |(id, prefix, started, phase, ready, (jobs, seq, fails), regs, why, err, outputs)| {
+            |(
+                id,
+                prefix,
+                started,
+                phase,
+                ready,
+                (jobs, seq, fails),
+                regs,
+                why,
+                err,
+                outputs,
+                (boundary, previous),
+            )| {
                 let mut s = CycleState::new(id, started);
                 s.runner_prefix = prefix;
                 s.phase = phase;
@@ -215,6 +263,8 @@ fn any_state() -> impl Strategy<Value = CycleState> {
                 s.teardown_reason = why;
                 s.last_error = err;
                 s.outputs = outputs.into_iter().collect::<BTreeMap<_, _>>();
+                s.boundary = boundary.map(|(repo_id, owner_id)| Boundary { repo_id, owner_id });
+                s.previous = previous;
                 s
             },
         )
@@ -304,7 +354,7 @@ proptest! {
     fn jobs_round_trip(jobs in prop::collection::vec(
         (any::<i64>(), ".{0,20}", ".{0,10}", prop::collection::vec(".{0,8}", 0..4)), 0..20)
     ) {
-        let jobs: Vec<Job> = jobs.into_iter().map(|(id, handle, status, runs_on)| Job { id, handle, status, runs_on }).collect();
+        let jobs: Vec<Job> = jobs.into_iter().map(|(id, handle, status, runs_on)| Job { id, handle, status, runs_on, repo_id: None, owner_id: None }).collect();
         let body = Value::Array(jobs.iter().map(|j| json!({
             "id": j.id, "handle": j.handle, "status": j.status, "runs_on": j.runs_on,
         })).collect()).to_string();

@@ -134,6 +134,7 @@ const EVENTS: &[&str] = &[
     world::EV_POLLS_ON,
     world::EV_WOKEN,
     world::EV_ORPHAN,
+    world::EV_STOPPED,
 ];
 
 #[test]
@@ -349,6 +350,7 @@ fn a_lost_post_is_not_forgotten_when_a_listed_row_has_no_name() {
             connected: false,
             not_served: None,
             failed_start: false,
+            stopped: None,
         });
         s.write_disk(&st);
         s.create_vm("c1");
@@ -491,6 +493,7 @@ fn a_never_connected_runner_whose_delete_answer_was_lost_is_still_a_failed_start
             connected: false,
             not_served: None,
             failed_start: false,
+            stopped: None,
         });
         s.write_disk(&st);
         s.forced_faults.push((

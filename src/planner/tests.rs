@@ -42,13 +42,19 @@ fn policy() -> Policy {
         hard_deadline: Duration::from_secs(24 * 3600),
         intent_settle: Duration::ZERO,
         job_pickup_timeout: Duration::from_secs(PICKUP as u64 / 1000),
+        reuse_within: ReuseWithin::Repo,
     }
 }
 
 /// A cycle started at `at(0)` with no VM-ready/free timestamps and no registrations.
+/// A cycle whose VM runs the jobs of repository 1 (owner 1), the repository of `job`.
 fn state(phase: Phase) -> CycleState {
     let mut s = CycleState::new(CYCLE.into(), at(0));
     s.phase = phase;
+    s.boundary = Some(Boundary {
+        repo_id: Some(1),
+        owner_id: Some(1),
+    });
     s
 }
 
@@ -83,6 +89,7 @@ fn reg(id: i64, launch: Launch, launched_at: Option<Timestamp>) -> Registration 
         connected: launch == Launch::Done,
         not_served: None,
         failed_start: false,
+        stopped: None,
     }
 }
 
@@ -101,6 +108,7 @@ fn intent(name: &str) -> Registration {
         connected: false,
         not_served: None,
         failed_start: false,
+        stopped: None,
     }
 }
 
@@ -135,6 +143,8 @@ fn job(id: i64, status: &str, runs_on: &[&str]) -> Job {
         handle: handle(id),
         status: status.into(),
         runs_on: runs_on.iter().map(|s| s.to_string()).collect(),
+        repo_id: Some(1),
+        owner_id: Some(1),
     }
 }
 
@@ -1091,6 +1101,10 @@ fn free_vm_registers_for_the_lowest_matching_waiting_job() {
             Step::Register {
                 job_id: 5,
                 job_handle: handle(5),
+                boundary: Boundary {
+                    repo_id: Some(1),
+                    owner_id: Some(1),
+                },
             }
         );
     }
@@ -1102,6 +1116,10 @@ fn free_vm_registers_for_the_lowest_matching_waiting_job() {
         Step::Register {
             job_id: 6,
             job_handle: "b7f3-xyz".into(),
+            boundary: Boundary {
+                repo_id: Some(1),
+                owner_id: Some(1),
+            },
         }
     );
 }
@@ -2013,7 +2031,11 @@ fn a_held_job_gets_no_runner_until_its_hold_ends() {
         plan(&st, &both, &held(5, HOUR), at(MIN)),
         Step::Register {
             job_id: 9,
-            job_handle: handle(9)
+            job_handle: handle(9),
+            boundary: Boundary {
+                repo_id: Some(1),
+                owner_id: Some(1),
+            },
         }
     );
     assert!(is_wait(&plan(&st, &jobs, &held(5, HOUR), at(MIN))));
@@ -2027,7 +2049,11 @@ fn a_held_job_gets_no_runner_until_its_hold_ends() {
         plan(&st, &jobs, &held(5, HOUR), at(HOUR)),
         Step::Register {
             job_id: 5,
-            job_handle: handle(5)
+            job_handle: handle(5),
+            boundary: Boundary {
+                repo_id: Some(1),
+                owner_id: Some(1),
+            },
         }
     );
 }
@@ -2050,4 +2076,171 @@ fn a_registration_not_given_its_job_is_deleted_for_that_reason_after_the_destroy
             delete(1, reason)
         );
     }
+}
+
+// -- trust boundary (`--reuse-within`) and earlier runners' processes --------------------------
+
+fn scoped(id: i64, repo: Option<i64>, owner: Option<i64>) -> Job {
+    Job {
+        repo_id: repo,
+        owner_id: owner,
+        ..waiting_debian(id)
+    }
+}
+
+fn within(reuse_within: ReuseWithin) -> Policy {
+    Policy {
+        reuse_within,
+        ..policy()
+    }
+}
+
+fn previous(id: i64, process: ProcessState) -> crate::state::PreviousRunner {
+    crate::state::PreviousRunner {
+        id,
+        name: reg_name(id),
+        uuid: format!("uuid-{id}"),
+        job_id: JOB,
+        job_handle: handle(JOB),
+        process,
+    }
+}
+
+fn used_vm() -> CycleState {
+    let mut st = free_vm();
+    st.jobs_started = 1;
+    st
+}
+
+#[test]
+fn a_job_of_another_repository_gets_a_fresh_vm() {
+    let st = used_vm();
+    let other_repo = obs(Some(vec![scoped(5, Some(2), Some(1))]), vec![]);
+    let outside = |r| Step::Teardown {
+        reason: TeardownReason::OutsideBoundary {
+            job_id: 5,
+            reuse_within: r,
+        },
+    };
+    let d = |p: &Policy, o: &Observation| decide(Some(&st), o, &ctx(), p, at(2 * MIN));
+    assert_eq!(
+        d(&within(ReuseWithin::Repo), &other_repo),
+        outside(ReuseWithin::Repo)
+    );
+    // The same owner: shared with `owner`, and with `pool`.
+    assert!(matches!(
+        d(&within(ReuseWithin::Owner), &other_repo),
+        Step::Register { job_id: 5, .. }
+    ));
+    let other_owner = obs(Some(vec![scoped(5, Some(3), Some(2))]), vec![]);
+    assert_eq!(
+        d(&within(ReuseWithin::Owner), &other_owner),
+        outside(ReuseWithin::Owner)
+    );
+    assert!(matches!(
+        d(&within(ReuseWithin::Pool), &other_owner),
+        Step::Register { job_id: 5, .. }
+    ));
+    // A job whose repository the list did not give shares with nobody.
+    let unknown = obs(Some(vec![scoped(5, None, None)]), vec![]);
+    assert_eq!(
+        d(&within(ReuseWithin::Repo), &unknown),
+        outside(ReuseWithin::Repo)
+    );
+    // Not a failure: a fresh VM for it is the plan.
+    assert!(
+        !TeardownReason::OutsideBoundary {
+            job_id: 5,
+            reuse_within: ReuseWithin::Repo
+        }
+        .is_failure()
+    );
+}
+
+#[test]
+fn a_job_inside_the_boundary_goes_first_and_the_first_job_draws_it() {
+    let st = used_vm();
+    let o = obs(
+        Some(vec![
+            scoped(4, Some(2), Some(2)),
+            scoped(6, Some(1), Some(1)),
+        ]),
+        vec![],
+    );
+    assert!(matches!(
+        plan(&st, &o, &ctx(), at(2 * MIN)),
+        Step::Register { job_id: 6, .. }
+    ));
+    // A VM that ran nothing yet takes the oldest job, whose repository becomes its boundary.
+    let mut fresh = free_vm();
+    fresh.boundary = None;
+    assert_eq!(
+        plan(&fresh, &o, &ctx(), at(2 * MIN)),
+        Step::Register {
+            job_id: 4,
+            job_handle: handle(4),
+            boundary: Boundary {
+                repo_id: Some(2),
+                owner_id: Some(2)
+            },
+        }
+    );
+    // One that ran a job before boundaries were recorded takes no other (but with `pool`).
+    let mut legacy = used_vm();
+    legacy.boundary = None;
+    assert!(matches!(
+        plan(&legacy, &o, &ctx(), at(2 * MIN)),
+        Step::Teardown {
+            reason: TeardownReason::OutsideBoundary { job_id: 4, .. }
+        }
+    ));
+    assert!(matches!(
+        decide(
+            Some(&legacy),
+            &o,
+            &ctx(),
+            &within(ReuseWithin::Pool),
+            at(2 * MIN)
+        ),
+        Step::Register { job_id: 4, .. }
+    ));
+}
+
+#[test]
+fn the_next_runner_starts_only_once_the_previous_process_is_known_gone() {
+    let o = obs(Some(vec![waiting_debian(5)]), vec![]);
+    let mut st = used_vm();
+    st.previous = vec![
+        previous(40, ProcessState::Gone),
+        previous(41, ProcessState::Unchecked),
+    ];
+    assert_eq!(
+        plan(&st, &o, &ctx(), at(2 * MIN)),
+        Step::CheckPrevious { id: 41 }
+    );
+    // Only when a runner would start: a free VM with no job does not ask.
+    assert!(is_wait(&plan(
+        &st,
+        &obs(Some(vec![]), vec![]),
+        &ctx(),
+        at(2 * MIN)
+    )));
+    st.previous[1].process = ProcessState::Gone;
+    assert!(matches!(
+        plan(&st, &o, &ctx(), at(2 * MIN)),
+        Step::Register { job_id: 5, .. }
+    ));
+    // May still run: the VM goes, with or without a job waiting.
+    st.previous[1].process = ProcessState::NotGone("check exited with status 1".into());
+    let not_gone = Step::Teardown {
+        reason: TeardownReason::PreviousRunnerNotGone {
+            runner_id: 41,
+            why: "check exited with status 1".into(),
+        },
+    };
+    assert_eq!(plan(&st, &o, &ctx(), at(2 * MIN)), not_gone);
+    assert_eq!(
+        plan(&st, &obs(Some(vec![]), vec![]), &ctx(), at(2 * MIN)),
+        not_gone
+    );
 }

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use ci_ephemeral_provisioner::app::lock_state_dir;
 use ci_ephemeral_provisioner::cycle::{self, CycleConfig, End, World};
-use ci_ephemeral_provisioner::planner::Policy;
+use ci_ephemeral_provisioner::planner::{Policy, ReuseWithin};
 use ci_ephemeral_provisioner::report::Report;
 use ci_ephemeral_provisioner::time::Timestamp;
 
@@ -54,6 +54,7 @@ pub fn config(max_jobs: u32) -> CycleConfig {
             hard_deadline: m(60),
             intent_settle: Duration::from_millis(2 * HTTP_TIMEOUT_MS as u64),
             job_pickup_timeout: Duration::from_millis(PICKUP_MS as u64),
+            reuse_within: ReuseWithin::Repo,
         },
         poll_interval: Duration::from_millis(POLL_MS as u64),
         labels: format!("{LABEL}:host"),

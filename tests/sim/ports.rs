@@ -9,7 +9,7 @@ use std::time::Duration;
 use ci_ephemeral_provisioner::cycle::{Clock, Sleep};
 use ci_ephemeral_provisioner::forgejo::{ApiError, Deleted, Forgejo, NewRunner, RunnerPage};
 use ci_ephemeral_provisioner::holds::{Holds, HoldsError, parse_holds};
-use ci_ephemeral_provisioner::launch::{LaunchRequest, Launcher};
+use ci_ephemeral_provisioner::launch::{LaunchRequest, Launcher, ProcessCheck};
 use ci_ephemeral_provisioner::model::{Job, Runner, RunnerStatus};
 use ci_ephemeral_provisioner::secret::Secret;
 use ci_ephemeral_provisioner::state::{CycleState, Phase, StateStore};
@@ -523,6 +523,76 @@ impl Launcher for SimLauncher {
         self.0.boundary("after", "launch");
         result
     }
+
+    /// `RUNNER_ACTION=check` over SSH: 0 while the process runs, 3 once it is gone; an
+    /// unreachable VM or a failing command cannot tell.
+    fn check(&mut self, req: &LaunchRequest<'_>) -> ProcessCheck {
+        self.0.boundary("before", "check");
+        let result = {
+            let mut s = self.0.sim.borrow_mut();
+            let vm = current_vm(&s);
+            let p = s.cfg.launch;
+            let fault = s.faults_on && s.rng.chance(p);
+            if fault {
+                s.count_fault("check cannot tell (exit 1)");
+            }
+            let to = s.now + s.rng.range(200, 3_000);
+            s.advance(to, true);
+            let r = if !s.vm_exists(&vm) || fault {
+                ProcessCheck::Unknown {
+                    why: "check exited with status 1".into(),
+                    interrupted: false,
+                }
+            } else if s.runner_process_runs(req.runner_id) {
+                ProcessCheck::Running
+            } else {
+                ProcessCheck::Gone
+            };
+            s.log(format!("check runner {} -> {r:?}", req.runner_id));
+            r
+        };
+        self.0.boundary("after", "check");
+        result
+    }
+
+    /// `RUNNER_ACTION=stop`: ends the process (its effect may land and the answer be lost when
+    /// the provisioner is killed meanwhile); fails now and then.
+    fn stop(&mut self, req: &LaunchRequest<'_>) -> Result<(), StepError> {
+        self.0.boundary("before", "stop");
+        let result = {
+            let mut s = self.0.sim.borrow_mut();
+            let vm = current_vm(&s);
+            let p = s.cfg.launch;
+            let fault = s.faults_on && s.rng.chance(p);
+            if fault {
+                s.count_fault("stop fails (exit 1)");
+            }
+            let to = s.now + s.rng.range(200, 5_000);
+            s.advance(to, true);
+            let r = if !s.vm_exists(&vm) || fault {
+                Err(StepError::failed("stop exited with status 1"))
+            } else {
+                s.stop_runner_process(req.runner_id);
+                Ok(())
+            };
+            s.log(format!(
+                "stop runner {} -> {}",
+                req.runner_id,
+                if r.is_ok() { "ok" } else { "err" }
+            ));
+            r
+        };
+        self.0.boundary("after", "stop");
+        result
+    }
+}
+
+/// The VM of the cycle on disk: where the launch command reaches.
+fn current_vm(s: &Sim) -> String {
+    s.disk
+        .as_ref()
+        .map(|(_, st)| st.cycle_id.clone())
+        .unwrap_or_default()
 }
 
 // -- cycle.json ---------------------------------------------------------------------------------------------

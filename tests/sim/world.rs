@@ -311,6 +311,7 @@ pub const EV_POLLS_ON: &str = "runner: one-job --wait was given no task and poll
 pub const EV_WOKEN: &str = "runner: a polling runner of ours was given its released job";
 pub const EV_ORPHAN: &str =
     "runner: a process polled on after its registration was deleted, until the VM went";
+pub const EV_STOPPED: &str = "runner: RUNNER_ACTION=stop ended a process of ours on the VM";
 
 #[derive(Default, Clone)]
 pub struct Stats {
@@ -400,6 +401,8 @@ pub struct Sim {
     bg: BTreeMap<(i64, u64), Bg>,
     bg_seq: u64,
     procs: BTreeMap<i64, Proc>,
+    /// The repository of the first job each VM ran (the trust-boundary invariant).
+    vm_repos: BTreeMap<String, i64>,
     /// Bumped on every insert and delete: ties in the list order are reshuffled by it.
     rows_version: u64,
     /// `SIM_RANDOM_TIES=1`: ties in a new order on every request (a database that gives no
@@ -475,6 +478,7 @@ impl Sim {
             bg: BTreeMap::new(),
             bg_seq: 0,
             procs: BTreeMap::new(),
+            vm_repos: BTreeMap::new(),
             rows_version: 0,
             nameless: Vec::new(),
             forced_faults: Vec::new(),
@@ -719,10 +723,17 @@ impl Sim {
         self.log("QUIET: faults off, queued jobs released, one last job, no more arrivals");
     }
 
-    /// A job in repository 1 of owner 1, waiting (`runs_on` as given).
+    /// A waiting job (`runs_on` as given): most in repository 1, one in eight in repository 2
+    /// (same owner 1), one in eight in repository 3 of owner 2, so that VMs are both reused and
+    /// refused across the trust boundary. By id, not by the random stream.
     pub fn new_job(&mut self, runs_on: &[&str]) -> i64 {
         let id = self.next_job_id;
         self.next_job_id += 1;
+        let (repo_id, owner_id) = match id % 8 {
+            3 => (2, 1),
+            7 => (3, 2),
+            _ => (1, 1),
+        };
         let handle = format!("{:08x}-h", self.rng.next_u64() as u32);
         self.jobs.insert(
             id,
@@ -732,8 +743,8 @@ impl Sim {
                 runs_on: Self::names(runs_on),
                 state: JobState::Waiting,
                 queued_behind: false,
-                owner_id: 1,
-                repo_id: 1,
+                owner_id,
+                repo_id,
                 started: 0,
             },
         );
@@ -1276,9 +1287,64 @@ impl Sim {
         self.launched_ok.insert(id, vm.to_string());
     }
 
+    /// Whether runner `id`'s process still runs (on any VM).
+    pub fn runner_process_runs(&self, id: i64) -> bool {
+        self.procs.contains_key(&id)
+    }
+
+    /// `RUNNER_ACTION=stop`: the process of runner `id` ends; Forgejo sees it stop polling.
+    pub fn stop_runner_process(&mut self, id: i64) {
+        let now = self.now;
+        if self.procs.remove(&id).is_none() {
+            return;
+        }
+        self.event(EV_STOPPED);
+        self.log(format!("runner {id}: process stopped"));
+        self.launched_ok.remove(&id);
+        if let Some(r) = self.runners.get_mut(&id)
+            && r.polling
+        {
+            r.polling = false;
+            r.last_online = now;
+            if r.busy {
+                r.busy = false;
+                r.last_active = now;
+            }
+        }
+    }
+
     /// The launch command starts `forgejo-runner one-job` for runner `id` with these `--label`
-    /// values (RUNNER_LABELS).
+    /// values (RUNNER_LABELS). Invariants: no other runner process of ours still runs on that VM
+    /// (a job never starts next to what an earlier job left running), and the job is inside the
+    /// VM's trust boundary (`--reuse-within repo`: jobs of the repository of its first job).
     pub fn start_runner_process(&mut self, id: i64, handle: &str, vm: &str, labels: &str) {
+        let others: Vec<i64> = self
+            .procs
+            .iter()
+            .filter(|(other, p)| **other != id && p.vm == vm)
+            .map(|(other, _)| *other)
+            .collect();
+        if !others.is_empty() {
+            self.violate(format!(
+                "runner {id} started on VM {vm} while the process of runner(s) {others:?} still runs there"
+            ));
+        }
+        if let Some(repo) = self
+            .jobs
+            .values()
+            .find(|j| j.handle == handle)
+            .map(|j| j.repo_id)
+        {
+            match self.vm_repos.get(vm) {
+                Some(first) if *first != repo => self.violate(format!(
+                    "runner {id} for a job of repository {repo} started on VM {vm}, which ran a job of repository {first}"
+                )),
+                Some(_) => {}
+                None => {
+                    self.vm_repos.insert(vm.to_string(), repo);
+                }
+            }
+        }
         let broken = self.broken_vms.iter().any(|v| v == vm);
         let behaviour = if broken {
             Behaviour::NeverConnects
@@ -1381,6 +1447,8 @@ impl Sim {
                 handle: j.handle.clone(),
                 status: j.state.as_str().into(),
                 runs_on: j.runs_on.clone(),
+                repo_id: Some(j.repo_id),
+                owner_id: Some(j.owner_id),
             })
             .collect()
     }
