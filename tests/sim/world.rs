@@ -723,7 +723,8 @@ impl Sim {
         self.log("QUIET: faults off, queued jobs released, one last job, no more arrivals");
     }
 
-    /// A waiting job (`runs_on` as given): most in repository 1, one in eight in repository 2
+    /// A waiting job (`runs_on` as given; the jobs list shows its `repo_id` and `owner_id`, as
+    /// Forgejo's `ActionRunJob` does, modules/structs/action.go): most in repository 1, one in eight in repository 2
     /// (same owner 1), one in eight in repository 3 of owner 2, so that VMs are both reused and
     /// refused across the trust boundary. By id, not by the random stream.
     pub fn new_job(&mut self, runs_on: &[&str]) -> i64 {
@@ -1293,6 +1294,8 @@ impl Sim {
     }
 
     /// `RUNNER_ACTION=stop`: the process of runner `id` ends; Forgejo sees it stop polling.
+    /// forgejo-runner ends on SIGTERM (main.go `signal.NotifyContext`; the poller returns,
+    /// internal/app/poll/single.go), and the default launch SIGKILLs what does not.
     pub fn stop_runner_process(&mut self, id: i64) {
         let now = self.now;
         if self.procs.remove(&id).is_none() {

@@ -409,7 +409,8 @@ struct World {
     /// an order that depends on it (see `list_runners`).
     rows_version: u64,
     tie_seed: u64,
-    /// What `GET /api/v1/version` answers.
+    /// What `GET /api/v1/version` answers (`routers/api/v1/misc/version.go` `Version`:
+    /// `{"version": setting.AppVer}`, e.g. `15.0.3+gitea-1.22.0`).
     forgejo_version: String,
 }
 
