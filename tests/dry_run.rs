@@ -94,22 +94,23 @@ fn reuse_deletes_the_unconsumed_registration_before_registering_again() {
     assert_eq!(a.len(), 3, "{v}");
 }
 
-#[test]
-fn a_registration_whose_runner_never_connected_is_deleted_as_a_failed_start() {
-    // The same world, but the runner was never seen up (and Forgejo shows no version): its
-    // launch exited 0, yet nothing connected.
-    let mut world: Value = serde_json::from_str(
+/// A bundled fixture's world, to change for a test.
+fn world_of(fixture: &str) -> Value {
+    serde_json::from_str(
         &std::fs::read_to_string(
-            Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/reuse-unconsumed.json"),
+            Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("fixtures")
+                .join(fixture),
         )
         .unwrap(),
     )
-    .unwrap();
-    world["cycle"]["registrations"][0]["connected"] = json!(false);
-    world["runners"][0]["version"] = json!("");
-    world["runners"][0]["labels"] = Value::Null;
+    .unwrap()
+}
+
+/// The JSON plan of a dry-run on `world` (labels `debian`), which must exit 0.
+fn plan_of_world(world: &Value, extra: &[&str]) -> Value {
     let tmp = tempfile::tempdir().unwrap();
-    let fixture = tmp.path().join("never-connected.json");
+    let fixture = tmp.path().join("world.json");
     std::fs::write(&fixture, world.to_string()).unwrap();
     let out = Command::new(BIN)
         .args([
@@ -122,10 +123,27 @@ fn a_registration_whose_runner_never_connected_is_deleted_as_a_failed_start() {
             "--fixture",
         ])
         .arg(&fixture)
+        .args(extra)
         .output()
         .unwrap();
-    assert_eq!(out.status.code(), Some(0));
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+#[test]
+fn a_registration_whose_runner_never_connected_is_deleted_as_a_failed_start() {
+    // The same world, but the runner was never seen up (and Forgejo shows no version): its
+    // launch exited 0, yet nothing connected.
+    let mut world = world_of("reuse-unconsumed.json");
+    world["cycle"]["registrations"][0]["connected"] = json!(false);
+    world["runners"][0]["version"] = json!("");
+    world["runners"][0]["labels"] = Value::Null;
+    let v = plan_of_world(&world, &[]);
     let a = actions(&v);
     assert_eq!(
         a[0],
@@ -168,35 +186,9 @@ fn reuse_after_a_consumed_registration_checks_its_runner_then_registers() {
 
 #[test]
 fn a_job_of_another_repository_tears_the_vm_down_for_a_fresh_one() {
-    let mut world: Value = serde_json::from_str(
-        &std::fs::read_to_string(
-            Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/reuse-consumed.json"),
-        )
-        .unwrap(),
-    )
-    .unwrap();
+    let mut world = world_of("reuse-consumed.json");
     world["jobs"][0]["repo_id"] = json!(2);
-    let tmp = tempfile::tempdir().unwrap();
-    let fixture = tmp.path().join("other-repo.json");
-    std::fs::write(&fixture, world.to_string()).unwrap();
-    let run = |extra: &[&str]| {
-        let out = Command::new(BIN)
-            .args([
-                "run",
-                "--dry-run",
-                "--output",
-                "json",
-                "--labels",
-                "debian",
-                "--fixture",
-            ])
-            .arg(&fixture)
-            .args(extra)
-            .output()
-            .unwrap();
-        assert_eq!(out.status.code(), Some(0));
-        serde_json::from_slice::<Value>(&out.stdout).unwrap()
-    };
+    let run = |extra: &[&str]| plan_of_world(&world, extra);
     let v = run(&[]);
     assert_eq!(
         actions(&v)[0],

@@ -84,15 +84,17 @@ fn a_job_of_another_repository_gets_a_fresh_vm() {
     assert_eq!(creates(&env), 1, "{}", env.vm_log());
 }
 
-#[test]
-fn a_runner_that_outlives_its_registration_is_stopped_before_the_next_job() {
-    let env = Env::new();
-    // The first runner takes its job and keeps running; Forgejo then deletes its registration
-    // when the job is cancelled (StopTask), while the process runs on.
+/// A run in the background whose first runner takes its job and keeps running; once the job
+/// runs, a second job of the repository waits and the first is cancelled, upon which Forgejo
+/// deletes its registration (StopTask) while its process runs on. The run's exit status, its
+/// stderr and the second job.
+fn outlived_registration(env: &Env) -> (Option<i32>, String, i64) {
     fs::write(env.vm.join("launch-mode.1"), "take").unwrap();
     let (a, _) = env.fake.add_scoped_job(&["debian"], 1, 10);
+    let err_file = env.tmp.path().join("bg-err");
     let mut c = env.cmd("run");
-    c.stdout(Stdio::null()).stderr(Stdio::null());
+    c.stdout(Stdio::null())
+        .stderr(fs::File::create(&err_file).unwrap());
     let mut child = c.spawn().unwrap();
     wait_for("the first job to run", || {
         env.fake
@@ -102,7 +104,15 @@ fn a_runner_that_outlives_its_registration_is_stopped_before_the_next_job() {
     });
     let (b, _) = env.fake.add_scoped_job(&["debian"], 1, 10);
     env.fake.set_job_status(a, "cancelled");
-    assert_eq!(child.wait().unwrap().code(), Some(0));
+    let code = child.wait().unwrap().code();
+    (code, fs::read_to_string(&err_file).unwrap(), b)
+}
+
+#[test]
+fn a_runner_that_outlives_its_registration_is_stopped_before_the_next_job() {
+    let env = Env::new();
+    let (code, err, b) = outlived_registration(&env);
+    assert_eq!(code, Some(0), "{err}");
     assert!(served(&env, b), "{:?}", env.fake.jobs());
     let calls = actions(&env);
     let first = calls[0].1;
@@ -127,24 +137,9 @@ fn a_runner_that_outlives_its_registration_is_stopped_before_the_next_job() {
 #[test]
 fn a_runner_process_that_cannot_be_stopped_costs_the_vm_and_fails_the_run() {
     let env = Env::new();
-    fs::write(env.vm.join("launch-mode.1"), "take").unwrap();
     fs::write(env.vm.join("stop-mode"), "fail").unwrap();
-    let (a, _) = env.fake.add_scoped_job(&["debian"], 1, 10);
-    let mut c = env.cmd("run");
-    let out_file = env.tmp.path().join("bg-err");
-    c.stdout(Stdio::null())
-        .stderr(fs::File::create(&out_file).unwrap());
-    let mut child = c.spawn().unwrap();
-    wait_for("the first job to run", || {
-        env.fake
-            .jobs()
-            .iter()
-            .any(|j| j.id == a && j.status == "running")
-    });
-    let (b, _) = env.fake.add_scoped_job(&["debian"], 1, 10);
-    env.fake.set_job_status(a, "cancelled");
-    assert_eq!(child.wait().unwrap().code(), Some(1));
-    let err = fs::read_to_string(&out_file).unwrap();
+    let (code, err, b) = outlived_registration(&env);
+    assert_eq!(code, Some(1), "{err}");
     assert!(err.contains("RUNNER_ACTION=stop failed"), "{err}");
     assert!(!served(&env, b), "no job started next to the process");
     assert_eq!(

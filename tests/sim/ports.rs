@@ -530,15 +530,7 @@ impl Launcher for SimLauncher {
         self.0.boundary("before", "check");
         let result = {
             let mut s = self.0.sim.borrow_mut();
-            let vm = current_vm(&s);
-            let p = s.cfg.launch;
-            let fault = s.faults_on && s.rng.chance(p);
-            if fault {
-                s.count_fault("check cannot tell (exit 1)");
-            }
-            let to = s.now + s.rng.range(200, 3_000);
-            s.advance(to, true);
-            let r = if !s.vm_exists(&vm) || fault {
+            let r = if !vm_call(&mut s, "check cannot tell (exit 1)", 3_000) {
                 ProcessCheck::Unknown {
                     why: "check exited with status 1".into(),
                     interrupted: false,
@@ -561,15 +553,7 @@ impl Launcher for SimLauncher {
         self.0.boundary("before", "stop");
         let result = {
             let mut s = self.0.sim.borrow_mut();
-            let vm = current_vm(&s);
-            let p = s.cfg.launch;
-            let fault = s.faults_on && s.rng.chance(p);
-            if fault {
-                s.count_fault("stop fails (exit 1)");
-            }
-            let to = s.now + s.rng.range(200, 5_000);
-            s.advance(to, true);
-            let r = if !s.vm_exists(&vm) || fault {
+            let r = if !vm_call(&mut s, "stop fails (exit 1)", 5_000) {
                 Err(StepError::failed("stop exited with status 1"))
             } else {
                 s.stop_runner_process(req.runner_id);
@@ -585,6 +569,20 @@ impl Launcher for SimLauncher {
         self.0.boundary("after", "stop");
         result
     }
+}
+
+/// One check or stop over SSH: it takes a while (up to `max_ms`), fails now and then (`fault`),
+/// and cannot reach a VM that is gone. Whether it reached the VM and worked.
+fn vm_call(s: &mut Sim, fault: &'static str, max_ms: i64) -> bool {
+    let vm = current_vm(s);
+    let p = s.cfg.launch;
+    let failed = s.faults_on && s.rng.chance(p);
+    if failed {
+        s.count_fault(fault);
+    }
+    let to = s.now + s.rng.range(200, max_ms);
+    s.advance(to, true);
+    s.vm_exists(&vm) && !failed
 }
 
 /// The VM of the cycle on disk: where the launch command reaches.
