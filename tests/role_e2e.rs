@@ -720,7 +720,7 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
             Some("ci-ephemeral-provisioner")
         );
         let j = host.journal(&unit);
-        assert!(j.contains("all 7 checks passed"), "{unit}:\n{j}");
+        assert!(j.contains("all 8 checks passed"), "{unit}:\n{j}");
         assert!(
             !j.contains(API_TOKEN),
             "{unit}: the token is in the journal"
