@@ -267,7 +267,7 @@ pub(crate) fn read_token(arg: &Option<PathBuf>) -> Result<Secret, Fatal> {
             Some(d) => Path::new(&d).join("forgejo-token"),
             None => {
                 return Err(usage(
-                    "no Forgejo token: pass --token-file PATH (or run under systemd with LoadCredential=forgejo-token:…)",
+                    "no Forgejo token: pass --token-file PATH, or --token-file - with the token on standard input (under systemd, LoadCredential=forgejo-token:… works too)",
                 ));
             }
         },
