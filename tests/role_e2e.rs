@@ -25,6 +25,12 @@ use support::harness::API_TOKEN;
 
 const UNIT: &str = "ci-ephemeral-provisioner@default.service";
 const STATE: &str = "var/lib/ci-ephemeral-provisioner/default";
+/// Each pool's own system user: the role's prefix and the pool's name.
+fn pool_user(pool: &str) -> String {
+    format!("ci-ephemeral-{pool}")
+}
+/// The user every pool shared before each got its own, as an earlier version created it.
+const SHARED_USER: &str = "ci-ephemeral-provisioner";
 /// The default pool's secret_environment value (a stand-in for a cloud API token).
 const CLOUD_SECRET: &str = "cloud-5ecret-4c7e";
 /// node_exporter's textfile directory (the role's default), made by "someone else" before the
@@ -49,7 +55,7 @@ fn pool_metrics(host: &Host, pool: &str) -> String {
     let path = metrics_file(pool);
     assert_eq!(
         host.sh_ok(&format!("stat -c '%a %U' {path}")).trim(),
-        "644 ci-ephemeral-provisioner",
+        format!("644 {}", pool_user(pool)),
         "{path}"
     );
     let text = host.sh_ok(&format!("cat {path}"));
@@ -178,6 +184,171 @@ impl Drop for Host {
     }
 }
 
+/// Whether any 12 characters of `secret` are in `text` (a wrapped or cut copy counts).
+fn holds_part_of(text: &str, secret: &str) -> bool {
+    secret
+        .as_bytes()
+        .windows(12)
+        .any(|w| text.contains(std::str::from_utf8(w).unwrap()))
+}
+
+/// The reports of tests/role/module/probe.sh from the default pool's cycles so far: one by the
+/// module's local-exec (`tofu.<cycle>`), one under the launch command (`launch.<runner uuid>`),
+/// each run as the pool's user inside the unit's sandbox. Each ran to its end and tried every
+/// path it has — the credential directories, its own environment and fd 0, the token file, every
+/// file of the state directory, and each ancestor's environ, mem and fd/ up to the binary, which
+/// /proc does not even show it (ProtectProc=invisible hides what is not dumpable) — and none of
+/// what it read holds the token. The control: each read some process's memory (a shell's, tofu's),
+/// so the binary's refusal is its own.
+fn assert_probes_found_no_token(host: &Host) {
+    let dir = host.file(&format!("{STATE}/vm/probe"));
+    let mut reports: Vec<(String, String)> = fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("no probe reports in {}: {e}", dir.display()))
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| {
+            (n.starts_with("tofu.") || n.starts_with("launch."))
+                && ![".part", ".data", ".err", ".list"]
+                    .iter()
+                    .any(|x| n.ends_with(x))
+        })
+        .map(|n| {
+            let text = fs::read_to_string(dir.join(&n)).unwrap();
+            (n, text)
+        })
+        .collect();
+    reports.sort();
+    let names: Vec<&str> = reports.iter().map(|(n, _)| n.as_str()).collect();
+    assert!(
+        names.iter().any(|n| n.starts_with("tofu."))
+            && names.iter().any(|n| n.starts_with("launch.")),
+        "a probe did not run under tofu or under the launch command: {names:?}"
+    );
+    for (name, text) in &reports {
+        assert!(
+            !holds_part_of(text, API_TOKEN),
+            "{name}: a child of the provisioner read the Forgejo token:\n{text}"
+        );
+        assert!(
+            text.contains("\nEND tried="),
+            "{name} did not finish:\n{text}"
+        );
+        let tried = text.lines().filter(|l| l.starts_with("TRY ")).count();
+        assert!(tried >= 15, "{name}: only {tried} paths tried:\n{text}");
+        let line = |prefix: &str| {
+            text.lines()
+                .find(|l| l.starts_with(prefix))
+                .unwrap_or_else(|| panic!("{name}: nothing tried as {prefix:?}:\n{text}"))
+        };
+        assert!(
+            line("TRY $CREDENTIALS_DIRECTORY ").contains(" error "),
+            "{name}"
+        );
+        assert!(
+            line("TRY /run/credentials").contains(" error "),
+            "{name}: {text}"
+        );
+        assert!(
+            line("TRY /etc/ci-ephemeral-provisioner/forgejo-token ").contains("Permission denied"),
+            "{name}"
+        );
+        line("TRY own environment ok");
+        line("TRY own fd 0 ");
+        line(&format!("TRY /{STATE}/ ok"));
+        let state_files = text
+            .lines()
+            .filter(|l| l.starts_with(&format!("TRY /{STATE}/")))
+            .count();
+        assert!(
+            state_files >= 5,
+            "{name}: the state directory was not walked:\n{text}"
+        );
+        // The walk went up to the binary, which the sandbox does not show its children.
+        let pid = text
+            .lines()
+            .find_map(|l| l.strip_prefix("ANCESTOR ")?.strip_suffix(" hidden"))
+            .unwrap_or_else(|| {
+                panic!("{name}: the provisioner was visible to its child (dumpable?):\n{text}")
+            });
+        for what in ["environ", "mem", "fd/"] {
+            assert!(
+                line(&format!("TRY /proc/{pid}/{what} ")).contains(" error "),
+                "{name}: /proc/{pid}/{what}"
+            );
+        }
+        assert!(
+            text.lines()
+                .any(|l| l.starts_with("TRY /proc/") && l.contains("/mem ok ")),
+            "{name}: no process's memory was readable at all:\n{text}"
+        );
+    }
+    eprintln!(
+        "  probes: {}",
+        reports
+            .iter()
+            .map(|(n, t)| format!(
+                "{n} ({} paths)",
+                t.lines().filter(|l| l.starts_with("TRY ")).count()
+            ))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+}
+
+/// As the user the gpu pool's units run as (whatever the unit says), nothing of the default
+/// pool's is readable: its state directory (tofu state with SSH keys), its cache, its secret
+/// environment file, and the environment and memory of a process of its user that holds its
+/// secret environment, as its units do. The same commands as the default pool's user: the
+/// control.
+fn assert_pools_are_isolated(host: &Host) {
+    let other = host.show("ci-ephemeral-provisioner@gpu.service")["User"].clone();
+    let owner = pool_user("default");
+    host.sh_ok(&format!(
+        "systemd-run --quiet --unit=e2e-default-secrets --uid={owner} --gid={owner} \
+         -p EnvironmentFile=/etc/ci-ephemeral-provisioner/pools/default/secret.env sleep 600"
+    ));
+    let pid = host
+        .sh_ok("systemctl show -p MainPID --value e2e-default-secrets.service")
+        .trim()
+        .to_string();
+    assert_ne!(pid, "0");
+    let as_user = |user: &str, cmd: &str| {
+        host.sh(&format!(
+            "setpriv --reuid={user} --regid={user} --clear-groups -- sh -c '{cmd}'"
+        ))
+    };
+    let paths = [
+        "ls /var/lib/ci-ephemeral-provisioner/default".to_string(),
+        "cat /var/lib/ci-ephemeral-provisioner/default/tofu/terraform.tfstate".to_string(),
+        "cat /var/lib/ci-ephemeral-provisioner/default/last-run.json".to_string(),
+        "ls /var/cache/ci-ephemeral-provisioner/default".to_string(),
+        format!("cat /proc/{pid}/environ"),
+        format!("dd if=/proc/{pid}/mem bs=1 count=0 status=none"),
+    ];
+    for cmd in &paths {
+        let (ok, out) = as_user(&other, cmd);
+        assert!(
+            !ok,
+            "the gpu pool's user {other} could `{cmd}` of the default pool's:\n{out}"
+        );
+        let (ok, out) = as_user(&owner, cmd);
+        assert!(ok, "the control failed: {owner} could not `{cmd}`:\n{out}");
+    }
+    let (_, environ) = as_user(&owner, &format!("cat /proc/{pid}/environ"));
+    assert!(environ.contains(CLOUD_SECRET), "{environ}");
+    for user in [&other, &owner] {
+        assert!(
+            !as_user(
+                user,
+                "cat /etc/ci-ephemeral-provisioner/pools/default/secret.env"
+            )
+            .0,
+            "{user} read the default pool's secret.env"
+        );
+    }
+    host.sh_ok("systemctl stop e2e-default-secrets.service");
+}
+
 fn path_str(p: &Path) -> &str {
     p.to_str().expect("UTF-8 path")
 }
@@ -281,6 +452,9 @@ ci_ephemeral_provisioner_pool_defaults:
   environment:
     VM_DIR: /var/lib/ci-ephemeral-provisioner/default/vm
     TF_VAR_ssh_key_path: /etc/e2e/id_vm
+    # The default launch command finds the probe's ssh first (tests/role/module/probe-bin/ssh,
+    # installed there by role_e2e.sh).
+    PATH: /etc/e2e/probe-bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
   secret_environment: {{}}
   launch_command: ""
   launch:
@@ -359,10 +533,21 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
     host.sh_ok(&format!(
         "install -d -o nobody -g nogroup -m 0755 {METRICS_DIR} && ! command -v setfacl"
     ));
-    // The default pool has a cloud secret for tofu (secret_environment).
+    // An earlier version ran every pool as one shared user, which owns the default pool's state
+    // directory: the role retires that user, and systemd hands the directory to the pool's own.
+    host.sh_ok(&format!(
+        "useradd --system --user-group --home-dir /var/lib/ci-ephemeral-provisioner --no-create-home \
+         --shell /usr/sbin/nologin --comment ci-ephemeral-provisioner {SHARED_USER} \
+         && install -d -m 0755 /var/lib/ci-ephemeral-provisioner \
+         && install -d -o {SHARED_USER} -g {SHARED_USER} -m 0700 /{STATE} \
+         && install -o {SHARED_USER} -g {SHARED_USER} -m 0600 /dev/null /{STATE}/from-the-shared-user"
+    ));
+    // The default pool has a cloud secret for tofu (secret_environment); the gpu pool its own
+    // VM directory (in its own state directory: it may not write the default pool's).
     let two_pools = "  - name: default\n    runner_prefix: ephemeral-\n    labels: 'debian:host, docker:host'\n\
                      \x20   secret_environment:\n      E2E_CLOUD_TOKEN: cloud-5ecret-4c7e\n\
-                     \x20 - name: gpu\n    runner_prefix: gpu-\n    labels: gpu:host\n";
+                     \x20 - name: gpu\n    runner_prefix: gpu-\n    labels: gpu:host\n\
+                     \x20   environment:\n      VM_DIR: /var/lib/ci-ephemeral-provisioner/gpu/vm\n";
 
     // Preflight refuses pools whose prefixes overlap, before touching the host.
     let overlap = "  - name: default\n    runner_prefix: ephemeral-\n    labels: debian:host\n\
@@ -371,6 +556,16 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
     assert!(!ok, "overlapping prefixes were accepted:\n{out}");
     assert!(
         out.contains("runner_prefix ephemeral-more- starts with pool default's"),
+        "{out}"
+    );
+    assert!(!host.file("etc/ci-ephemeral-provisioner").exists());
+    // ... and a pool whose user name would be longer than systemd accepts (31 characters).
+    let long =
+        "  - name: a-pool-name-far-too-long\n    runner_prefix: long-\n    labels: long:host\n";
+    let (ok, out, _) = host.play("long-name", &vars(&fake, work, &local, long));
+    assert!(!ok, "a pool with a user name too long was accepted:\n{out}");
+    assert!(
+        out.contains("would run as the user ci-ephemeral-a-pool-name-far-too-long, 37 characters; systemd accepts at most 31"),
         "{out}"
     );
     assert!(!host.file("etc/ci-ephemeral-provisioner").exists());
@@ -443,20 +638,47 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
         fake.runners()
     );
 
-    // systemd's view: a non-root user ran it, it exited 0, the timer started it.
+    // systemd's view: the pool's own non-root user ran it, it exited 0, the timer started it.
     let s = host.show(UNIT);
     assert_eq!(
         s.get("User").map(String::as_str),
-        Some("ci-ephemeral-provisioner"),
-        "the service must run as the dedicated user: {s:?}"
+        Some(pool_user("default").as_str()),
+        "the service must run as the pool's user: {s:?}"
     );
     assert_eq!(s["ExecMainStatus"], "0", "{s:?}");
     assert_eq!(s["Result"], "success");
     let uid = host
-        .sh_ok("id -u ci-ephemeral-provisioner")
+        .sh_ok(&format!("id -u {}", pool_user("default")))
         .trim()
         .to_string();
     assert_ne!(uid, "0");
+    assert_ne!(
+        uid,
+        host.sh_ok(&format!("id -u {}", pool_user("gpu"))).trim(),
+        "two pools share a uid"
+    );
+    // The shared user of earlier versions is gone; what it owned is the pool's now (systemd
+    // chowns a StateDirectory= whose owner is not the unit's user).
+    assert!(
+        !host.sh(&format!("getent passwd {SHARED_USER}")).0,
+        "the shared user of earlier versions is still there"
+    );
+    assert_eq!(
+        host.sh_ok(&format!(
+            "stat -c %U /{STATE} /{STATE}/from-the-shared-user"
+        ))
+        .split_whitespace()
+        .collect::<Vec<_>>(),
+        [pool_user("default"), pool_user("default")]
+    );
+
+    // Every path to the token that a child has, tried by a hostile module step (a local-exec)
+    // and by a hostile program under the launch command (the ssh it finds on PATH): the token
+    // is in none of what they read.
+    assert_probes_found_no_token(&host);
+    // One pool's user cannot read another pool's state, cache, secret environment, or the
+    // environment and memory of its processes.
+    assert_pools_are_isolated(&host);
     assert_eq!(
         host.read("var/lib/ci-ephemeral-provisioner/default/vm/uid.create")
             .trim(),
@@ -475,13 +697,17 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
     ] {
         assert_eq!(s.get(key).map(String::as_str), Some(want), "{key}: {s:?}");
     }
+    // The token comes as standard input, opened by systemd; no credential directory.
     let unit = host.sh_ok(&format!("systemctl cat {UNIT}"));
-    assert!(
-        unit.contains(
-            "\nLoadCredential=forgejo-token:/etc/ci-ephemeral-provisioner/forgejo-token\n"
-        ),
-        "{unit}"
-    );
+    for line in [
+        "\nStandardInput=file:/etc/ci-ephemeral-provisioner/forgejo-token\n",
+        "\nStandardOutput=journal\n",
+        "\nEnvironment=CI_EPHEMERAL_PROVISIONER_TOKEN_FILE=-\n",
+        "\nUser=ci-ephemeral-%i\n",
+    ] {
+        assert!(unit.contains(line), "{line:?} missing:\n{unit}");
+    }
+    assert!(!unit.contains("LoadCredential"), "{unit}");
     let timer = host.show("ci-ephemeral-provisioner@default.timer");
     let fired = &timer["LastTriggerUSec"];
     assert!(
@@ -647,7 +873,7 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
     let records = host.read("var/log/fake-forgejo-runner.jsonl");
     assert_eq!(records.lines().count(), 2, "one runner per job:\n{records}");
 
-    // The token: a root-only credential, nowhere else.
+    // The token: a root-only file (the units' standard input), nowhere else.
     assert_eq!(
         host.sh_ok("stat -c '%U:%G %a' /etc/ci-ephemeral-provisioner/forgejo-token")
             .trim(),
@@ -658,7 +884,7 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
     ));
     assert!(
         !found,
-        "the token is in files other than the credential: {grep}"
+        "the token is in files other than the token file: {grep}"
     );
     assert!(
         !host
@@ -705,8 +931,8 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
         );
     }
 
-    // `check` ran for each pool at deploy time, under the service's user, credential and
-    // sandbox, and everything passed.
+    // `check` ran for each pool at deploy time, under the pool's user, token and sandbox, and
+    // everything passed.
     for pool in ["default", "gpu"] {
         let unit = format!("ci-ephemeral-provisioner-check@{pool}.service");
         let s = host.show(&unit);
@@ -717,7 +943,7 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
         );
         assert_eq!(
             s.get("User").map(String::as_str),
-            Some("ci-ephemeral-provisioner")
+            Some(pool_user(pool).as_str())
         );
         let j = host.journal(&unit);
         assert!(j.contains("all 8 checks passed"), "{unit}:\n{j}");
@@ -808,11 +1034,16 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
         "user::rwx",
         "group::r-x",
         "other::r-x",
-        "user:ci-ephemeral-provisioner:rwx",
+        "user:ci-ephemeral-default:rwx",
+        "user:ci-ephemeral-gpu:rwx",
         "mask::rwx",
     ] {
         assert!(acl.lines().any(|l| l == entry), "{entry} missing:\n{acl}");
     }
+    assert!(
+        !acl.contains(&format!("user:{SHARED_USER}:")),
+        "the shared user's entry is still there:\n{acl}"
+    );
 
     // Second run of the role: nothing to change.
     let (ok, out, changed) = host.play("site-again", &vars(&fake, work, &local, two_pools));
@@ -870,6 +1101,28 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
     assert!(
         !host.file(&metrics_file("gpu")[1..]).exists(),
         "the retired pool's metrics file is still there:\n{out}"
+    );
+    // And its user, once its units are gone: the account, its ACL entry; what it owned in the
+    // state and cache directories is root's now (a later account with its uid inherits nothing).
+    assert!(
+        !host.sh(&format!("getent passwd {}", pool_user("gpu"))).0,
+        "the retired pool's user is still there:\n{out}"
+    );
+    assert!(!host.sh(&format!("getent group {}", pool_user("gpu"))).0);
+    let acl = host.sh_ok(&format!(
+        "getfacl --omit-header --absolute-names {METRICS_DIR}"
+    ));
+    assert!(
+        !acl.contains("user:ci-ephemeral-gpu:") && acl.contains("user:ci-ephemeral-default:rwx"),
+        "{acl}"
+    );
+    assert_eq!(
+        host.sh_ok(
+            "find /var/lib/ci-ephemeral-provisioner/gpu /var/cache/ci-ephemeral-provisioner/gpu \
+             ! -user root -o ! -group root | wc -l"
+        )
+        .trim(),
+        "0"
     );
     assert_eq!(
         host.sh_ok("systemctl is-enabled ci-ephemeral-provisioner@default.timer")
@@ -997,7 +1250,7 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
         "user::rwx",
         "group::r-x",
         "other::r-x",
-        "user:ci-ephemeral-provisioner:rwx",
+        "user:ci-ephemeral-default:rwx",
     ] {
         assert!(acl.lines().any(|l| l == entry), "{entry} missing:\n{acl}");
     }
@@ -1012,19 +1265,27 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
         "644"
     );
 
-    // A pool `check` finds broken fails the deployment, saying what to fix.
-    let broken = vars(&fake, work, &local, one_pool).replace(
+    // A missing tofu is refused by preflight; a tofu that does not work is found by the pool's
+    // `check`, which fails the deployment, saying what to fix.
+    let missing = vars(&fake, work, &local, one_pool).replace(
         "  tofu_bin: /usr/local/bin/tofu\n",
         "  tofu_bin: /nonexistent/tofu\n",
     );
-    let (ok, out, _) = host.play("broken-pool", &broken);
+    let (ok, out, _) = host.play("missing-tofu", &missing);
     assert!(
-        !ok,
+        !ok && out
+            .contains("Pool default: tofu_bin /nonexistent/tofu is not an executable on the host"),
         "a pool with a missing tofu binary was deployed:\n{out}"
     );
+    let broken = vars(&fake, work, &local, one_pool).replace(
+        "  tofu_bin: /usr/local/bin/tofu\n",
+        "  tofu_bin: /bin/false\n",
+    );
+    let (ok, out, _) = host.play("broken-pool", &broken);
+    assert!(!ok, "a pool with a tofu that fails was deployed:\n{out}");
     assert!(
         out.contains("pool default: `ci-ephemeral-provisioner check` failed")
-            && out.contains("FAIL  tofu: --tofu-bin /nonexistent/tofu is not an executable"),
+            && out.contains("FAIL  tofu: `/bin/false version` exited with status 1"),
         "{out}"
     );
     assert!(
