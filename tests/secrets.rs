@@ -520,10 +520,13 @@ fn with_the_token_on_stdin_no_child_can_reach_it() {
     for p in &found {
         let one = [(p.name.clone(), p.text.clone().into_bytes())];
         assert_eq!(scan(&one, &canary).len(), 1, "{}:\n{}", p.name, p.text);
+        // (Yama's ptrace_scope 1 or more keeps every process out of its ancestors' memory.)
+        let unrestricted = p.text.lines().any(|l| l == "YAMA none" || l == "YAMA 0");
         assert!(
-            p.text
-                .lines()
-                .any(|l| l.starts_with("TRY /proc/") && l.contains("/mem ok ")),
+            !unrestricted
+                || p.text
+                    .lines()
+                    .any(|l| l.starts_with("TRY /proc/") && l.contains("/mem ok ")),
             "{}: no memory was readable at all, so the binary's refusal says nothing:\n{}",
             p.name,
             p.text

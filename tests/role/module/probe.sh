@@ -16,9 +16,9 @@
 # - each PATH: a file, or every file below a directory (OUT's directory excepted).
 # Each read is kept as its runs of 16 or more letters and digits (a token is one), so that a
 # dump of memory stays small. OUT's lines: `TRY <what> ok <n> bytes` or `TRY <what> error
-# <message>`, each followed by its runs (indented); `ANCESTOR <pid> <comm> uid=<uid> owner=<uid
-# owning /proc/PID/environ: root's when the process is not dumpable, proc(5)>` or `ANCESTOR <pid> hidden`; `REACHED <pid>` at the provisioner; last
-# `END tried=<n>`.
+# <message>`, each followed by its runs (indented); `YAMA <ptrace_scope or none>`; `ANCESTOR <pid>
+# <comm> uid=<uid> owner=<uid owning /proc/PID/environ: root's when the process is not dumpable,
+# proc(5)>` or `ANCESTOR <pid> hidden`; `REACHED <pid>` at the provisioner; last `END tried=<n>`.
 set -u
 kind=$1
 out=$2
@@ -104,6 +104,8 @@ ppid_of() {
 }
 
 note "PROBE $kind pid=$$ uid=$(id -u)"
+# Yama's ptrace_scope 1 or more keeps a process out of its ancestors' mem whatever they are.
+note "YAMA $(cat /proc/sys/kernel/yama/ptrace_scope 2> /dev/null || echo none)"
 if [ -n "${CREDENTIALS_DIRECTORY:-}" ]; then
     walk "$CREDENTIALS_DIRECTORY"
 else
