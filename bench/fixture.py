@@ -8,7 +8,7 @@ JOBS jobs, as bench-forgejo builds them.
 
 teardown: the jobs want a `gpu` label we do not have, so the idle timeout tears the VM down and
           the sweep lists every registration: plan = tofu_destroy + RUNNERS/5 delete_runner.
-busy:     the jobs match `debian`: plan = one register_runner (for the oldest job), then the
+busy:     the jobs match `debian` and are of the VM's repository: plan = one register_runner (for the oldest job), then the
           cycle would wait for that runner.
 """
 import json
@@ -54,6 +54,8 @@ cycle = {
     "jobs_started": 3, "next_seq": 4, "start_failures": 0, "registrations": [],
     "teardown_reason": None, "destroyed_at": None, "last_error": None,
     "outputs": {"address": "192.0.2.10"},
+    # The jobs' repository: the VM may run them (--reuse-within repo).
+    "boundary": {"repo_id": 1, "owner_id": 1},
 }
 json.dump({"_comment": f"bench/fixture.py {kind} {n} {jobs}", "cycle": cycle,
            "runners": runners, "jobs": job_list, "now": "2026-10-14T15:30:00Z"}, sys.stdout)
