@@ -8,14 +8,20 @@ token on stdin) with a stub `ssh` first on PATH. The stub answers each call as t
 denied, ...) and otherwise plays the VM: it runs the remote command with `sh -c`, as sshd would,
 in a directory of the scenario with its own PATH, where a fake `forgejo-runner` (and maybe a fake
 `cloud-init`) behave as the scenario says. Each scenario then checks the exit status, the time
-taken, what the operator reads on stderr, and what reached "the VM".
+asked to wait, what the operator reads on stderr, and what reached "the VM".
+
+No check reads the wall clock against an upper bound (these machines are shared; a loaded one
+runs everything late). The launch's own part runs on a clock of its own: stub `date +%s` and
+`sleep` on its PATH read and advance $FAKE_SSH_DIR/clock, and the stub ssh's hang advances it by
+its ConnectTimeout, so its backoff and deadlines are exact numbers. On "the VM", a `sleep` and
+a `timeout` that log what they are asked for: what the remote part waits is the sum of those.
 
 Most scenarios start a runner (RUNNER_ACTION unset, which means start); the later ones then run
 the command again with RUNNER_ACTION=check or stop and empty stdin, as the provisioner does, and
 check what it answers and what is left on "the VM" (the runner's process, UUID.pid, UUID.token).
 The fake runner reads its token file and ends on SIGTERM as forgejo-runner does (see RUNNER_STUB).
 
-Scenarios run in parallel (most of their time is sleeping); the whole test takes about 20 s.
+Scenarios run in parallel (most of their time is sleeping on "the VM"); the whole test takes about 20 s.
 
 Usage: launch_test.py [--template FILE] [-k SUBSTRING]... [-v] [--keep]
   --template  render this file instead of role/templates/launch.sh.j2 (to try a mutation)
@@ -105,8 +111,11 @@ def read(p):
     except OSError:
         return None
 key = opts.get("IdentityFile", "")
+clock = os.path.join(d, "clock")
+with open(clock, encoding="utf-8") as f:
+    vt = int(f.read())
 call = {
-    "t": time.time(), "argv": args, "host": host, "command": command,
+    "t": time.time(), "vt": vt, "argv": args, "host": host, "command": command,
     "port": opts.get("-p"), "user": opts.get("-l"), "options": opts,
     "known_hosts": read(opts.get("UserKnownHostsFile", "")),
     "key": read(key), "key_mode": oct(stat.S_IMODE(os.stat(key).st_mode)) if os.path.exists(key) else None,
@@ -137,7 +146,9 @@ say = {
 }
 if answer == "hang":
     # A VM that accepts the connection and never sends its banner: ssh gives up at ConnectTimeout.
-    time.sleep(float(opts.get("ConnectTimeout", "30")))
+    # (On the launch's clock: no real time passes.)
+    with open(clock, "w", encoding="utf-8") as f:
+        f.write(str(vt + int(opts.get("ConnectTimeout", "30"))))
     sys.stderr.write(f"Connection timed out during banner exchange\r\nConnection to {host} port {port} timed out\r\n")
     sys.exit(255)
 if answer in say:
@@ -219,11 +230,50 @@ ended("exit 0")
 CLOUD_INIT_STUB = r'''#!/bin/sh
 echo "$*" >> "$FAKE_VM/cloud-init.log"
 [ "$1 $2" = "status --wait" ] || exit 0
-if [ -e "$FAKE_VM/cloud-init-hangs" ]; then sleep 60; fi
-sleep 1
+if [ -e "$FAKE_VM/cloud-init-hangs" ]; then @SLEEP@ 60; fi
+@SLEEP@ 1
 cp "$FAKE_VM/runner-pending" "$FAKE_VM/bin/forgejo-runner"
 exit 2
 '''
+
+
+# The launch's clock (see the header): `date +%s` reads it, `sleep N` advances it by N.
+LOCAL_DATE = r'''#!/bin/sh
+if [ "$*" = "+%s" ]; then exec cat "$FAKE_SSH_DIR/clock"; fi
+exec @DATE@ "$@"
+'''
+LOCAL_SLEEP = r'''#!/bin/sh
+case $1 in
+"" | *[!0-9]*) echo "launch_test: sleep $*: the launch's own part sleeps whole seconds" >&2; exit 1 ;;
+esac
+c=$(cat "$FAKE_SSH_DIR/clock")
+echo "$c $1" >> "$FAKE_SSH_DIR/sleeps.log"
+echo $((c + $1)) > "$FAKE_SSH_DIR/clock"
+'''
+# On "the VM": real, but logged.
+VM_SLEEP = r'''#!/bin/sh
+echo "$1" >> "$FAKE_VM/sleeps.log"
+exec @SLEEP@ "$@"
+'''
+VM_TIMEOUT = r'''#!/bin/sh
+echo "$1" >> "$FAKE_VM/timeouts.log"
+exec @TIMEOUT@ "$@"
+'''
+CLOCK_START = 1_800_000_000
+
+
+def real_tool(name):
+    """The host's `name`, not a stub of this test."""
+    for d in ("/usr/bin", "/bin", "/usr/local/bin"):
+        if os.access(os.path.join(d, name), os.X_OK):
+            return os.path.join(d, name)
+    sys.exit(f"launch_test: no {name} in /usr/bin, /bin or /usr/local/bin")
+
+
+def tools(text):
+    for name in ("date", "sleep", "timeout"):
+        text = text.replace(f"@{name.upper()}@", real_tool(name))
+    return text
 
 
 def write(path, text, mode=0o644):
@@ -309,9 +359,12 @@ class Case:
         (self.vm / "bin").mkdir(parents=True)
         write(self.ssh_dir / "answers.json", json.dumps({"answers": self.answers, "then": self.then}))
         write(self.vm / "runner.json", json.dumps({"version": self.version, "mode": self.mode}))
+        write(self.ssh_dir / "clock", str(CLOCK_START))
+        write(self.vm / "bin" / "sleep", tools(VM_SLEEP), 0o755)
+        write(self.vm / "bin" / "timeout", tools(VM_TIMEOUT), 0o755)
         runner = RUNNER_STUB.replace("@PYTHON@", sys.executable)
         if self.cloud_init:
-            write(self.vm / "bin" / "cloud-init", CLOUD_INIT_STUB, 0o755)
+            write(self.vm / "bin" / "cloud-init", tools(CLOUD_INIT_STUB), 0o755)
             write(self.vm / "runner-pending", runner, 0o755)
             if self.cloud_init == "hangs":
                 write(self.vm / "cloud-init-hangs", "")
@@ -334,7 +387,7 @@ class Case:
             "TOFU_OUTPUT_SSH_PRIVATE_KEY": PRIVATE_KEY,
             "TOFU_OUTPUT_HOST_KEYS": OUTPUT_HOST_KEY,
         }
-        self.rc, self.stdout, self.stderr, self.elapsed = self.invoke(self.action, TOKEN + "\n")
+        self.rc, self.stdout, self.stderr, self.elapsed, self.waits = self.invoke(self.action, TOKEN + "\n")
         self.calls = self.ssh_calls()
         run = self.vm / "runner-run.json"
         self.started = json.loads(run.read_text()) if run.exists() else None
@@ -348,7 +401,10 @@ class Case:
         return self
 
     def invoke(self, action, stdin):
-        """One run of the launch command: (exit status, stdout, stderr, seconds)."""
+        """One run of the launch command: (exit status, stdout, stderr, seconds, waits). waits:
+        "local", the seconds its own part waited (on its clock); "remote", what each `sleep` on
+        the VM was asked for; "timeouts", the first argument of each `timeout` there."""
+        before = (self.clock(), len(self.vm_log("sleeps")), len(self.vm_log("timeouts")))
         env = dict(self.env)
         if action is not None:
             env["RUNNER_ACTION"] = action
@@ -363,14 +419,23 @@ class Case:
             os.killpg(p.pid, signal.SIGKILL)
             out, err = p.communicate()
             err += f"\n[launch_test: killed after {self.timeout + 5}s]"
-        return p.returncode, out, err, time.monotonic() - started
+        waits = {"local": self.clock() - before[0], "remote": [float(x) for x in self.vm_log("sleeps")[before[1]:]],
+                 "timeouts": [int(x) for x in self.vm_log("timeouts")[before[2]:]]}
+        return p.returncode, out, err, time.monotonic() - started, waits
+
+    def clock(self):
+        return int((self.ssh_dir / "clock").read_text())
+
+    def vm_log(self, name):
+        f = self.vm / f"{name}.log"
+        return f.read_text().split() if f.exists() else []
 
     def act(self, action):
         """RUNNER_ACTION=action (check, stop), stdin empty, as the provisioner runs it; its
         result (rc, stdout, stderr, elapsed, calls: the ssh calls it made) is appended to acts."""
         before = len(self.ssh_calls())
-        rc, out, err, elapsed = self.invoke(action, None)
-        r = {"action": action, "rc": rc, "stdout": out, "stderr": err, "elapsed": elapsed,
+        rc, out, err, elapsed, waits = self.invoke(action, None)
+        r = {"action": action, "rc": rc, "stdout": out, "stderr": err, "elapsed": elapsed, "waits": waits,
              "calls": self.ssh_calls()[before:]}
         self.acts.append(r)
         return r
@@ -445,9 +510,20 @@ def expect(cond, what):
         raise Failed(what)
 
 
+def waited(waits):
+    """The seconds a run asked to wait: its own part's (on its clock) and the VM's sleeps. (A
+    `timeout` is a limit, not a wait: the checks that need it add it.)"""
+    return waits["local"] + sum(waits["remote"])
+
+
+def quick(c, limit, plus=0):
+    w = waited(c.waits) + plus
+    expect(w < limit, f"waited {w:.1f}s ({c.waits}), expected < {limit}s")
+
+
 def ok_fast(c, limit=5):
     expect(c.rc == 0, f"exit status {c.rc}, expected 0")
-    expect(c.elapsed < limit, f"took {c.elapsed:.1f}s, expected < {limit}s")
+    quick(c, limit)
 
 
 def seen(c):
@@ -463,7 +539,7 @@ def failed_with(c, *needles, limit=None):
     for n in needles:
         expect(re.search(n, seen(c)), f"the last six lines of stderr do not match {n!r}")
     if limit is not None:
-        expect(c.elapsed < limit, f"took {c.elapsed:.1f}s, expected < {limit}s")
+        quick(c, limit)
 
 
 def not_started(c):
@@ -529,8 +605,8 @@ def check_refused(c):
     probes = [x for x in c.calls if x["command"] == "true"]
     expect(len(probes) == 3 and len(c.remote_calls()) == 1,
            f"expected 3 probes (2 refused) and one start, got {len(probes)} and {len(c.remote_calls())}")
-    gaps = [b["t"] - a["t"] for a, b in zip(probes, probes[1:])]
-    expect(0.9 <= gaps[0] < 1.9 and 1.9 <= gaps[1] < 3.5, f"backoff gaps {gaps}, expected about 1 s then 2 s")
+    gaps = [b["vt"] - a["vt"] for a, b in zip(probes, probes[1:])]
+    expect(gaps == [1, 2], f"backoff gaps {gaps} (on the launch's clock), expected 1 s then 2 s")
     expect(runner_argv(c)[0] == "one-job", "runner not started")
 
 
@@ -544,14 +620,13 @@ def check_hostkey(c):
 def check_never(c):
     failed_with(c, "gave up waiting for sshd", re.escape(ADDRESS), "port 22", r"after [0-9]+s",
                 "the last ssh error: ssh: connect to host .* Connection timed out", r"attempts: [3-9]")
-    expect(c.elapsed < c.timeout - 1, f"took {c.elapsed:.1f}s: not done before LAUNCH_TIMEOUT_SECONDS={c.timeout}")
+    quick(c, c.timeout - 1)  # done before LAUNCH_TIMEOUT_SECONDS
     expect(not c.remote_calls(), "started something although sshd never answered")
 
 
 def check_hang(c):
     failed_with(c, "gave up waiting for sshd", "timed out during banner exchange")
-    expect(c.elapsed < c.timeout - 1,
-           f"took {c.elapsed:.1f}s: a probe's ConnectTimeout must not run past the deadline (timeout {c.timeout}s)")
+    quick(c, c.timeout - 1)  # a probe's ConnectTimeout must not run past the deadline
     for call in c.calls:
         expect(int(call["options"]["ConnectTimeout"]) < c.timeout,
                f"ConnectTimeout {call['options']['ConnectTimeout']} >= the launch timeout {c.timeout}")
@@ -604,8 +679,9 @@ def check_runner_fails(c):
 
 def check_silent(c):
     expect(c.rc == 0, f"exit status {c.rc}: a runner still starting after the watch is left to the grace")
-    expect(3.5 <= c.elapsed < c.timeout - 1, f"took {c.elapsed:.1f}s: expected a watch of several seconds "
-                                             f"that ends before the launch timeout ({c.timeout}s)")
+    # A lower bound on the wall clock holds on any machine (a loaded one only takes longer).
+    expect(3.5 <= c.elapsed, f"took {c.elapsed:.1f}s: expected a watch of several seconds")
+    quick(c, c.timeout - 1)  # the watch ends before the launch timeout
     expect(c.alive, "the runner is not running")
     expect(not c.runner_file("token").exists(),
            "the token file is still on the VM although the runner logged \"Starting job\" (it has read it)")
@@ -613,7 +689,8 @@ def check_silent(c):
 
 def check_late(c):
     expect(c.rc == 0, f"exit status {c.rc}")
-    expect(1.8 <= c.elapsed < 7, f"took {c.elapsed:.1f}s: expected to return once the runner declared (2 s)")
+    expect(1.8 <= c.elapsed, f"took {c.elapsed:.1f}s: expected to wait for the runner to declare (2 s)")
+    quick(c, 7)  # and to return once it has (the whole watch is 10 s)
 
 
 def check_cloud_init(c):
@@ -625,7 +702,8 @@ def check_cloud_init(c):
 
 def check_cloud_init_hangs(c):
     failed_with(c, "forgejo-runner is not installed", "cloud-init was still running")
-    expect(c.elapsed < c.timeout - 1, f"took {c.elapsed:.1f}s: the cloud-init wait ran past the launch timeout")
+    expect(len(c.waits["timeouts"]) == 1, f"cloud-init was not waited for under `timeout`: {c.waits}")
+    quick(c, c.timeout - 1, plus=c.waits["timeouts"][0])  # the cloud-init wait ends before the launch timeout
 
 
 def check_bad_address(c):
@@ -781,7 +859,8 @@ def check_stop(c):
     expect_one_strict_call(r)
     expect(not pid_alive(c.runner_pid()), "the runner still runs after stop")
     expect(exited(c) == "SIGTERM", f"the runner did not end on SIGTERM (its record: {exited(c)})")
-    expect(r["elapsed"] < 5, f"stop took {r['elapsed']:.1f}s for a runner that ends on SIGTERM")
+    w = waited(r["waits"])
+    expect(w < 5, f"stop waited {w:.1f}s ({r['waits']}) for a runner that ends on SIGTERM")
     expect(not c.runner_file("pid").exists(), "the pid file is still on the VM after stop")
     expect(not c.runner_file("token").exists(), "the token file is still on the VM after stop")
     k = act_result(c, 1, "check")
@@ -817,7 +896,8 @@ def check_stop_kill(c):
     expect(r["rc"] == 0, f"stop exited {r['rc']}; stderr: {r['stderr']!r}")
     expect(not pid_alive(c.runner_pid()), "the runner that ignores SIGTERM still runs after stop")
     expect(exited(c) is None, f"the runner ended by itself ({exited(c)}), not by SIGKILL")
-    expect(9 <= r["elapsed"] < 15, f"stop took {r['elapsed']:.1f}s: expected SIGKILL about 10 s after SIGTERM")
+    w = waited(r["waits"])
+    expect(9.9 <= w < 15, f"stop waited {w:.1f}s ({r['waits']}): expected SIGKILL 10 s after SIGTERM")
     expect("SIGKILL" in r["stderr"], f"stop does not say it used SIGKILL: {r['stderr']!r}")
     expect(not c.runner_file("pid").exists(), "the pid file is still on the VM after stop")
 
@@ -917,6 +997,8 @@ def main():
     work = Path(tempfile.mkdtemp(prefix="launch-test-"))
     try:
         write(work / "bin" / "ssh", SSH_STUB.replace("@PYTHON@", sys.executable), 0o755)
+        write(work / "bin" / "date", tools(LOCAL_DATE), 0o755)
+        write(work / "bin" / "sleep", LOCAL_SLEEP, 0o755)
         # "The VM"'s own tools: this host's, but never its cloud-init (a VM without one is a
         # scenario of its own; the ones with it get the stub).
         host_bin = work / "host-bin"
