@@ -96,6 +96,16 @@ pub(crate) fn cmd_check(a: RunArgs) -> Result<u8, Fatal> {
     Ok(if failed == 0 { EXIT_OK } else { EXIT_FAILED })
 }
 
+/// Where the token came from, once it was read (and found not empty).
+fn token_source(arg: &Option<std::path::PathBuf>) -> &'static str {
+    match arg {
+        Some(p) if p.as_os_str() == crate::secret::STDIN_PATH => {
+            "read from standard input, not empty"
+        }
+        _ => "readable by this user only, not empty",
+    }
+}
+
 /// The token file, then Forgejo: reachable, new enough, and accepting the token for the scope.
 fn check_forgejo(a: &RunArgs, labels: Option<&str>) -> Vec<Line> {
     let token = read_token(&a.common.token_file).map_err(|Fatal(_, msg)| msg);
@@ -103,7 +113,7 @@ fn check_forgejo(a: &RunArgs, labels: Option<&str>) -> Vec<Line> {
         name: "token file",
         result: token
             .as_ref()
-            .map(|_| "readable by this user only, not empty".to_string())
+            .map(|_| token_source(&a.common.token_file).to_string())
             .map_err(Clone::clone),
     }];
     let target = forgejo_target(&a.common).map_err(|Fatal(_, msg)| msg);

@@ -62,7 +62,8 @@ pub struct ForgejoArgs {
     #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_FORGEJO_URL", value_name = "URL")]
     pub forgejo_url: Option<String>,
 
-    /// File holding the Forgejo API token (mode 0600 or stricter) [default:
+    /// File holding the Forgejo API token (owned by this user, mode 0600 or stricter), or `-`:
+    /// read it from standard input, which no child then sees (what the role does) [default:
     /// $CREDENTIALS_DIRECTORY/forgejo-token when that variable is set].
     #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_TOKEN_FILE", value_name = "PATH")]
     pub token_file: Option<PathBuf>,

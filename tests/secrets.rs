@@ -660,3 +660,27 @@ fn a_token_on_stdin_is_judged_like_a_file_and_a_terminal_is_refused() {
     );
     assert_eq!(out.code, Some(0), "{out:?}");
 }
+
+#[test]
+fn check_says_where_a_token_on_stdin_came_from() {
+    // The role's units hand the token over as standard input: `check` says so, rather than
+    // claiming a token file that is "readable by this user only".
+    let env = Env::new();
+    let out = run_with_stdin(
+        &env,
+        env.cmd_with("check", false),
+        Stdio::piped(),
+        Some(format!("{API_TOKEN}\n").as_bytes()),
+    );
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let line = out
+        .stdout
+        .lines()
+        .find(|l| l.contains("token file:"))
+        .unwrap_or_else(|| panic!("no token file line: {out:?}"));
+    assert!(
+        line.starts_with("ok    ") && line.contains("read from standard input"),
+        "{line}"
+    );
+    assert!(!out.stdout.contains(API_TOKEN) && !out.stderr.contains(API_TOKEN));
+}
