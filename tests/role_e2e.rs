@@ -20,7 +20,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use support::fake_forgejo::{Conn, FakeForgejo};
+use support::fake_forgejo::{Conn, FakeForgejo, TOKEN_USER_ID};
 use support::harness::API_TOKEN;
 
 const UNIT: &str = "ci-ephemeral-provisioner@default.service";
@@ -806,6 +806,46 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
         .collect();
     assert_eq!(labels, ["debian:host", "docker:host"], "{argv:?}");
 
+    // Two jobs of two repositories wait at once. Under the role's default (--reuse-within repo)
+    // the VM that ran the one never runs the other: each gets a VM of its own, although the pool
+    // may run 10 jobs on one VM (--max-jobs-per-vm).
+    let creates = || {
+        host.read("var/lib/ci-ephemeral-provisioner/default/vm/vm.log")
+            .matches("create ")
+            .count()
+    };
+    let creates_before = creates();
+    let (repo_a_job, _) = fake.add_scoped_job(&["debian"], TOKEN_USER_ID, 1);
+    let (repo_b_job, _) = fake.add_scoped_job(&["debian"], TOKEN_USER_ID, 2);
+    wait_until(
+        "the jobs of two repositories to be run and the default pool back at rest",
+        &host,
+        || {
+            let s = host.show(UNIT);
+            assert_ne!(
+                s["ActiveState"],
+                "failed",
+                "a run failed while serving two repositories:\n{}",
+                host.journal(UNIT)
+            );
+            let done = |id: i64| {
+                fake.jobs()
+                    .iter()
+                    .any(|j| j.id == id && j.status == "success")
+            };
+            done(repo_a_job)
+                && done(repo_b_job)
+                && !host.file(&format!("{STATE}/cycle.json")).exists()
+                && s["ActiveState"] == "inactive"
+        },
+    );
+    assert_eq!(
+        creates() - creates_before,
+        2,
+        "the jobs of two repositories shared a VM:\n{}",
+        host.read("var/lib/ci-ephemeral-provisioner/default/vm/vm.log")
+    );
+
     // A VM whose sshd is not up yet when its job arrives (it boots slowly): the launch command
     // waits for sshd instead of failing, and the first launch serves the job. The "VM" is the
     // container itself; host.sh reaches it with nsenter, not ssh, and Ansible is not needed
@@ -875,7 +915,8 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
         "the launch took {took}s: it did not wait for sshd (down for 6 s after it began):\n{journal}"
     );
     let records = host.read("var/log/fake-forgejo-runner.jsonl");
-    assert_eq!(records.lines().count(), 2, "one runner per job:\n{records}");
+    // The first job, the two repositories' and the one that waited for sshd.
+    assert_eq!(records.lines().count(), 4, "one runner per job:\n{records}");
 
     // The token: a root-only file (the units' standard input), nowhere else.
     assert_eq!(
@@ -1295,6 +1336,33 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
     assert!(
         !out.contains(API_TOKEN),
         "Ansible printed the token:\n{out}"
+    );
+    // A pool deployed for the first time with a broken configuration, in a play that also
+    // changes the timer template (which restarts the timers): the new pool's timer is never
+    // started, not even for a moment before the check (the check comes first).
+    let new_broken = format!(
+        "{one_pool}  - name: fresh\n    runner_prefix: fresh-\n    labels: fresh:host\n\
+         \x20   tofu_bin: /bin/false\n"
+    );
+    let new_broken = vars(&fake, work, &local, &new_broken).replace(
+        "ci_ephemeral_provisioner_timer_interval: 2s\n",
+        "ci_ephemeral_provisioner_timer_interval: 3s\n",
+    );
+    assert!(new_broken.contains("timer_interval: 3s"));
+    let (ok, out, _) = host.play("new-broken-pool", &new_broken);
+    assert!(
+        !ok && out.contains("pool fresh: `ci-ephemeral-provisioner check` failed"),
+        "a new pool with a tofu that fails was deployed:\n{out}"
+    );
+    assert_eq!(
+        host.show("ci-ephemeral-provisioner@fresh.timer")["ActiveEnterTimestampMonotonic"],
+        "0",
+        "the new pool's timer was started before its check failed"
+    );
+    assert_eq!(
+        host.show("ci-ephemeral-provisioner@fresh.service")["ExecMainStartTimestampMonotonic"],
+        "0",
+        "a run of the new pool started before its check failed"
     );
     drop(host);
 }
