@@ -7,7 +7,7 @@ use std::time::Duration;
 use crate::forgejo::{Deleted, Forgejo};
 use crate::holds::HoldsError;
 use crate::launch::{LaunchRequest, Launcher, ProcessCheck};
-use crate::model::may_delete;
+use crate::model::{Deletable, may_delete};
 use crate::planner::{self, DeleteReason, Observation, Policy, RunContext, Step, TeardownReason};
 use crate::report::{ALREADY_GONE, DELETED, PLANNED, Report, Stopwatch};
 use crate::state::{
@@ -354,7 +354,7 @@ impl Driver<'_, '_> {
                 crate::crash_point!("forget-written");
                 end
             }
-            Step::Delete { id, reason } => self.delete(id, reason, now),
+            Step::Delete { target, reason } => self.delete(&target, reason, now),
             Step::AdoptLaunch { id } => {
                 if let Some(s) = &mut self.state {
                     if let Some(r) = s.registration_mut(id) {
@@ -644,7 +644,8 @@ impl Driver<'_, '_> {
         name
     }
 
-    fn delete(&mut self, id: i64, reason: DeleteReason, now: Timestamp) -> Option<End> {
+    fn delete(&mut self, target: &Deletable, reason: DeleteReason, now: Timestamp) -> Option<End> {
+        let id = target.id();
         if reason == DeleteReason::NeverConnected
             && let Some(end) = self.never_connected(id)
         {
@@ -667,7 +668,7 @@ impl Driver<'_, '_> {
         intent.status = self.seen.get(&id).cloned();
         self.report.intend_deletion(&intent);
         let sw = Stopwatch::start();
-        match self.w.forgejo.delete_runner(id, reason.as_str()) {
+        match self.w.forgejo.delete_runner(target, reason.as_str()) {
             Ok(outcome) => {
                 crate::crash_point!("delete-answered");
                 let detail = match outcome {
@@ -951,9 +952,8 @@ impl Driver<'_, '_> {
         let prefix = self.cycle_prefix();
         let mut all_gone = true;
         for r in &matches {
-            if listing.conflicting.contains(&r.id)
-                || !may_delete(r.name.as_deref(), &r.status, &prefix)
-            {
+            let target = may_delete(r, &prefix).filter(|_| !listing.conflicting.contains(&r.id));
+            let Some(target) = target else {
                 all_gone = false;
                 self.report.fail(format!(
                     "registration {} ({name}) exists with status {}; not deleting it while it is not offline",
@@ -961,7 +961,7 @@ impl Driver<'_, '_> {
                     r.status.as_str()
                 ));
                 continue;
-            }
+            };
             let mut intent = Report::draft("delete_runner", "");
             intent.runner_id = Some(r.id);
             intent.runner_name = Some(name.to_string());
@@ -971,7 +971,7 @@ impl Driver<'_, '_> {
             match self
                 .w
                 .forgejo
-                .delete_runner(r.id, DeleteReason::LostRegistration.as_str())
+                .delete_runner(&target, DeleteReason::LostRegistration.as_str())
             {
                 Ok(_) => {
                     crate::crash_point!("resolve-deleted");
@@ -1273,8 +1273,8 @@ mod tests {
                 labels: None,
             }))
         }
-        fn delete_runner(&mut self, id: i64, _: &str) -> Result<Deleted, ApiError> {
-            Ok(match self.0.borrow_mut().runners.remove(&id) {
+        fn delete_runner(&mut self, target: &Deletable, _: &str) -> Result<Deleted, ApiError> {
+            Ok(match self.0.borrow_mut().runners.remove(&target.id()) {
                 Some(_) => Deleted::Now,
                 None => Deleted::AlreadyGone,
             })

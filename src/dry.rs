@@ -12,7 +12,7 @@ use serde_json::{Value, json};
 use crate::cycle::{Clock, Sleep};
 use crate::forgejo::{ApiError, Deleted, Forgejo, NewRunner, RunnerPage};
 use crate::launch::{LaunchRequest, Launcher, ProcessCheck};
-use crate::model::{Job, Runner, RunnerStatus, job_matches};
+use crate::model::{Deletable, Job, Runner, RunnerStatus, job_matches};
 use crate::secret::Secret;
 use crate::state::{CycleState, parse_state};
 use crate::time::Timestamp;
@@ -232,10 +232,10 @@ impl Forgejo for FixtureForgejo {
         Ok(None)
     }
 
-    fn delete_runner(&mut self, id: i64, _reason: &str) -> Result<Deleted, ApiError> {
+    fn delete_runner(&mut self, target: &Deletable, _reason: &str) -> Result<Deleted, ApiError> {
         Err(fixture_error(
             "delete",
-            format!("a fixture is read-only (runner {id})"),
+            format!("a fixture is read-only (runner {})", target.id()),
         ))
     }
 
@@ -326,7 +326,8 @@ impl Forgejo for DryForgejo {
         self.count(r)
     }
 
-    fn delete_runner(&mut self, id: i64, reason: &str) -> Result<Deleted, ApiError> {
+    fn delete_runner(&mut self, target: &Deletable, reason: &str) -> Result<Deleted, ApiError> {
+        let id = target.id();
         let name = self.created.get(&id).or_else(|| self.names.get(&id));
         self.plan.borrow_mut().push(
             json!({"action": "delete_runner", "runner_id": id, "name": name, "reason": reason}),

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
-use crate::model::{Job, Runner, parse_jobs, parse_runner_page};
+use crate::model::{Deletable, Job, Runner, parse_jobs, parse_runner_page};
 use crate::secret::Secret;
 
 /// Largest response body read from Forgejo (a full page of 50 runners is ~20 KiB).
@@ -70,8 +70,9 @@ pub trait Forgejo {
     fn list_jobs(&mut self) -> Result<Vec<Job>, ApiError>;
     /// `Ok(None)` on 404.
     fn get_runner(&mut self, id: i64) -> Result<Option<Runner>, ApiError>;
-    /// 204 and 404 are both success. `reason` is for logs and plans only.
-    fn delete_runner(&mut self, id: i64, reason: &str) -> Result<Deleted, ApiError>;
+    /// 204 and 404 are both success. Only a registration that passed the gate can be named
+    /// (see [`Deletable`]). `reason` is for logs and plans only.
+    fn delete_runner(&mut self, target: &Deletable, reason: &str) -> Result<Deleted, ApiError>;
     /// `POST …/actions/runners {"name", "ephemeral": true}`.
     fn register_runner(&mut self, name: &str) -> Result<NewRunner, ApiError>;
     /// One page of the runner list (`page` is 1-based).
@@ -633,8 +634,8 @@ impl Forgejo for HttpForgejo {
         }
     }
 
-    fn delete_runner(&mut self, id: i64, reason: &str) -> Result<Deleted, ApiError> {
-        let url = format!("{}/{id}", self.runners_url);
+    fn delete_runner(&mut self, target: &Deletable, reason: &str) -> Result<Deleted, ApiError> {
+        let url = format!("{}/{}", self.runners_url, target.id());
         log::debug!("DELETE {url} ({reason})");
         let (status, _, body) = self.send("DELETE", &url, None)?;
         match status {

@@ -105,12 +105,43 @@ fn declared_labels(v: &Value) -> Option<Vec<String>> {
     }
 }
 
+/// Whether a registration's name carries our prefix (an empty prefix claims nothing).
+pub fn is_ours(name: Option<&str>, prefix: &str) -> bool {
+    !prefix.is_empty() && name.is_some_and(|n| n.starts_with(prefix))
+}
+
+/// A registration that passed THE deletion gate, [`may_delete`]: the only thing
+/// `Forgejo::delete_runner` accepts. Its field is private and `may_delete` is its only
+/// constructor, so no code can send a DELETE for a registration the gate has not passed:
+///
+/// ```compile_fail
+/// let bypass = ci_ephemeral_provisioner::model::Deletable { id: 7 };
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Deletable {
+    id: i64,
+}
+
+impl Deletable {
+    pub fn id(&self) -> i64 {
+        self.id
+    }
+}
+
 /// THE deletion gate. A registration may be deleted only when its name carries our prefix and
-/// Forgejo says it is exactly `offline`. Everything that deletes goes through this function.
-pub fn may_delete(name: Option<&str>, status: &RunnerStatus, prefix: &str) -> bool {
-    !prefix.is_empty()
-        && name.is_some_and(|n| n.starts_with(prefix))
-        && *status == RunnerStatus::Offline
+/// Forgejo says it is exactly `offline`; then, and only then, it is [`Deletable`].
+///
+/// ```
+/// use ci_ephemeral_provisioner::model::{Deletable, Runner, RunnerStatus, may_delete};
+/// let mut r = Runner { id: 7, name: Some("ephemeral-c1-1".into()), status: RunnerStatus::Offline, labels: None };
+/// let d: Option<Deletable> = may_delete(&r, "ephemeral-");
+/// assert_eq!(d.map(|d| d.id()), Some(7));
+/// r.status = RunnerStatus::Idle;
+/// assert!(may_delete(&r, "ephemeral-").is_none());
+/// ```
+pub fn may_delete(runner: &Runner, prefix: &str) -> Option<Deletable> {
+    (is_ours(runner.name.as_deref(), prefix) && runner.status == RunnerStatus::Offline)
+        .then_some(Deletable { id: runner.id })
 }
 
 /// A job from `GET …/actions/runners/jobs`.
@@ -336,28 +367,31 @@ mod tests {
 
     #[test]
     fn gate_requires_prefix_and_exactly_offline() {
+        let gate = |name: Option<&str>, status: &RunnerStatus, prefix: &str| {
+            let r = Runner {
+                id: 7,
+                name: name.map(str::to_string),
+                status: status.clone(),
+                labels: None,
+            };
+            let d = may_delete(&r, prefix);
+            assert!(d.as_ref().is_none_or(|d| d.id() == 7));
+            d.is_some()
+        };
         let p = "ephemeral-";
-        assert!(may_delete(Some("ephemeral-1"), &RunnerStatus::Offline, p));
-        assert!(!may_delete(Some("ephemeral-1"), &RunnerStatus::Idle, p));
-        assert!(!may_delete(Some("ephemeral-1"), &RunnerStatus::Active, p));
-        assert!(!may_delete(Some("ephemeral-1"), &RunnerStatus::Missing, p));
-        assert!(!may_delete(
+        assert!(gate(Some("ephemeral-1"), &RunnerStatus::Offline, p));
+        assert!(!gate(Some("ephemeral-1"), &RunnerStatus::Idle, p));
+        assert!(!gate(Some("ephemeral-1"), &RunnerStatus::Active, p));
+        assert!(!gate(Some("ephemeral-1"), &RunnerStatus::Missing, p));
+        assert!(!gate(
             Some("ephemeral-1"),
             &RunnerStatus::Unknown("Offline".into()),
             p
         ));
-        assert!(!may_delete(
-            Some("my-ephemeral-1"),
-            &RunnerStatus::Offline,
-            p
-        ));
-        assert!(!may_delete(
-            Some("static-builder"),
-            &RunnerStatus::Offline,
-            p
-        ));
-        assert!(!may_delete(None, &RunnerStatus::Offline, p));
-        assert!(!may_delete(Some("anything"), &RunnerStatus::Offline, ""));
+        assert!(!gate(Some("my-ephemeral-1"), &RunnerStatus::Offline, p));
+        assert!(!gate(Some("static-builder"), &RunnerStatus::Offline, p));
+        assert!(!gate(None, &RunnerStatus::Offline, p));
+        assert!(!gate(Some("anything"), &RunnerStatus::Offline, ""));
     }
 
     #[test]

@@ -7,7 +7,7 @@ use std::time::Duration;
 use serde::Serialize;
 
 use crate::holds::Holds;
-use crate::model::{Job, Runner, RunnerStatus, job_matches, may_delete, waiting_jobs};
+use crate::model::{Deletable, Job, Runner, RunnerStatus, job_matches, may_delete, waiting_jobs};
 use crate::state::{Boundary, CycleState, Launch, NotServed, Phase, ProcessState, Registration};
 use crate::time::{Timestamp, format_duration};
 
@@ -275,8 +275,9 @@ pub enum Step {
     Forget {
         id: i64,
     },
+    /// Delete this registration: it passed the gate in this round's observation.
     Delete {
-        id: i64,
+        target: Deletable,
         reason: DeleteReason,
     },
     /// The launch outcome was never recorded, but the runner is up: it was launched.
@@ -429,21 +430,15 @@ fn decide_running(
             continue;
         }
         if reg.launch != Launch::Done {
+            if let Some(target) = may_delete(runner, cycle_prefix(state, policy)) {
+                let reason = if reg.launch == Launch::Failed {
+                    DeleteReason::LaunchFailed
+                } else {
+                    DeleteReason::LaunchCutOff
+                };
+                return Step::Delete { target, reason };
+            }
             match runner.status {
-                RunnerStatus::Offline
-                    if may_delete(
-                        runner.name.as_deref(),
-                        &runner.status,
-                        cycle_prefix(state, policy),
-                    ) =>
-                {
-                    let reason = if reg.launch == Launch::Failed {
-                        DeleteReason::LaunchFailed
-                    } else {
-                        DeleteReason::LaunchCutOff
-                    };
-                    return Step::Delete { id, reason };
-                }
                 RunnerStatus::Idle | RunnerStatus::Active => return Step::AdoptLaunch { id },
                 _ => {
                     waiting_on.push(format!(
@@ -490,18 +485,14 @@ fn decide_running(
             RunnerStatus::Offline => {
                 let offline_for = now.since(reg.grace_start());
                 if offline_for >= grace
-                    && may_delete(
-                        runner.name.as_deref(),
-                        &runner.status,
-                        cycle_prefix(state, policy),
-                    )
+                    && let Some(target) = may_delete(runner, cycle_prefix(state, policy))
                 {
                     let reason = if reg.connected {
                         DeleteReason::Unconsumed
                     } else {
                         DeleteReason::NeverConnected
                     };
-                    return Step::Delete { id, reason };
+                    return Step::Delete { target, reason };
                 }
                 waiting_on.push(format!(
                     "{} (offline; starting, within the {} grace)",
@@ -671,14 +662,13 @@ fn decide_tearing_down(
         let Some(id) = reg.id else { continue };
         match obs.runners.get(&id) {
             Some(None) => return Step::Forget { id },
-            Some(Some(r))
-                if !ctx.failed_deletes.contains(&id)
-                    && may_delete(r.name.as_deref(), &r.status, cycle_prefix(state, policy)) =>
-            {
-                return Step::Delete {
-                    id,
-                    reason: leftover_reason(reg),
-                };
+            Some(Some(r)) if !ctx.failed_deletes.contains(&id) => {
+                if let Some(target) = may_delete(r, cycle_prefix(state, policy)) {
+                    return Step::Delete {
+                        target,
+                        reason: leftover_reason(reg),
+                    };
+                }
             }
             _ => {}
         }
@@ -719,15 +709,13 @@ fn decide_destroyed(
         match obs.runners.get(&id) {
             Some(None) => return Step::Forget { id },
             Some(Some(_)) if ctx.failed_deletes.contains(&id) => failed.push(who(reg, id)),
-            Some(Some(r))
-                if may_delete(r.name.as_deref(), &r.status, cycle_prefix(state, policy)) =>
-            {
-                return Step::Delete {
-                    id,
-                    reason: leftover_reason(reg),
-                };
-            }
             Some(Some(r)) => {
+                if let Some(target) = may_delete(r, cycle_prefix(state, policy)) {
+                    return Step::Delete {
+                        target,
+                        reason: leftover_reason(reg),
+                    };
+                }
                 waiting_on.push(format!("{} (status {})", who(reg, id), r.status.as_str()))
             }
             None => waiting_on.push(format!("{} (status unknown: request failed)", who(reg, id))),

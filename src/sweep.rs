@@ -4,7 +4,7 @@
 use std::collections::{BTreeMap, HashSet};
 
 use crate::forgejo::{Deleted, Forgejo};
-use crate::model::{Runner, RunnerStatus, may_delete};
+use crate::model::{Deletable, Runner, RunnerStatus, is_ours, may_delete};
 use crate::planner::DeleteReason;
 use crate::report::{SweepReport, SweptRunner};
 
@@ -184,8 +184,8 @@ pub fn list_all(
 }
 
 pub struct Selection {
-    /// At most `cap`, lowest id first.
-    pub delete: Vec<Runner>,
+    /// At most `cap`, lowest id first: each passed the gate, with its row for the report.
+    pub delete: Vec<(Deletable, Runner)>,
     pub found: usize,
     pub doubtful: Vec<Runner>,
     pub left_over_cap: usize,
@@ -193,18 +193,18 @@ pub struct Selection {
 
 /// Pure: which listed rows the sweep deletes.
 pub fn select(listing: &Listing, prefix: &str, cap: usize) -> Selection {
-    let mut deletable: Vec<Runner> = Vec::new();
+    let mut deletable: Vec<(Deletable, Runner)> = Vec::new();
     let mut doubtful: Vec<Runner> = Vec::new();
     for r in &listing.rows {
-        let ours = !prefix.is_empty() && r.name.as_deref().is_some_and(|n| n.starts_with(prefix));
+        let ours = is_ours(r.name.as_deref(), prefix);
         if listing.conflicting.contains(&r.id) {
             if ours {
                 doubtful.push(r.clone());
             }
             continue;
         }
-        if may_delete(r.name.as_deref(), &r.status, prefix) {
-            deletable.push(r.clone());
+        if let Some(target) = may_delete(r, prefix) {
+            deletable.push((target, r.clone()));
         } else if ours && matches!(r.status, RunnerStatus::Unknown(_) | RunnerStatus::Missing) {
             doubtful.push(r.clone());
         }
@@ -246,8 +246,7 @@ pub fn sweep_with(
     on_delete: &mut dyn FnMut(&SweptRunner, Option<DeleteResult>),
 ) -> SweepReport {
     let mut report = SweepReport::default();
-    let ours =
-        |r: &Runner| !prefix.is_empty() && r.name.as_deref().is_some_and(|n| n.starts_with(prefix));
+    let ours = |r: &Runner| is_ours(r.name.as_deref(), prefix);
     let listing = match list_all(forgejo, &ours) {
         Ok(l) => l,
         Err(e) => {
@@ -278,9 +277,9 @@ pub fn sweep_with(
             r.status
         );
     }
-    for r in &sel.delete {
+    for (target, r) in &sel.delete {
         on_delete(&swept(r), None);
-        match forgejo.delete_runner(r.id, DeleteReason::Sweep.as_str()) {
+        match forgejo.delete_runner(target, DeleteReason::Sweep.as_str()) {
             Ok(Deleted::Now) => {
                 crate::crash_point!("sweep-deleted-one");
                 log::info!(
@@ -388,7 +387,12 @@ mod tests {
         fn get_runner(&mut self, _id: i64) -> Result<Option<Runner>, ApiError> {
             Err(err("not used"))
         }
-        fn delete_runner(&mut self, id: i64, _reason: &str) -> Result<Deleted, ApiError> {
+        fn delete_runner(
+            &mut self,
+            target: &Deletable,
+            _reason: &str,
+        ) -> Result<Deleted, ApiError> {
+            let id = target.id();
             if self.fail_delete.contains(&id) {
                 return Err(err("HTTP 500"));
             }
@@ -597,7 +601,7 @@ mod tests {
         };
         let sel = select(&listing, "ephemeral-", 2);
         assert_eq!(
-            sel.delete.iter().map(|r| r.id).collect::<Vec<_>>(),
+            sel.delete.iter().map(|(d, _)| d.id()).collect::<Vec<_>>(),
             vec![514, 516]
         );
         assert_eq!(sel.found, 3);
@@ -715,7 +719,7 @@ mod tests {
         fn get_runner(&mut self, _id: i64) -> Result<Option<Runner>, ApiError> {
             Err(err("not used"))
         }
-        fn delete_runner(&mut self, _id: i64, _reason: &str) -> Result<Deleted, ApiError> {
+        fn delete_runner(&mut self, _: &Deletable, _reason: &str) -> Result<Deleted, ApiError> {
             Err(err("not used"))
         }
         fn register_runner(&mut self, _name: &str) -> Result<NewRunner, ApiError> {

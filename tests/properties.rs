@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use ci_ephemeral_provisioner::forgejo::{ApiError, Deleted, Forgejo, NewRunner, RunnerPage};
 use ci_ephemeral_provisioner::model::{
-    Job, Runner, RunnerStatus, may_delete, parse_jobs, parse_runner_page,
+    Deletable, Job, Runner, RunnerStatus, may_delete, parse_jobs, parse_runner_page,
 };
 use ci_ephemeral_provisioner::state::{
     Boundary, CycleState, FileStore, Launch, NotServed, Phase, PreviousRunner, ProcessState,
@@ -270,6 +270,20 @@ fn any_state() -> impl Strategy<Value = CycleState> {
         )
 }
 
+/// The gate as a yes/no: whether `may_delete` makes a `Deletable` of a runner with this name
+/// and status (and, when it does, one for that runner).
+fn gate(name: Option<&str>, status: &RunnerStatus, prefix: &str) -> bool {
+    let r = Runner {
+        id: 7,
+        name: name.map(str::to_string),
+        status: status.clone(),
+        labels: None,
+    };
+    let d = may_delete(&r, prefix);
+    assert!(d.as_ref().is_none_or(|d| d.id() == 7));
+    d.is_some()
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
 
@@ -285,7 +299,7 @@ proptest! {
     ) {
         // Half of the names carry the prefix, so both sides of the gate are explored.
         let name = name.map(|n| if ours { format!("{prefix}{n}") } else { n });
-        let ok = may_delete(name.as_deref(), &status, &prefix);
+        let ok = gate(name.as_deref(), &status, &prefix);
         if ok {
             prop_assert!(!prefix.is_empty());
             prop_assert!(name.as_deref().unwrap().starts_with(&prefix));
@@ -301,7 +315,7 @@ proptest! {
     fn gate_admits_our_offline_runners(prefix in ".{1,8}", suffix in ".{0,24}", status in any_status()) {
         let name = format!("{prefix}{suffix}");
         prop_assert_eq!(
-            may_delete(Some(&name), &status, &prefix),
+            gate(Some(&name), &status, &prefix),
             status == RunnerStatus::Offline
         );
     }
@@ -310,7 +324,7 @@ proptest! {
     #[test]
     fn only_the_exact_string_offline_can_delete(v in proptest::option::of(any_json())) {
         let status = RunnerStatus::from_json(v.as_ref());
-        if may_delete(Some("ephemeral-x"), &status, "ephemeral-") {
+        if gate(Some("ephemeral-x"), &status, "ephemeral-") {
             prop_assert_eq!(v, Some(json!("offline")));
         }
     }
@@ -402,8 +416,9 @@ proptest! {
         let listing = Listing { rows: rows.clone(), conflicting: conflicting.clone(), pages: 1, complete: true, total: None, distinct: rows.len() };
         let sel = select(&listing, &prefix, cap);
         prop_assert!(sel.delete.len() <= cap);
-        for r in &sel.delete {
-            prop_assert!(may_delete(r.name.as_deref(), &r.status, &prefix));
+        for (target, r) in &sel.delete {
+            prop_assert_eq!(target.id(), r.id);
+            prop_assert_eq!(may_delete(r, &prefix), Some(target.clone()));
             prop_assert!(!conflicting.contains(&r.id));
         }
     }
@@ -459,7 +474,7 @@ impl Forgejo for Pages {
     fn get_runner(&mut self, _: i64) -> Result<Option<Runner>, ApiError> {
         unreachable!()
     }
-    fn delete_runner(&mut self, _: i64, _: &str) -> Result<Deleted, ApiError> {
+    fn delete_runner(&mut self, _: &Deletable, _: &str) -> Result<Deleted, ApiError> {
         unreachable!()
     }
     fn register_runner(&mut self, _: &str) -> Result<NewRunner, ApiError> {

@@ -201,8 +201,10 @@ fn teardown(reason: TeardownReason) -> Step {
     Step::Teardown { reason }
 }
 
+/// The Delete step for our registration `id` (made as the planner makes it: through the gate).
 fn delete(id: i64, reason: DeleteReason) -> Step {
-    Step::Delete { id, reason }
+    let target = may_delete(&ours(id, RunnerStatus::Offline), PREFIX).expect("ours and offline");
+    Step::Delete { target, reason }
 }
 
 fn waiting_debian(id: i64) -> Job {
@@ -1066,10 +1068,7 @@ fn the_prefix_recorded_in_the_cycle_wins_over_a_changed_configuration() {
     let o = obs(Some(vec![]), vec![seen(ours(42, RunnerStatus::Offline))]);
     assert_eq!(
         decide(Some(&st), &o, &ctx(), &changed, at(REQUESTED + GRACE)),
-        Step::Delete {
-            id: 42,
-            reason: DeleteReason::Unconsumed
-        }
+        delete(42, DeleteReason::Unconsumed)
     );
     // Not recorded (an older cycle.json): the configured prefix decides, and it does not match.
     st.runner_prefix.clear();
@@ -1560,7 +1559,8 @@ fn check_rules(st: &CycleState, o: &Observation, c: &RunContext, p: &Policy, now
     assert_eq!(step, again, "decide is not deterministic");
     let ctx_line = || format!("phase {:?}, obs {o:?}, ctx {c:?}, now {now:?}", st.phase);
     match &step {
-        Step::Delete { id, .. } => {
+        Step::Delete { target, .. } => {
+            let id = &target.id();
             let r = o
                 .runners
                 .get(id)

@@ -10,7 +10,7 @@ use ci_ephemeral_provisioner::cycle::{Clock, Sleep};
 use ci_ephemeral_provisioner::forgejo::{ApiError, Deleted, Forgejo, NewRunner, RunnerPage};
 use ci_ephemeral_provisioner::holds::{Holds, HoldsError, parse_holds};
 use ci_ephemeral_provisioner::launch::{LaunchRequest, Launcher, ProcessCheck};
-use ci_ephemeral_provisioner::model::{Job, Runner, RunnerStatus};
+use ci_ephemeral_provisioner::model::{Deletable, Job, Runner, RunnerStatus};
 use ci_ephemeral_provisioner::secret::Secret;
 use ci_ephemeral_provisioner::state::{CycleState, Phase, StateStore};
 use ci_ephemeral_provisioner::time::Timestamp;
@@ -229,7 +229,8 @@ impl Forgejo for SimForgejo {
         )
     }
 
-    fn delete_runner(&mut self, id: i64, reason: &str) -> Result<Deleted, ApiError> {
+    fn delete_runner(&mut self, target: &Deletable, reason: &str) -> Result<Deleted, ApiError> {
+        let id = target.id();
         let inv = self.0.inv;
         let point = format!("DELETE runner ({reason})");
         self.0.api(
