@@ -70,29 +70,23 @@ restore() {
 }
 
 mutate "gate-ignores-status" src/model.rs \
-    '        && *status == RunnerStatus::Offline' \
-    ''
+    '    (is_ours(runner.name.as_deref(), prefix) && runner.status == RunnerStatus::Offline)' \
+    '    is_ours(runner.name.as_deref(), prefix)'
 
 # The sweep keeps only rows with the prefix from its listing (`sweep_with`'s `ours`), so the
 # gate's own prefix check is a second guard: both must go for a person's runner to be deleted.
-mutate "gate-and-sweep-ignore-prefix" \
-    src/model.rs \
-    '        && name.is_some_and(|n| n.starts_with(prefix))' \
-    '        && name.is_some()' \
-    src/sweep.rs \
-    '    let ours =
-        |r: &Runner| !prefix.is_empty() && r.name.as_deref().is_some_and(|n| n.starts_with(prefix));
-    let listing = match list_all(forgejo, &ours) {' \
-    '    let ours = |r: &Runner| r.name.is_some();
-    let listing = match list_all(forgejo, &ours) {'
+# One `is_ours` serves both.
+mutate "gate-and-sweep-ignore-prefix" src/model.rs \
+    '    !prefix.is_empty() && name.is_some_and(|n| n.starts_with(prefix))' \
+    '    name.is_some()'
 
 mutate "forget-before-delete-answer" src/cycle.rs \
-    '        match self.w.forgejo.delete_runner(id, reason.as_str()) {' \
+    '        match self.w.forgejo.delete_runner(target, reason.as_str()) {' \
     '        self.forget(id, now);
         if self.save().is_err() {
             return Some(End::Done);
         }
-        match self.w.forgejo.delete_runner(id, reason.as_str()) {'
+        match self.w.forgejo.delete_runner(target, reason.as_str()) {'
 
 mutate "forget-post-on-any-error" src/cycle.rs \
     '                if e.is_rejection() {' \
@@ -128,13 +122,11 @@ mutate "no-pickup-timeout" src/planner.rs \
     '    false.then_some(Step::Teardown {'
 
 mutate "never-connected-not-a-failure" src/cycle.rs \
-    '            s.start_failures += 1;
-        }
+    '        s.start_failures += 1;
         self.report.fail(format!(
-            "runner {id} ({}) never connected' \
-    '        }
-        self.report.fail(format!(
-            "runner {id} ({}) never connected'
+            "runner {id} ({name}) never connected' \
+    '        self.report.fail(format!(
+            "runner {id} ({name}) never connected'
 
 mutate "no-labels-match-any-job" src/model.rs \
     '    !names.is_empty()
@@ -152,10 +144,8 @@ mutate "holds-ignored" src/planner.rs \
 
 mutate "hold-not-written" src/cycle.rs \
     '        self.save_holds();
-        let e = self.report.event(
-            "hold_job",' \
-    '        let e = self.report.event(
-            "hold_job",'
+        let e = self.report.event("hold_job", true, detail);' \
+    '        let e = self.report.event("hold_job", true, detail);'
 
 if ((missed)); then
     echo "$missed mutation(s) not caught" >&2
