@@ -5,7 +5,8 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
-use crate::time::parse_duration;
+use crate::adapters::events_file::MIN_MAX_BYTES;
+use crate::core::time::parse_duration;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -47,6 +48,18 @@ pub enum Command {
     /// Show the cycle in progress, the last run, the last events and any warning (with --check:
     /// exit 1 on a warning, a health check). Read-only: takes no lock.
     Status(StatusArgs),
+}
+
+impl Command {
+    /// `-v`, and whether this is a dry-run (which logs warnings only): how to set up logging.
+    pub fn logging(&self) -> (bool, bool) {
+        match self {
+            Command::Run(a) => (a.common.local.verbose, a.common.dry_run),
+            Command::Sweep(a) => (a.common.local.verbose, a.common.dry_run),
+            Command::Status(a) => (a.local.verbose, false),
+            Command::Check(a) => (a.common.local.verbose, false),
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -124,7 +137,7 @@ pub struct ForgejoArgs {
 
     /// The audit trail <state-dir>/events.jsonl is rotated to events.jsonl.1 past this size
     /// (so it takes at most twice this). Written as 10MiB, 512KiB or bytes; at least 16KiB.
-    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_EVENTS_MAX_BYTES", default_value = "10MiB", value_parser = crate::audit::parse_bytes, value_name = "SIZE")]
+    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_EVENTS_MAX_BYTES", default_value = "10MiB", value_parser = crate::cli::parse_bytes, value_name = "SIZE")]
     pub events_max_bytes: u64,
 
     /// Prometheus text file written (atomically, mode 0644) when a run or sweep gets past the
@@ -210,7 +223,7 @@ pub struct RunArgs {
         default_value = "repo",
         value_name = "BOUNDARY"
     )]
-    pub reuse_within: crate::planner::ReuseWithin,
+    pub reuse_within: crate::core::planner::ReuseWithin,
 
     /// Tear down when no job has waited for this long while the VM was free.
     #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_IDLE_TIMEOUT", default_value = "5m", value_parser = parse_duration, value_name = "DURATION")]
@@ -309,4 +322,30 @@ fn parse_pool_name(s: &str) -> Result<String, String> {
             "{s:?} is not a pool name: use 1 to 64 letters, digits, '-', '_' or '.'"
         ))
     }
+}
+
+/// Parses `--events-max-bytes`: `10MiB`, `512KiB`, `1GiB` or plain bytes.
+pub fn parse_bytes(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let (digits, unit) = t.split_at(t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len()));
+    let mult: u64 = match unit.trim() {
+        "" | "B" => 1,
+        "K" | "KiB" => 1024,
+        "M" | "MiB" => 1024 * 1024,
+        "G" | "GiB" => 1024 * 1024 * 1024,
+        _ => return Err(format!("{s:?} is not a size like 10MiB, 512KiB or 1048576")),
+    };
+    let n: u64 = digits
+        .parse()
+        .map_err(|_| format!("{s:?} is not a size like 10MiB, 512KiB or 1048576"))?;
+    let bytes = n
+        .checked_mul(mult)
+        .ok_or_else(|| format!("{s:?} is too large"))?;
+    if bytes < MIN_MAX_BYTES {
+        return Err(format!(
+            "{s:?} is below the minimum of {} KiB",
+            MIN_MAX_BYTES / 1024
+        ));
+    }
+    Ok(bytes)
 }

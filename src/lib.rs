@@ -1,7 +1,13 @@
 //! ci-ephemeral-provisioner: one provisioner cycle of VM-isolated, ephemeral Forgejo Actions
-//! runners per start. The decisions live in `planner` and `sweep::select` (pure); everything
-//! that touches the world sits behind the traits in `forgejo`, `tofu`, `launch`, `state` and
-//! `cycle::Clock`, chosen once in `app`.
+//! runners per start.
+//!
+//! - `core`: everything that decides, and nothing that does I/O (a test holds it to that): the
+//!   domain types, the deletion gate, the planner, the sweep's selection, reports, metrics and
+//!   status as data, and every port the shell implements (`core::ports`).
+//! - `adapters`: the ports' implementations: HTTP Forgejo, the tofu CLI, the launch command,
+//!   processes and signals, files and the lock, the clock, logging, and the dry-run stand-ins.
+//! - `driver`: runs the planner's steps through the ports and persists each (the cycle, the sweep).
+//! - `commands`: one file per command, and the one place that picks the implementations.
 
 /// A test-only crash point (see `crashpoint`); nothing at all in release builds.
 #[macro_export]
@@ -16,27 +22,10 @@ macro_rules! crash_point {
     };
 }
 
-pub mod app;
-pub mod audit;
-pub mod check;
+pub mod adapters;
 pub mod cli;
+pub mod commands;
+pub mod core;
 #[cfg(debug_assertions)]
 pub mod crashpoint;
-pub mod cycle;
-pub mod dry;
-pub mod escape;
-pub mod forgejo;
-pub mod holds;
-pub mod launch;
-pub mod metrics;
-pub mod model;
-pub mod planner;
-pub mod process;
-pub mod report;
-pub mod secret;
-pub mod signals;
-pub mod state;
-pub mod status;
-pub mod sweep;
-pub mod time;
-pub mod tofu;
+pub mod driver;

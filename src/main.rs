@@ -1,3 +1,39 @@
-fn main() -> std::process::ExitCode {
-    ci_ephemeral_provisioner::app::main()
+//! The entry point: refuse to be dumpable, parse the command line, log, run one command.
+
+use std::process::ExitCode;
+
+use ci_ephemeral_provisioner::adapters::{logging, token};
+use ci_ephemeral_provisioner::cli::{Cli, Command};
+use ci_ephemeral_provisioner::commands::{self, EXIT_FAILED, Fatal};
+use clap::Parser;
+
+fn main() -> ExitCode {
+    // First of all, before the token is read: no process of our user (tofu, a provider, a
+    // module's local-exec, the launch command) may read our memory, environment or descriptors
+    // through /proc, and no core dump may hold the token.
+    if let Err(e) = token::forbid_dumping() {
+        eprintln!(
+            "error: cannot make this process non-dumpable (prctl PR_SET_DUMPABLE 0): {e}; \
+             refusing to run, since a process of the same user could then read the Forgejo \
+             token from its memory"
+        );
+        return ExitCode::from(EXIT_FAILED);
+    }
+    let cli = Cli::parse();
+    let (verbose, dry_run) = cli.command.logging();
+    logging::init_logging(verbose, dry_run);
+    log::debug!("ci-ephemeral-provisioner {}", env!("CARGO_PKG_VERSION"));
+    let result = match cli.command {
+        Command::Run(a) => commands::run::cmd_run(a),
+        Command::Sweep(a) => commands::sweep::cmd_sweep(a),
+        Command::Status(a) => commands::status::cmd_status(a),
+        Command::Check(a) => commands::check::cmd_check(a),
+    };
+    match result {
+        Ok(code) => ExitCode::from(code),
+        Err(Fatal(code, msg)) => {
+            eprintln!("error: {msg}");
+            ExitCode::from(code)
+        }
+    }
 }

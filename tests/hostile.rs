@@ -10,10 +10,13 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::time::Duration;
 
-use ci_ephemeral_provisioner::state::{
-    CycleState, FileStore, Launch, Registration, StateStore, read_state_file,
-};
-use ci_ephemeral_provisioner::time::Timestamp;
+use ci_ephemeral_provisioner::adapters::files::FileStore;
+use ci_ephemeral_provisioner::adapters::files::read_state_file;
+use ci_ephemeral_provisioner::core::ports::StateStore;
+use ci_ephemeral_provisioner::core::state::CycleState;
+use ci_ephemeral_provisioner::core::state::Launch;
+use ci_ephemeral_provisioner::core::state::Registration;
+use ci_ephemeral_provisioner::core::time::Timestamp;
 use serde_json::json;
 use support::fake_forgejo::{Conn, Fault};
 use support::harness::{Env, Outcome};
@@ -27,7 +30,7 @@ use support::harness::{Env, Outcome};
 fn valid_cycle_json() -> Vec<u8> {
     let mut s = CycleState::new("20261129t110000z-beef".into(), Timestamp(1_764_414_000_000));
     s.runner_prefix = "ephemeral-".into();
-    s.phase = ci_ephemeral_provisioner::state::Phase::Running;
+    s.phase = ci_ephemeral_provisioner::core::state::Phase::Running;
     s.vm_ready_at = Some(Timestamp(1_764_414_060_000));
     s.registrations.push(Registration {
         name: "ephemeral-20261129t110000z-beef-1".into(),

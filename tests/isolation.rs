@@ -12,8 +12,8 @@ use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-use ci_ephemeral_provisioner::state::CycleState;
-use ci_ephemeral_provisioner::time::Timestamp;
+use ci_ephemeral_provisioner::core::state::CycleState;
+use ci_ephemeral_provisioner::core::time::Timestamp;
 use support::fake_forgejo::{Conn, Fault};
 use support::harness::Env;
 
@@ -103,13 +103,13 @@ fn a_symlinked_cycle_or_held_jobs_file_fails_the_run_and_is_never_read() {
 #[test]
 fn symlinked_counters_and_last_run_are_reported_and_replaced_never_written_through() {
     let env = Env::new();
-    let counters = serde_json::to_string(&ci_ephemeral_provisioner::metrics::Counters {
-        first_run_at: Some(Timestamp::now()),
-        last_success_at: Some(Timestamp::now()),
+    let counters = serde_json::to_string(&ci_ephemeral_provisioner::core::metrics::Counters {
+        first_run_at: Some(ci_ephemeral_provisioner::adapters::clock::wall_now()),
+        last_success_at: Some(ci_ephemeral_provisioner::adapters::clock::wall_now()),
         ..Default::default()
     })
     .unwrap();
-    let now = Timestamp::now().to_string();
+    let now = ci_ephemeral_provisioner::adapters::clock::wall_now().to_string();
     let last_run = format!(
         "{{\"command\": \"run\", \"exit_code\": 0, \"outcome\": \"idle\", \"started_at\": \"{now}\", \"finished_at\": \"{now}\"}}"
     );

@@ -3,16 +3,35 @@
 
 use std::collections::BTreeMap;
 
-use ci_ephemeral_provisioner::forgejo::{ApiError, Deleted, Forgejo, NewRunner, RunnerPage};
-use ci_ephemeral_provisioner::model::{
-    Deletable, Job, Runner, RunnerStatus, may_delete, parse_jobs, parse_runner_page,
-};
-use ci_ephemeral_provisioner::state::{
-    Boundary, CycleState, FileStore, Launch, NotServed, Phase, PreviousRunner, ProcessState,
-    Registration, StateStore, parse_state, read_state_file,
-};
-use ci_ephemeral_provisioner::sweep::{Listing, PAGE_LIMIT, list_all, select};
-use ci_ephemeral_provisioner::time::Timestamp;
+use ci_ephemeral_provisioner::adapters::files::FileStore;
+use ci_ephemeral_provisioner::adapters::files::read_state_file;
+use ci_ephemeral_provisioner::core::listing::Listing;
+use ci_ephemeral_provisioner::core::listing::PAGE_LIMIT;
+use ci_ephemeral_provisioner::core::listing::select;
+use ci_ephemeral_provisioner::core::model::Deletable;
+use ci_ephemeral_provisioner::core::model::Job;
+use ci_ephemeral_provisioner::core::model::Runner;
+use ci_ephemeral_provisioner::core::model::RunnerStatus;
+use ci_ephemeral_provisioner::core::model::may_delete;
+use ci_ephemeral_provisioner::core::model::parse_jobs;
+use ci_ephemeral_provisioner::core::model::parse_runner_page;
+use ci_ephemeral_provisioner::core::ports::ApiError;
+use ci_ephemeral_provisioner::core::ports::Deleted;
+use ci_ephemeral_provisioner::core::ports::Forgejo;
+use ci_ephemeral_provisioner::core::ports::NewRunner;
+use ci_ephemeral_provisioner::core::ports::RunnerPage;
+use ci_ephemeral_provisioner::core::ports::StateStore;
+use ci_ephemeral_provisioner::core::state::Boundary;
+use ci_ephemeral_provisioner::core::state::CycleState;
+use ci_ephemeral_provisioner::core::state::Launch;
+use ci_ephemeral_provisioner::core::state::NotServed;
+use ci_ephemeral_provisioner::core::state::Phase;
+use ci_ephemeral_provisioner::core::state::PreviousRunner;
+use ci_ephemeral_provisioner::core::state::ProcessState;
+use ci_ephemeral_provisioner::core::state::Registration;
+use ci_ephemeral_provisioner::core::state::parse_state;
+use ci_ephemeral_provisioner::core::time::Timestamp;
+use ci_ephemeral_provisioner::driver::sweep::list_all;
 use proptest::prelude::*;
 use serde_json::{Value, json};
 
@@ -439,7 +458,7 @@ proptest! {
                 "{}", e
             ),
             Ok(listing) => {
-                prop_assert!(f.asked as u32 <= ci_ephemeral_provisioner::sweep::MAX_PAGES);
+                prop_assert!(f.asked as u32 <= ci_ephemeral_provisioner::core::listing::MAX_PAGES);
                 // Complete means: exactly as many distinct rows as the count every page gave.
                 if listing.complete && let Some(t) = listing.total {
                     prop_assert_eq!(listing.rows.len() as u64, t);

@@ -324,9 +324,11 @@ fn quiet_world() -> std::rc::Rc<std::cell::RefCell<world::Sim>> {
 /// should have shown it had its row without a name. A nameless row may be it: keep the intent.
 #[test]
 fn a_lost_post_is_not_forgotten_when_a_listed_row_has_no_name() {
-    use ci_ephemeral_provisioner::state::Launch;
-    use ci_ephemeral_provisioner::state::{CycleState, Phase, Registration};
-    use ci_ephemeral_provisioner::time::Timestamp;
+    use ci_ephemeral_provisioner::core::state::CycleState;
+    use ci_ephemeral_provisioner::core::state::Launch;
+    use ci_ephemeral_provisioner::core::state::Phase;
+    use ci_ephemeral_provisioner::core::state::Registration;
+    use ci_ephemeral_provisioner::core::time::Timestamp;
 
     let sim = quiet_world();
     let name = format!("{}c1-1", world::PREFIX);
@@ -455,9 +457,12 @@ fn the_world_assigns_jobs_by_forgejos_rule() {
 /// the failed start is counted and recorded (`failed_start`) before the DELETE is sent.
 #[test]
 fn a_never_connected_runner_whose_delete_answer_was_lost_is_still_a_failed_start() {
-    use ci_ephemeral_provisioner::planner::MAX_START_FAILURES;
-    use ci_ephemeral_provisioner::state::{CycleState, Launch, Phase, Registration};
-    use ci_ephemeral_provisioner::time::Timestamp;
+    use ci_ephemeral_provisioner::core::planner::MAX_START_FAILURES;
+    use ci_ephemeral_provisioner::core::state::CycleState;
+    use ci_ephemeral_provisioner::core::state::Launch;
+    use ci_ephemeral_provisioner::core::state::Phase;
+    use ci_ephemeral_provisioner::core::state::Registration;
+    use ci_ephemeral_provisioner::core::time::Timestamp;
 
     let sim = quiet_world();
     let name = format!("{}c1-3", world::PREFIX);

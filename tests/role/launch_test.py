@@ -528,7 +528,7 @@ def ok_fast(c, limit=5):
 
 def seen(c):
     """What the operator reads of a failed launch: the provisioner's error message keeps the last
-    six non-empty lines of its stderr, joined with " | " (src/process.rs, describe)."""
+    six non-empty lines of its stderr, joined with " | " (src/adapters/process.rs, describe)."""
     lines = [l for l in c.stderr.splitlines() if l.strip()]
     return " | ".join(lines[-6:])
 

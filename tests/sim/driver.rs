@@ -8,11 +8,15 @@ use std::rc::Rc;
 use std::sync::Once;
 use std::time::Duration;
 
-use ci_ephemeral_provisioner::app::lock_state_dir;
-use ci_ephemeral_provisioner::cycle::{self, CycleConfig, End, World};
-use ci_ephemeral_provisioner::planner::{Policy, ReuseWithin};
-use ci_ephemeral_provisioner::report::Report;
-use ci_ephemeral_provisioner::time::Timestamp;
+use ci_ephemeral_provisioner::adapters::files::lock_state_dir;
+use ci_ephemeral_provisioner::core::planner::Policy;
+use ci_ephemeral_provisioner::core::planner::ReuseWithin;
+use ci_ephemeral_provisioner::core::report::Report;
+use ci_ephemeral_provisioner::core::time::Timestamp;
+use ci_ephemeral_provisioner::driver::cycle;
+use ci_ephemeral_provisioner::driver::cycle::CycleConfig;
+use ci_ephemeral_provisioner::driver::cycle::End;
+use ci_ephemeral_provisioner::driver::cycle::World;
 
 use super::ports::{
     Killed, Livelock, Port, Shared, SimClock, SimForgejo, SimLauncher, SimStore, SimTofu,
@@ -142,6 +146,8 @@ pub fn invoke(sim: &Shared, nested: bool) {
     let mut clock = SimClock(port);
     let cfg = config(sim.borrow().max_jobs);
     let mut report = Report::new("run", false, Timestamp(sim.borrow().now));
+    let sim_time = Rc::clone(sim);
+    report.set_clock(Box::new(move || Timestamp(sim_time.borrow().now)));
     let result = panic::catch_unwind(AssertUnwindSafe(|| {
         let mut world = World {
             forgejo: &mut forgejo,

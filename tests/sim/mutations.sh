@@ -75,18 +75,18 @@ restore() {
     done
 }
 
-mutate "gate-ignores-status" src/model.rs \
+mutate "gate-ignores-status" src/core/model.rs \
     '    (is_ours(runner.name.as_deref(), prefix) && runner.status == RunnerStatus::Offline)' \
     '    is_ours(runner.name.as_deref(), prefix)'
 
 # The sweep keeps only rows with the prefix from its listing (`sweep_with`'s `ours`), so the
 # gate's own prefix check is a second guard: both must go for a person's runner to be deleted.
 # One `is_ours` serves both.
-mutate "gate-and-sweep-ignore-prefix" src/model.rs \
+mutate "gate-and-sweep-ignore-prefix" src/core/model.rs \
     '    !prefix.is_empty() && name.is_some_and(|n| n.starts_with(prefix))' \
     '    name.is_some()'
 
-mutate "forget-before-delete-answer" src/cycle.rs \
+mutate "forget-before-delete-answer" src/driver/cycle.rs \
     '        match self.w.forgejo.delete_runner(target, reason.as_str()) {' \
     '        self.forget(id, now);
         if self.save().is_err() {
@@ -94,11 +94,11 @@ mutate "forget-before-delete-answer" src/cycle.rs \
         }
         match self.w.forgejo.delete_runner(target, reason.as_str()) {'
 
-mutate "forget-post-on-any-error" src/cycle.rs \
+mutate "forget-post-on-any-error" src/driver/cycle.rs \
     '                if e.is_rejection() {' \
     '                if true {'
 
-mutate "sweep-without-destroy" src/planner.rs \
+mutate "sweep-without-destroy" src/core/planner.rs \
     '    if !ctx.destroyed_this_run {
         // The destroy happened in an earlier run; only a destroy in this run licenses a sweep.
         // On empty state it is a no-op.
@@ -106,49 +106,49 @@ mutate "sweep-without-destroy" src/planner.rs \
     }' \
     ''
 
-mutate "apply-before-intent" src/cycle.rs \
+mutate "apply-before-intent" src/driver/cycle.rs \
     '        self.report.cycle_id = Some(id.clone());
         if self.save().is_err() {
             return Some(End::Done);
         }' \
     '        self.report.cycle_id = Some(id.clone());'
 
-mutate "no-sweep" src/planner.rs \
+mutate "no-sweep" src/core/planner.rs \
     '    if !ctx.swept {
         return Step::Sweep;
     }' \
     ''
 
-mutate "no-cycle-lock" src/app.rs \
+mutate "no-cycle-lock" src/adapters/files.rs \
     '    match file.try_lock() {' \
     '    match Ok::<(), fs::TryLockError>(()) {'
 
-mutate "no-pickup-timeout" src/planner.rs \
+mutate "no-pickup-timeout" src/core/planner.rs \
     '    (now.since(reg.grace_start()) >= policy.job_pickup_timeout).then_some(Step::Teardown {' \
     '    false.then_some(Step::Teardown {'
 
-mutate "never-connected-not-a-failure" src/cycle.rs \
+mutate "never-connected-not-a-failure" src/driver/cycle.rs \
     '        s.start_failures += 1;
         self.report.fail(format!(
             "runner {id} ({name}) never connected' \
     '        self.report.fail(format!(
             "runner {id} ({name}) never connected'
 
-mutate "no-labels-match-any-job" src/model.rs \
+mutate "no-labels-match-any-job" src/core/model.rs \
     '    !names.is_empty()
         && !job.runs_on.is_empty()' \
     '    names.is_empty()
         || !job.runs_on.is_empty()'
 
-mutate "no-wrong-labels-teardown" src/planner.rs \
+mutate "no-wrong-labels-teardown" src/core/planner.rs \
     '        && !job_matches(job, declared)' \
     '        && declared.is_empty() && false'
 
-mutate "holds-ignored" src/planner.rs \
+mutate "holds-ignored" src/core/planner.rs \
     '    w.retain(|j| !ctx.holds.is_held(&j.handle, now));' \
     ''
 
-mutate "hold-not-written" src/cycle.rs \
+mutate "hold-not-written" src/driver/cycle.rs \
     '        self.save_holds();
         let e = self.report.event("hold_job", true, detail);' \
     '        let e = self.report.event("hold_job", true, detail);'

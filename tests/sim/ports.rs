@@ -6,15 +6,32 @@ use std::cell::RefCell;
 use std::rc::Rc;
 use std::time::Duration;
 
-use ci_ephemeral_provisioner::cycle::{Clock, Sleep};
-use ci_ephemeral_provisioner::forgejo::{ApiError, Deleted, Forgejo, NewRunner, RunnerPage};
-use ci_ephemeral_provisioner::holds::{Holds, HoldsError, parse_holds};
-use ci_ephemeral_provisioner::launch::{LaunchRequest, Launcher, ProcessCheck};
-use ci_ephemeral_provisioner::model::{Deletable, Job, Runner, RunnerStatus};
-use ci_ephemeral_provisioner::secret::Secret;
-use ci_ephemeral_provisioner::state::{CycleState, Phase, StateStore};
-use ci_ephemeral_provisioner::time::Timestamp;
-use ci_ephemeral_provisioner::tofu::{Output, Outputs, StepError, Tofu};
+use ci_ephemeral_provisioner::core::holds::Holds;
+use ci_ephemeral_provisioner::core::holds::HoldsError;
+use ci_ephemeral_provisioner::core::holds::parse_holds;
+use ci_ephemeral_provisioner::core::model::Deletable;
+use ci_ephemeral_provisioner::core::model::Job;
+use ci_ephemeral_provisioner::core::model::Runner;
+use ci_ephemeral_provisioner::core::model::RunnerStatus;
+use ci_ephemeral_provisioner::core::ports::ApiError;
+use ci_ephemeral_provisioner::core::ports::Clock;
+use ci_ephemeral_provisioner::core::ports::Deleted;
+use ci_ephemeral_provisioner::core::ports::Forgejo;
+use ci_ephemeral_provisioner::core::ports::LaunchRequest;
+use ci_ephemeral_provisioner::core::ports::Launcher;
+use ci_ephemeral_provisioner::core::ports::NewRunner;
+use ci_ephemeral_provisioner::core::ports::Output;
+use ci_ephemeral_provisioner::core::ports::Outputs;
+use ci_ephemeral_provisioner::core::ports::ProcessCheck;
+use ci_ephemeral_provisioner::core::ports::RunnerPage;
+use ci_ephemeral_provisioner::core::ports::Sleep;
+use ci_ephemeral_provisioner::core::ports::StateStore;
+use ci_ephemeral_provisioner::core::ports::StepError;
+use ci_ephemeral_provisioner::core::ports::Tofu;
+use ci_ephemeral_provisioner::core::secret::Secret;
+use ci_ephemeral_provisioner::core::state::CycleState;
+use ci_ephemeral_provisioner::core::state::Phase;
+use ci_ephemeral_provisioner::core::time::Timestamp;
 
 use super::world::{ApiFault, HTTP_TIMEOUT_MS, Sim};
 
@@ -625,7 +642,7 @@ impl StateStore for SimStore {
         drop(s);
         let r = match text {
             None => Ok(None),
-            Some(t) => ci_ephemeral_provisioner::state::parse_state(&t).map(Some),
+            Some(t) => ci_ephemeral_provisioner::core::state::parse_state(&t).map(Some),
         };
         let phase = self.0.sim.borrow().disk_phase();
         self.0.sim.borrow_mut().log(format!("load -> {phase}"));

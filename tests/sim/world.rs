@@ -9,10 +9,16 @@
 
 use std::collections::{BTreeMap, VecDeque};
 
-use ci_ephemeral_provisioner::holds::{Holds, parse_holds};
-use ci_ephemeral_provisioner::model::{Job, Runner, RunnerStatus};
-use ci_ephemeral_provisioner::planner::MAX_START_FAILURES;
-use ci_ephemeral_provisioner::state::{CycleState, NotServed, Phase, parse_state};
+use ci_ephemeral_provisioner::core::holds::Holds;
+use ci_ephemeral_provisioner::core::holds::parse_holds;
+use ci_ephemeral_provisioner::core::model::Job;
+use ci_ephemeral_provisioner::core::model::Runner;
+use ci_ephemeral_provisioner::core::model::RunnerStatus;
+use ci_ephemeral_provisioner::core::planner::MAX_START_FAILURES;
+use ci_ephemeral_provisioner::core::state::CycleState;
+use ci_ephemeral_provisioner::core::state::NotServed;
+use ci_ephemeral_provisioner::core::state::Phase;
+use ci_ephemeral_provisioner::core::state::parse_state;
 
 use super::forgejo_rules::{self as rules, JobView, RunnerView};
 use super::rng::Rng;

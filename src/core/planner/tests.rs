@@ -3,7 +3,8 @@
 //! sweep only after a destroy in this run) on every input, not just the hand-picked ones.
 
 use super::*;
-use crate::state::Registration;
+
+use crate::core::state::Registration;
 
 // ---------------------------------------------------------------------------------------------
 // Builders
@@ -1846,7 +1847,7 @@ fn declared(id: i64, status: RunnerStatus, labels: &[&str]) -> Runner {
 
 fn held(job_id: i64, until: i64) -> RunContext {
     let mut c = ctx();
-    c.holds.jobs.push(crate::holds::Hold {
+    c.holds.jobs.push(crate::core::holds::Hold {
         job_id,
         handle: handle(job_id),
         held_at: at(0),
@@ -2095,8 +2096,8 @@ fn within(reuse_within: ReuseWithin) -> Policy {
     }
 }
 
-fn previous(id: i64, process: ProcessState) -> crate::state::PreviousRunner {
-    crate::state::PreviousRunner {
+fn previous(id: i64, process: ProcessState) -> crate::core::state::PreviousRunner {
+    crate::core::state::PreviousRunner {
         id,
         name: reg_name(id),
         uuid: format!("uuid-{id}"),

@@ -1,19 +1,19 @@
 //! `status`: the cycle in progress, the last run, the last events, and the warnings that make
 //! `status --check` fail (a health check). Read-only: takes no lock, writes nothing.
 
-use std::path::Path;
 use std::time::Duration;
 
-use serde_json::{Value, json};
+use serde_json::Value;
 
-use crate::audit;
-use crate::metrics::{self, Counters};
-use crate::state::{CycleState, STATE_FILE, read_state_file};
-use crate::time::{Timestamp, format_duration};
+use crate::core::metrics::Counters;
+use crate::core::state::CycleState;
+use crate::core::time::{Timestamp, format_duration};
 
 pub const EVENTS_SHOWN: usize = 10;
+
 /// last-run.json is read up to this size (a sweep of thousands of registrations lists each).
-const MAX_LAST_RUN_BYTES: u64 = 64 * 1024 * 1024;
+pub(crate) const MAX_LAST_RUN_BYTES: u64 = 64 * 1024 * 1024;
+
 /// Longer details are cut in the text form (the JSON form and the files have them whole).
 const TEXT_DETAIL: usize = 300;
 
@@ -121,85 +121,6 @@ pub fn facts(
         }
     }
     f
-}
-
-/// Everything `status` shows, as one JSON document (the text form is rendered from it).
-pub fn gather(dir: &Path, limits: &Limits, now: Timestamp) -> Value {
-    let mut unreadable = Vec::new();
-    let cycle_path = dir.join(STATE_FILE);
-    let (cycle, cycle_error) = match read_state_file(&cycle_path) {
-        Ok(c) => (c, None),
-        Err(e) => {
-            unreadable.push(format!("cycle.json is unreadable: {e:#}"));
-            (None, Some(format!("{e:#}")))
-        }
-    };
-    let last_path = dir.join(crate::app::LAST_RUN_FILE);
-    let (last_run, last_run_error): (Option<Value>, Option<String>) =
-        match crate::state::read_state_text(&last_path, MAX_LAST_RUN_BYTES) {
-            Ok(None) => (None, None),
-            Err(e) => (None, Some(e.to_string())),
-            Ok(Some(t)) => match serde_json::from_str(&t) {
-                Ok(v) => (Some(v), None),
-                Err(e) => (
-                    None,
-                    Some(format!("{} is not JSON: {e}", last_path.display())),
-                ),
-            },
-        };
-    if let Some(e) = &last_run_error {
-        unreadable.push(e.clone());
-    }
-    let (counters, counters_error) = match metrics::load(dir) {
-        Ok(c) if c == Counters::default() => (None, None),
-        Ok(c) => (Some(c), None),
-        Err(e) => {
-            unreadable.push(format!("{e:#}"));
-            (None, Some(format!("{e:#}")))
-        }
-    };
-    let held: Vec<crate::holds::Hold> =
-        match crate::state::read_holds_file(&dir.join(crate::holds::HOLDS_FILE)) {
-            Ok(h) => h.active(now).cloned().collect(),
-            Err(e) => {
-                unreadable.push(e.to_string());
-                Vec::new()
-            }
-        };
-    let (events, events_error) = match audit::tail(dir, EVENTS_SHOWN) {
-        Ok(e) => (e, None),
-        Err(e) => (Vec::new(), Some(e)),
-    };
-    let f = facts(
-        counters.as_ref(),
-        last_run.as_ref(),
-        cycle.as_ref(),
-        unreadable,
-    );
-    let warnings = warnings(&f, limits, now);
-    let secs_since = |t: Option<Timestamp>| t.map(|t| now.since(t).as_secs());
-    let last_run_end = last_run
-        .as_ref()
-        .and_then(|r| r["finished_at"].as_str())
-        .and_then(|s| Timestamp::parse_rfc3339(s).ok());
-    json!({
-        "state_dir": dir.display().to_string(),
-        "healthy": warnings.is_empty(),
-        "warnings": warnings,
-        "cycle_id": cycle.as_ref().map(|c| c.cycle_id.clone()),
-        "cycle": cycle,
-        "cycle_age_seconds": secs_since(cycle.as_ref().map(|c| c.started_at)),
-        "cycle_error": cycle_error,
-        "last_run": last_run,
-        "last_run_age_seconds": secs_since(last_run_end),
-        "last_run_error": last_run_error,
-        "last_success_at": f.last_success,
-        "last_success_age_seconds": secs_since(f.last_success),
-        "counters_error": counters_error,
-        "held_jobs": held,
-        "events": events,
-        "events_error": events_error,
-    })
 }
 
 fn ago(secs: &Value) -> String {
@@ -327,7 +248,7 @@ pub fn text(doc: &Value) -> String {
     // Names, statuses and errors come from Forgejo (and tofu): every line is one line, with
     // their control characters escaped, so none can forge a line or drive the terminal.
     o.iter()
-        .map(|l| crate::escape::escape_controls(l))
+        .map(|l| crate::core::escape::escape_controls(l))
         .collect::<Vec<_>>()
         .join("\n")
 }
@@ -372,7 +293,7 @@ struct SummaryView {
 
 impl SummaryView {
     fn line(self) -> String {
-        crate::report::Summary {
+        crate::core::report::Summary {
             vm_applied: self.vm_applied,
             apply_failed: self.apply_failed,
             vm_destroyed: self.vm_destroyed,
@@ -402,7 +323,7 @@ pub fn event_text(e: &Value) -> String {
     if s("kind").as_deref() == Some("failure") {
         line.push_str(&format!(
             " FAIL {}",
-            crate::report::cut(&s("detail").unwrap_or_default(), TEXT_DETAIL)
+            crate::core::report::cut(&s("detail").unwrap_or_default(), TEXT_DETAIL)
         ));
         return line;
     }
@@ -430,7 +351,7 @@ pub fn event_text(e: &Value) -> String {
         line.push_str(&format!(" ({})", why.join(", ")));
     }
     if let Some(d) = s("detail").filter(|d| !d.is_empty()) {
-        line.push_str(&format!(": {}", crate::report::cut(&d, TEXT_DETAIL)));
+        line.push_str(&format!(": {}", crate::core::report::cut(&d, TEXT_DETAIL)));
     }
     line
 }
@@ -438,6 +359,7 @@ pub fn event_text(e: &Value) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     const H: u64 = 3600;
     fn limits() -> Limits {

@@ -1,55 +1,13 @@
 //! OpenTofu (or the CLI-compatible terraform) behind a small trait.
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
-use crate::process::{ChildSpec, run_child};
-use crate::signals::StopFlag;
+use crate::adapters::process::{ChildSpec, run_child};
+use crate::adapters::signals::StopFlag;
+use crate::core::ports::{Output, Outputs, StepError, Tofu};
 
-/// A failed external step (tofu, the launch command).
-#[derive(Clone, Debug)]
-pub struct StepError {
-    pub message: String,
-    /// The step ended because a stop (SIGTERM/SIGINT) was requested.
-    pub interrupted: bool,
-}
-
-impl StepError {
-    pub fn failed(message: impl Into<String>) -> StepError {
-        StepError {
-            message: message.into(),
-            interrupted: false,
-        }
-    }
-}
-
-impl std::fmt::Display for StepError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.message)
-    }
-}
-
-#[derive(Clone, Debug, PartialEq)]
-pub struct Output {
-    pub sensitive: bool,
-    pub value: Value,
-}
-
-pub type Outputs = BTreeMap<String, Output>;
-
-pub trait Tofu {
-    /// `Err` with a message saying what to configure when this cannot run at all.
-    fn check_config(&self) -> Result<(), String>;
-    /// `init`, then `apply`.
-    fn apply(&mut self, cycle_id: &str) -> Result<(), StepError>;
-    fn outputs(&mut self, cycle_id: &str) -> Result<Outputs, StepError>;
-    /// `reason` (why the VM goes) is for logs and plans only.
-    fn destroy(&mut self, cycle_id: &str, reason: &str) -> Result<(), StepError>;
-}
-
-/// Parses `tofu output -json` (an object of `{sensitive, type, value}`).
 pub fn parse_outputs(stdout: &[u8]) -> Result<Outputs, String> {
     // Never quote the text: sensitive outputs are printed in plain text by tofu.
     let v: Value = serde_json::from_slice(stdout)
@@ -151,7 +109,7 @@ impl CliTofu {
 
 impl Tofu for CliTofu {
     fn check_config(&self) -> Result<(), String> {
-        if crate::process::find_executable(&self.bin).is_none() {
+        if crate::adapters::process::find_executable(&self.bin).is_none() {
             return Err(format!(
                 "--tofu-bin {} is not an executable (nor found on PATH); install OpenTofu or point --tofu-bin at it (terraform works too)",
                 self.bin.display()

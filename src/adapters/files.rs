@@ -1,253 +1,148 @@
-//! `cycle.json`: what the provisioner must remember between runs, and how it is stored.
-//!
-//! The file exists exactly while a cycle may own a VM or a runner registration. Every change is
-//! written before the side effect it announces (intent first), atomically: temp file in the same
-//! directory, fsync, rename, fsync of the directory.
+//! The state directory's files: cycle.json and the other state files (opened without following
+//! a symlink, written atomically), the lock, the directory's own checks, the metrics files.
 
-use std::collections::BTreeMap;
-use std::fs;
-use std::io::{self, Read, Write};
-use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::io::{Read, Write};
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
+use std::{fs, io};
 
 use anyhow::{Context, Result, anyhow};
-use serde::{Deserialize, Serialize};
-use serde_json::Value;
 
-use crate::holds::{HOLDS_FILE, Holds, HoldsError, parse_holds};
-use crate::time::Timestamp;
+use crate::commands::{EXIT_FAILED, EXIT_LOCKED, Fatal, LOCK_FILE, usage};
+use crate::core::holds::{HOLDS_FILE, Holds, HoldsError, parse_holds};
+use crate::core::metrics::{COUNTERS_FILE, COUNTERS_VERSION, Counters};
+use crate::core::ports::StateStore;
+use crate::core::state::{CycleState, MAX_STATE_BYTES, STATE_FILE, parse_state};
 
-pub const STATE_VERSION: u64 = 1;
-pub const STATE_FILE: &str = "cycle.json";
-/// cycle.json never legitimately grows past a few KiB; anything larger is refused unread.
-pub const MAX_STATE_BYTES: u64 = 1024 * 1024;
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Phase {
-    /// cycle.json written, `tofu apply` not yet known to have succeeded.
-    Applying,
-    /// The VM exists; registrations are created and watched.
-    Running,
-    /// Teardown decided: registrations are cleaned up and `tofu destroy` runs.
-    TearingDown,
-    /// `tofu destroy` succeeded; what remains is forgetting registrations and the sweep.
-    Destroyed,
+pub(crate) struct Lock {
+    _file: fs::File,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Launch {
-    /// Registered (or about to be); the launch command has not been started.
-    Pending,
-    /// The launch command was started and had not reported back when this was written.
-    Started,
-    /// The launch command exited 0: a runner was started on the VM.
-    Done,
-    /// The launch command failed or timed out.
-    Failed,
+/// What is at the state directory's path, and whether this user may keep its state there.
+pub(crate) enum StateDir {
+    Usable,
+    /// Nothing there yet; `run` and `sweep` create it (0700).
+    Missing,
 }
 
-/// One ephemeral registration this cycle created (or intends to create).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct Registration {
-    /// `<prefix><cycle id>-<n>`: unique to this registration, so a POST whose answer was lost
-    /// can be found again by exact name.
-    pub name: String,
-    /// `None` until Forgejo answered the POST: the registration may or may not exist.
-    pub id: Option<i64>,
-    pub uuid: Option<String>,
-    pub job_id: i64,
-    pub job_handle: String,
-    pub requested_at: Timestamp,
-    pub launch: Launch,
-    pub launched_at: Option<Timestamp>,
-    /// When its job was first seen neither waiting nor running while the runner was idle.
-    pub job_gone_since: Option<Timestamp>,
-    /// Forgejo has reported the runner `idle` or `active` at least once: it connected. One that
-    /// stays `offline` past the grace without ever connecting is a failed start.
-    #[serde(default)]
-    pub connected: bool,
-    /// Set when the VM was torn down because this runner sat idle while its job waited.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub not_served: Option<NotServed>,
-    /// Its runner never connected, and that failed start is counted (`start_failures`): set
-    /// before its DELETE, so that a 404 seen later is not taken for a runner that ran its job.
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub failed_start: bool,
-    /// What `RUNNER_ACTION=stop` achieved before this cycle deleted the registration itself:
-    /// carried to [`PreviousRunner::process`] when it is forgotten.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub stopped: Option<ProcessState>,
-}
-
-/// Whether a runner's process on the VM is gone, as far as this cycle knows.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case", tag = "state", content = "why")]
-pub enum ProcessState {
-    /// Not asked yet: its registration is gone, which proves nothing about the process.
-    Unchecked,
-    /// `RUNNER_ACTION=check` answered 3, or `stop` answered 0.
-    Gone,
-    /// It may still run: `check` could not tell, or `stop` failed. The VM is never reused.
-    NotGone(String),
-}
-
-/// A runner started on this VM whose registration is forgotten. The next runner starts on the
-/// VM only once its process is known to be gone (a vanished registration is not an exited
-/// runner).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct PreviousRunner {
-    pub id: i64,
-    pub name: String,
-    pub uuid: String,
-    pub job_id: i64,
-    pub job_handle: String,
-    pub process: ProcessState,
-}
-
-/// The trust boundary of a VM: the repository and owner of the first job it ran.
-/// `None` ids (a jobs list that did not say) match nothing.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Boundary {
-    pub repo_id: Option<i64>,
-    pub owner_id: Option<i64>,
-}
-
-/// Why a connected runner was not given its waiting job, and the VM went.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum NotServed {
-    /// Idle for `--job-pickup-timeout` while its job waited: Forgejo did not hand it out (a
-    /// concurrency group holds it, most likely). The job is held (`held-jobs.json`).
-    PickupTimeout,
-    /// The runner declared labels that do not cover its job's `runs_on`: Forgejo never gives
-    /// it that job (the launch command does not pass `RUNNER_LABELS` as `--label`).
-    WrongLabels,
-}
-
-impl Registration {
-    /// The moment the registration grace counts from.
-    pub fn grace_start(&self) -> Timestamp {
-        self.launched_at.unwrap_or(self.requested_at)
-    }
-}
-
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct CycleState {
-    pub version: u64,
-    pub cycle_id: String,
-    /// The `--runner-prefix` this cycle's registrations were created with: they stay ours (and
-    /// deletable) even if the configured prefix changes mid-cycle. Empty: the configured one.
-    #[serde(default)]
-    pub runner_prefix: String,
-    pub started_at: Timestamp,
-    pub phase: Phase,
-    /// When `tofu apply` succeeded.
-    pub vm_ready_at: Option<Timestamp>,
-    /// When the VM last became free (ready, or its last registration gone).
-    pub free_since: Option<Timestamp>,
-    /// Runners successfully launched on this VM.
-    pub jobs_started: u32,
-    /// Sequence number of the next registration name.
-    pub next_seq: u32,
-    /// Failed attempts in a row to start a runner (POST, launch, or a runner that never connected).
-    pub start_failures: u32,
-    pub registrations: Vec<Registration>,
-    /// Why teardown was decided, once it was.
-    pub teardown_reason: Option<String>,
-    /// When `tofu destroy` last succeeded.
-    pub destroyed_at: Option<Timestamp>,
-    /// The last failure recorded in this cycle (e.g. a failed destroy), for the next run and `status`.
-    pub last_error: Option<String>,
-    /// Non-sensitive tofu outputs, for `status`. Sensitive outputs are never written anywhere.
-    #[serde(default)]
-    pub outputs: BTreeMap<String, Value>,
-    /// Set with the first registration: whose jobs this VM may run (`--reuse-within`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub boundary: Option<Boundary>,
-    /// Runners started on this VM whose registrations are gone, until the cycle ends.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub previous: Vec<PreviousRunner>,
-}
-
-impl CycleState {
-    pub fn new(cycle_id: String, now: Timestamp) -> CycleState {
-        CycleState {
-            version: STATE_VERSION,
-            cycle_id,
-            runner_prefix: String::new(),
-            started_at: now,
-            phase: Phase::Applying,
-            vm_ready_at: None,
-            free_since: None,
-            jobs_started: 0,
-            next_seq: 1,
-            start_failures: 0,
-            registrations: Vec::new(),
-            teardown_reason: None,
-            destroyed_at: None,
-            last_error: None,
-            outputs: BTreeMap::new(),
-            boundary: None,
-            previous: Vec::new(),
-        }
-    }
-
-    pub fn registration(&self, id: i64) -> Option<&Registration> {
-        self.registrations.iter().find(|r| r.id == Some(id))
-    }
-
-    pub fn registration_mut(&mut self, id: i64) -> Option<&mut Registration> {
-        self.registrations.iter_mut().find(|r| r.id == Some(id))
-    }
-}
-
-/// Parses cycle.json text. Any problem is an error that says what is wrong; the caller names the file.
-pub fn parse_state(text: &str) -> Result<CycleState> {
-    let v: Value =
-        serde_json::from_str(text).context("it is not valid JSON (empty or truncated?)")?;
-    let version = v
-        .get("version")
-        .ok_or_else(|| anyhow!("it has no \"version\" field"))?;
-    match version.as_u64() {
-        Some(STATE_VERSION) => {}
-        _ => {
-            return Err(anyhow!(
-                "its version {version} is not one this build understands (expected {STATE_VERSION}); \
-                 a newer ci-ephemeral-provisioner wrote it"
+/// Refuses a state directory that is not a directory, or that someone else could change under
+/// us: owned by another user, or writable by group or others (exit 2, with what to fix).
+pub(crate) fn inspect_state_dir(dir: &Path) -> Result<StateDir, Fatal> {
+    let meta = match fs::metadata(dir) {
+        Ok(m) => m,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(StateDir::Missing),
+        Err(e) => {
+            return Err(Fatal(
+                EXIT_FAILED,
+                format!("cannot inspect state directory {}: {e}", dir.display()),
             ));
         }
+    };
+    if !meta.is_dir() {
+        return Err(usage(format!(
+            "state directory {} is not a directory; point --state-dir (or $STATE_DIRECTORY) at a directory, or move what is there",
+            dir.display()
+        )));
     }
-    let state: CycleState =
-        serde_json::from_value(v).context("its contents do not match the cycle.json format")?;
-    // The id goes into runner names and tofu's environment: only what this tool generates.
-    if !is_plain_cycle_id(&state.cycle_id) {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let me = unsafe { libc::geteuid() };
+    if meta.uid() != me {
+        return Err(usage(format!(
+            "state directory {} is owned by uid {}, not by this user (uid {me}): another user could change the cycle state under us; `chown` it to the service's user or point --state-dir elsewhere",
+            dir.display(),
+            meta.uid()
+        )));
+    }
+    let mode = meta.mode() & 0o7777;
+    if mode & 0o022 != 0 {
+        return Err(usage(format!(
+            "state directory {} is writable by group or others (mode {mode:04o}): anyone in them could replace the cycle state; run `chmod go-w {}`",
+            dir.display(),
+            dir.display()
+        )));
+    }
+    Ok(StateDir::Usable)
+}
+
+pub(crate) fn take_lock(dir: &Path) -> Result<Lock, Fatal> {
+    if let StateDir::Missing = inspect_state_dir(dir)? {
+        fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)
+            .map_err(|e| {
+                Fatal(
+                    EXIT_FAILED,
+                    format!("cannot create state directory {}: {e}", dir.display()),
+                )
+            })?;
+    }
+    let path = dir.join(LOCK_FILE);
+    let file = fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(&path)
+        .map_err(|e| {
+            Fatal(
+                EXIT_FAILED,
+                format!("cannot open lock file {}: {e}", path.display()),
+            )
+        })?;
+    match file.try_lock() {
+        Ok(()) => Ok(Lock { _file: file }),
+        Err(fs::TryLockError::WouldBlock) => Err(Fatal(
+            EXIT_LOCKED,
+            format!("another run holds {}; nothing was done", path.display()),
+        )),
+        Err(fs::TryLockError::Error(e)) => Err(Fatal(
+            EXIT_FAILED,
+            format!("cannot lock {}: {e}", path.display()),
+        )),
+    }
+}
+
+/// Takes `<dir>/cycle.lock` exactly as `run` and `sweep` do, for tests that model a second
+/// invocation racing the first. `Err((exit status, message))` when another holder has it.
+pub fn lock_state_dir(dir: &Path) -> Result<impl Sized + use<>, (u8, String)> {
+    take_lock(dir).map_err(|Fatal(code, message)| (code, message))
+}
+
+/// Reads `counters.json`; missing is a fresh start. A broken file is an error naming it.
+pub fn load_counters(dir: &Path) -> Result<Counters> {
+    let path = dir.join(COUNTERS_FILE);
+    let text =
+        match crate::adapters::files::read_state_text(&path, crate::core::state::MAX_STATE_BYTES) {
+            Ok(Some(t)) => t,
+            Ok(None) => return Ok(Counters::default()),
+            Err(e) => return Err(anyhow!("{e}")),
+        };
+    let c: Counters = serde_json::from_str(&text)
+        .with_context(|| format!("{} is not valid counters JSON", path.display()))?;
+    if c.version != COUNTERS_VERSION {
         return Err(anyhow!(
-            "its cycle_id {:?} is not one this tool writes (1 to 64 of a-z, 0-9 and -)",
-            state.cycle_id
+            "{} has version {}, this build knows {COUNTERS_VERSION}",
+            path.display(),
+            c.version
         ));
     }
-    Ok(state)
+    Ok(c)
 }
 
-fn is_plain_cycle_id(id: &str) -> bool {
-    (1..=64).contains(&id.len())
-        && id
-            .bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+pub fn save_counters(dir: &Path, c: &Counters) -> Result<()> {
+    let mut bytes = serde_json::to_vec_pretty(c).context("cannot encode counters.json")?;
+    bytes.push(b'\n');
+    write_atomic(&dir.join(COUNTERS_FILE), &bytes)
 }
 
-/// Where cycle.json (and the held jobs, which outlive a cycle) live. Chosen once in `main`: a
-/// directory on disk, or memory for dry-runs.
-pub trait StateStore {
-    fn load(&mut self) -> Result<Option<CycleState>>;
-    fn save(&mut self, state: &CycleState) -> Result<()>;
-    fn remove(&mut self) -> Result<()>;
-    fn describe(&self) -> String;
-    /// The held jobs (`held-jobs.json`); none when there is no file.
-    fn load_holds(&mut self) -> Result<Holds, HoldsError>;
-    fn save_holds(&mut self, holds: &Holds) -> Result<()>;
+/// Writes the text file atomically (temp file in the same directory, then rename), mode 0644 so
+/// node_exporter can read it. The temp name does not end in `.prom`, so the collector never
+/// reads a half-written file.
+pub fn write_textfile(path: &Path, text: &str) -> Result<()> {
+    crate::adapters::files::write_atomic_mode(path, text.as_bytes(), 0o644)
+        .context("does the directory exist, and may this user write there?")
 }
 
 pub struct FileStore {
@@ -466,46 +361,11 @@ pub fn read_holds_file(path: &Path) -> Result<Holds, HoldsError> {
         .map_err(|e| HoldsError::Unusable(format!("{} is unusable: {e:#}", path.display())))
 }
 
-/// A store that never touches the disk: dry-runs start from what the real files (or the
-/// fixture) hold and keep every change in memory.
-#[derive(Default)]
-pub struct MemoryStore {
-    pub state: Option<CycleState>,
-    pub holds: Holds,
-}
-
-impl StateStore for MemoryStore {
-    fn load(&mut self) -> Result<Option<CycleState>> {
-        Ok(self.state.clone())
-    }
-
-    fn save(&mut self, state: &CycleState) -> Result<()> {
-        self.state = Some(state.clone());
-        Ok(())
-    }
-
-    fn remove(&mut self) -> Result<()> {
-        self.state = None;
-        Ok(())
-    }
-
-    fn describe(&self) -> String {
-        "cycle state (in memory, dry-run)".into()
-    }
-
-    fn load_holds(&mut self) -> Result<Holds, HoldsError> {
-        Ok(self.holds.clone())
-    }
-
-    fn save_holds(&mut self, holds: &Holds) -> Result<()> {
-        self.holds = holds.clone();
-        Ok(())
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::core::state::{Launch, Registration};
+    use crate::core::time::Timestamp;
     use std::os::unix::fs::PermissionsExt;
 
     fn sample() -> CycleState {
@@ -612,12 +472,9 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
-        let counters = serde_json::to_string(&crate::metrics::Counters::default()).unwrap();
-        let (link, _) = planted(dir.path(), crate::metrics::COUNTERS_FILE, &counters);
-        let e = format!(
-            "{:#}",
-            crate::metrics::load(link.parent().unwrap()).unwrap_err()
-        );
+        let counters = serde_json::to_string(&crate::core::metrics::Counters::default()).unwrap();
+        let (link, _) = planted(dir.path(), crate::core::metrics::COUNTERS_FILE, &counters);
+        let e = format!("{:#}", load_counters(link.parent().unwrap()).unwrap_err());
         assert!(
             e.contains(&link.display().to_string()) && e.contains("symlink"),
             "{e}"

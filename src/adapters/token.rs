@@ -1,25 +1,14 @@
-//! Secrets (the Forgejo token, runner tokens) in a type that never prints itself, the one reader
-//! of the Forgejo token (a file, or standard input for `--token-file -`), and the switch that
-//! keeps a same-user process out of this one's memory (`PR_SET_DUMPABLE`).
+//! The one reader of the Forgejo token (a file, or standard input for `--token-file -`), and
+//! the switch that keeps a same-user process out of this one's memory (`PR_SET_DUMPABLE`).
 
-use std::fmt;
 use std::fs;
 use std::io::Read;
 use std::os::fd::{AsRawFd, FromRawFd};
 use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::path::Path;
 
-/// The token file is read up to this many bytes (a token is 40 hex digits).
-pub const MAX_TOKEN_FILE_BYTES: u64 = 64 * 1024;
+use crate::core::secret::{MAX_TOKEN_FILE_BYTES, Secret, judge};
 
-/// `--token-file -`: the token comes on standard input.
-pub const STDIN_PATH: &str = "-";
-
-/// Makes this process non-dumpable (`prctl(PR_SET_DUMPABLE, 0)`), before anything secret is in
-/// its memory: a process of the same user — tofu, a provider plugin, a module's `local-exec`, the
-/// launch command — can then not read our `/proc/<pid>/mem`, `environ` or `fd/` (they become
-/// root's) nor ptrace us, and no core dump is ever written. Children are not affected: `execve`
-/// makes them dumpable again.
 pub fn forbid_dumping() -> Result<(), String> {
     // SAFETY: PR_SET_DUMPABLE takes an integer argument and touches no memory of ours.
     let rc = unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0 as libc::c_ulong, 0, 0, 0) };
@@ -30,40 +19,6 @@ pub fn forbid_dumping() -> Result<(), String> {
     match unsafe { libc::prctl(libc::PR_GET_DUMPABLE, 0, 0, 0, 0) } {
         0 => Ok(()),
         n => Err(format!("the flag still reads {n} after setting it to 0")),
-    }
-}
-
-#[derive(Clone, PartialEq, Eq)]
-pub struct Secret(String);
-
-impl Secret {
-    pub fn new(s: String) -> Secret {
-        Secret(s)
-    }
-
-    /// The secret itself, for the one place that must send it (a header, a child's stdin).
-    pub fn expose(&self) -> &str {
-        &self.0
-    }
-}
-
-impl fmt::Debug for Secret {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("Secret(***)")
-    }
-}
-
-impl fmt::Display for Secret {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("***")
-    }
-}
-
-impl Drop for Secret {
-    fn drop(&mut self) {
-        // Best effort: overwrite the bytes before the allocation is freed.
-        // SAFETY: zero bytes are valid UTF-8.
-        unsafe { self.0.as_bytes_mut() }.fill(0);
     }
 }
 
@@ -205,28 +160,6 @@ fn stdin_to_dev_null() -> std::io::Result<()> {
         return Err(std::io::Error::last_os_error());
     }
     Ok(())
-}
-
-/// The token in `bytes` (`what` names where they came from): UTF-8, surrounding whitespace
-/// dropped, not empty, one word. The bytes are zeroed on every path.
-fn judge(bytes: Vec<u8>, what: &str) -> Result<Secret, String> {
-    let text = String::from_utf8(bytes).map_err(|e| {
-        // Not shown: the bytes may be the token.
-        let mut b = e.into_bytes();
-        b.fill(0);
-        format!("{what} is not UTF-8 text")
-    })?;
-    let text = Secret::new(text);
-    let token = text.expose().trim();
-    if token.is_empty() {
-        return Err(format!("{what} is empty"));
-    }
-    if token.chars().any(|c| c.is_whitespace() || c.is_control()) {
-        return Err(format!(
-            "{what} must hold only the token (one line, no spaces)"
-        ));
-    }
-    Ok(Secret::new(token.to_string()))
 }
 
 #[cfg(test)]

@@ -9,14 +9,15 @@ use std::time::Duration;
 use anyhow::{Context, Result, anyhow};
 use serde_json::{Value, json};
 
-use crate::cycle::{Clock, Sleep};
-use crate::forgejo::{ApiError, Deleted, Forgejo, NewRunner, RunnerPage};
-use crate::launch::{LaunchRequest, Launcher, ProcessCheck};
-use crate::model::{Deletable, Job, Runner, RunnerStatus, job_matches};
-use crate::secret::Secret;
-use crate::state::{CycleState, parse_state};
-use crate::time::Timestamp;
-use crate::tofu::{Outputs, StepError, Tofu};
+use crate::core::holds::{Holds, HoldsError};
+use crate::core::model::{Deletable, Job, Runner, RunnerStatus, job_matches};
+use crate::core::ports::{
+    ApiError, Clock, Deleted, Forgejo, LaunchRequest, Launcher, NewRunner, Outputs, ProcessCheck,
+    RunnerPage, Sleep, StateStore, StepError, Tofu,
+};
+use crate::core::secret::Secret;
+use crate::core::state::{CycleState, parse_state};
+use crate::core::time::Timestamp;
 
 /// The plan: every side effect the cycle would have performed, in order.
 pub type Plan = Rc<RefCell<Vec<Value>>>;
@@ -35,7 +36,7 @@ struct QuickFixture {
     #[serde(default)]
     cycle: Option<Value>,
     #[serde(default)]
-    runners: Option<Vec<crate::model::FixtureRunner>>,
+    runners: Option<Vec<crate::core::model::FixtureRunner>>,
     #[serde(default)]
     jobs: Option<Vec<Value>>,
     #[serde(default)]
@@ -530,5 +531,42 @@ mod tests {
         assert!(e.contains("unknown key \"cylce\""), "{e}");
         // Comments, and the optional keys left out, are fine.
         assert!(load(r#"{"_comment": "x", "runners": [], "jobs": null}"#).is_ok());
+    }
+}
+
+/// A store that never touches the disk: dry-runs start from what the real files (or the
+/// fixture) hold and keep every change in memory.
+#[derive(Default)]
+pub struct MemoryStore {
+    pub state: Option<CycleState>,
+    pub holds: Holds,
+}
+
+impl StateStore for MemoryStore {
+    fn load(&mut self) -> Result<Option<CycleState>> {
+        Ok(self.state.clone())
+    }
+
+    fn save(&mut self, state: &CycleState) -> Result<()> {
+        self.state = Some(state.clone());
+        Ok(())
+    }
+
+    fn remove(&mut self) -> Result<()> {
+        self.state = None;
+        Ok(())
+    }
+
+    fn describe(&self) -> String {
+        "cycle state (in memory, dry-run)".into()
+    }
+
+    fn load_holds(&mut self) -> Result<Holds, HoldsError> {
+        Ok(self.holds.clone())
+    }
+
+    fn save_holds(&mut self, holds: &Holds) -> Result<()> {
+        self.holds = holds.clone();
+        Ok(())
     }
 }

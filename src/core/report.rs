@@ -2,34 +2,24 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
-use std::time::Instant;
 
 use serde::Serialize;
 use serde_json::{Value, json};
 
-use crate::forgejo::Deleted;
-use crate::time::Timestamp;
+use crate::core::ports::{AuditSink, Clock, Deleted};
+use crate::core::time::Timestamp;
 
 /// The detail of a `delete_runner` event whose DELETE Forgejo answered 404: gone, but not by us.
 pub const ALREADY_GONE: &str = "already gone (404)";
+
 /// The detail of a `delete_runner` event whose DELETE Forgejo answered 204.
 pub const DELETED: &str = "deleted";
+
 /// A dry-run's deletion: in the plan, never sent.
 pub const PLANNED: &str = "would be deleted (dry-run: nothing sent)";
+
 /// Details longer than this are cut in the audit trail (tofu's stderr can be long).
 pub const MAX_AUDIT_DETAIL: usize = 2048;
-
-/// Where side effects and failures are appended as they happen (the audit trail). Chosen once in
-/// `app`: a file for real runs, none for dry-runs.
-pub trait AuditSink {
-    /// Appends one record; the error names the file and what failed.
-    fn append(&mut self, record: &Value) -> Result<(), String>;
-    /// Makes what was appended durable (fsync); called at the points that matter (before each
-    /// cycle.json write, at the end of the run), not after every record.
-    fn sync(&mut self) -> Result<(), String> {
-        Ok(())
-    }
-}
 
 /// The report's audit sink, if any (never serialized).
 #[derive(Default)]
@@ -225,9 +215,38 @@ pub struct Report {
     pub summary: Summary,
     #[serde(skip)]
     audit: Audit,
+    #[serde(skip)]
+    clock: ReportClock,
     /// Events already appended to the audit trail.
     #[serde(skip)]
     audited: usize,
+}
+
+/// The report's source of timestamps (see `Report::set_clock`).
+#[derive(Default)]
+pub struct ReportClock(Option<Box<dyn Fn() -> Timestamp>>);
+
+impl fmt::Debug for ReportClock {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(if self.0.is_some() {
+            "ReportClock(set)"
+        } else {
+            "ReportClock(start)"
+        })
+    }
+}
+
+/// Measures a step on the clock port: the time from `start` to `ms`.
+pub struct Stopwatch(Timestamp);
+
+impl Stopwatch {
+    pub fn start(clock: &dyn Clock) -> Stopwatch {
+        Stopwatch(clock.now())
+    }
+
+    pub fn ms(&self, clock: &dyn Clock) -> u64 {
+        u64::try_from(clock.now().0.saturating_sub(self.0.0)).unwrap_or(0)
+    }
 }
 
 /// A run that keeps failing the same way (Forgejo down for hours) must not grow its report
@@ -252,6 +271,7 @@ impl Report {
             duration_ms: 0,
             summary: Summary::default(),
             audit: Audit::default(),
+            clock: ReportClock(None),
             audited: 0,
         }
     }
@@ -268,7 +288,7 @@ impl Report {
         self.flush_audit();
         if self.keep_failure(message.clone()) {
             let record = json!({
-                "at": Timestamp::now(),
+                "at": self.now(),
                 "cycle_id": self.cycle_id,
                 "kind": "failure",
                 "detail": cut(&message, MAX_AUDIT_DETAIL),
@@ -335,10 +355,21 @@ impl Report {
         self.append(&record);
     }
 
+    /// The time on the run's clock (`set_clock`); without one, the time the run started.
+    pub fn now(&self) -> Timestamp {
+        self.clock.0.as_ref().map_or(self.started_at, |now| now())
+    }
+
+    /// Where the report's timestamps come from: the clock port of the run (the real clock, or a
+    /// fixture's, which stands still).
+    pub fn set_clock(&mut self, now: Box<dyn Fn() -> Timestamp>) {
+        self.clock = ReportClock(Some(now));
+    }
+
     /// An event not (yet) in the report, e.g. the description of a deletion about to happen.
-    pub fn draft(step: &str, detail: &str) -> Event {
+    pub fn draft(&self, step: &str, detail: &str) -> Event {
         Event {
-            at: Timestamp::now(),
+            at: self.now(),
             step: step.into(),
             ok: true,
             runner_id: None,
@@ -372,7 +403,7 @@ impl Report {
             e.evidence = Some(evidence.to_string());
         };
         let Some(result) = result else {
-            let mut intent = Report::draft("delete_runner", "");
+            let mut intent = self.draft("delete_runner", "");
             fill(&mut intent);
             self.intend_deletion(&intent);
             return;
@@ -413,7 +444,7 @@ impl Report {
 
     pub fn event(&mut self, step: &str, ok: bool, detail: impl Into<String>) -> &mut Event {
         self.flush_audit();
-        let mut e = Report::draft(step, "");
+        let mut e = self.draft(step, "");
         e.ok = ok;
         e.detail = detail.into();
         self.events.push(e);
@@ -435,7 +466,7 @@ impl Report {
         for e in &self.events {
             out.push_str(&format!(
                 "\n  {}",
-                crate::escape::escape_controls(&event_line(e))
+                crate::core::escape::escape_controls(&event_line(e))
             ));
         }
         if let Some(s) = &self.sweep {
@@ -536,19 +567,6 @@ pub fn cut(s: &str, max: usize) -> String {
         end -= 1;
     }
     format!("{}… ({} bytes cut)", &s[..end], s.len() - end)
-}
-
-/// Measures a step for its event.
-pub struct Stopwatch(Instant);
-
-impl Stopwatch {
-    pub fn start() -> Stopwatch {
-        Stopwatch(Instant::now())
-    }
-
-    pub fn ms(&self) -> u64 {
-        u64::try_from(self.0.elapsed().as_millis()).unwrap_or(u64::MAX)
-    }
 }
 
 #[cfg(test)]

@@ -6,20 +6,23 @@ use std::time::Duration;
 
 use serde_json::json;
 
-use crate::app::{
-    EXIT_FAILED, EXIT_OK, Fatal, StateDir, forgejo_target, http_forgejo, inspect_state_dir,
-    read_token, state_dir, usage, validate_run_args,
-};
+use crate::adapters::files::{StateDir, inspect_state_dir, read_state_file};
+use crate::adapters::forgejo_http::major_version;
+use crate::adapters::launch_cmd::CommandLauncher;
+use crate::adapters::process::{ChildSpec, find_executable, run_child};
+use crate::adapters::signals::StopFlag;
 use crate::cli::{OutputFormat, RunArgs};
-use crate::forgejo::{Forgejo, major_version};
-use crate::launch::{CommandLauncher, Launcher};
-use crate::model::label_names;
-use crate::process::{ChildSpec, find_executable, run_child};
-use crate::signals::StopFlag;
-use crate::state::{STATE_FILE, read_state_file};
+use crate::commands::{
+    EXIT_FAILED, EXIT_OK, Fatal, forgejo_target, http_forgejo, read_token, state_dir, usage,
+    validate_run_args,
+};
+use crate::core::model::label_names;
+use crate::core::ports::{Forgejo, Launcher};
+use crate::core::state::STATE_FILE;
 
 /// The oldest Forgejo whose runner API (`/actions/runners`, `…/jobs`) this tool speaks.
 pub const MIN_FORGEJO_MAJOR: u64 = 15;
+
 /// How long `tofu init` (which may download providers) and `validate` may take.
 const TOFU_CHECK_TIMEOUT: Duration = Duration::from_secs(300);
 
@@ -29,7 +32,7 @@ struct Line {
     result: Result<String, String>,
 }
 
-pub(crate) fn cmd_check(a: RunArgs) -> Result<u8, Fatal> {
+pub fn cmd_check(a: RunArgs) -> Result<u8, Fatal> {
     if a.common.dry_run || a.common.fixture.is_some() {
         return Err(usage(
             "check never changes anything: --dry-run and --fixture do not apply to it",
@@ -99,7 +102,7 @@ pub(crate) fn cmd_check(a: RunArgs) -> Result<u8, Fatal> {
 /// Where the token came from, once it was read (and found not empty).
 fn token_source(arg: &Option<std::path::PathBuf>) -> &'static str {
     match arg {
-        Some(p) if p.as_os_str() == crate::secret::STDIN_PATH => {
+        Some(p) if p.as_os_str() == crate::core::secret::STDIN_PATH => {
             "read from standard input, not empty"
         }
         _ => "readable by this user only, not empty",
@@ -359,7 +362,7 @@ fn check_state_dir(dir: &Path) -> Result<String, String> {
 
 /// Tries `cycle.lock` if it exists (never creates it). A lock held by a run in progress is fine.
 fn lock_state(dir: &Path) -> Result<&'static str, String> {
-    let path = dir.join(crate::app::LOCK_FILE);
+    let path = dir.join(crate::commands::LOCK_FILE);
     let file = match std::fs::OpenOptions::new().write(true).open(&path) {
         Ok(f) => f,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(""),

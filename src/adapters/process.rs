@@ -10,11 +10,12 @@ use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use crate::secret::Secret;
-use crate::signals::StopFlag;
+use crate::adapters::signals::StopFlag;
+use crate::core::secret::Secret;
 
 /// Stdout kept from a child (tofu output -json of a large module stays well below this).
 const MAX_STDOUT: usize = 8 * 1024 * 1024;
+
 /// The tail of stderr kept for error messages.
 const STDERR_TAIL: usize = 4 * 1024;
 

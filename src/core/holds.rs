@@ -11,14 +11,17 @@ use std::time::Duration;
 use anyhow::{Context, Result, anyhow};
 use serde::{Deserialize, Serialize};
 
-use crate::model::Job;
-use crate::time::Timestamp;
+use crate::core::model::Job;
+use crate::core::time::Timestamp;
 
 pub const HOLDS_FILE: &str = "held-jobs.json";
+
 pub const HOLDS_VERSION: u32 = 1;
+
 /// The longest one hold lasts, however often the job was tried: a job that can run again is
 /// served at most this long after it could.
 pub const MAX_HOLD: Duration = Duration::from_secs(3600);
+
 /// Holds kept at most (the oldest go first); each is a job Forgejo lists as waiting.
 pub const MAX_HOLDS: usize = 1000;
 

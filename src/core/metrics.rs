@@ -4,18 +4,18 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
-use std::path::Path;
 
-use anyhow::{Context, Result, anyhow};
 use serde::{Deserialize, Serialize};
 
-use crate::planner::DeleteReason;
-use crate::report::Report;
-use crate::state::{CycleState, write_atomic};
-use crate::time::Timestamp;
+use crate::core::planner::DeleteReason;
+use crate::core::report::Report;
+use crate::core::state::CycleState;
+use crate::core::time::Timestamp;
 
 pub const COUNTERS_FILE: &str = "counters.json";
-const COUNTERS_VERSION: u32 = 1;
+
+pub(crate) const COUNTERS_VERSION: u32 = 1;
+
 pub const PREFIX: &str = "ci_ephemeral_provisioner";
 
 const DELETE_REASONS: [DeleteReason; 10] = [
@@ -143,32 +143,6 @@ impl Counters {
             }
         }
     }
-}
-
-/// Reads `counters.json`; missing is a fresh start. A broken file is an error naming it.
-pub fn load(dir: &Path) -> Result<Counters> {
-    let path = dir.join(COUNTERS_FILE);
-    let text = match crate::state::read_state_text(&path, crate::state::MAX_STATE_BYTES) {
-        Ok(Some(t)) => t,
-        Ok(None) => return Ok(Counters::default()),
-        Err(e) => return Err(anyhow!("{e}")),
-    };
-    let c: Counters = serde_json::from_str(&text)
-        .with_context(|| format!("{} is not valid counters JSON", path.display()))?;
-    if c.version != COUNTERS_VERSION {
-        return Err(anyhow!(
-            "{} has version {}, this build knows {COUNTERS_VERSION}",
-            path.display(),
-            c.version
-        ));
-    }
-    Ok(c)
-}
-
-pub fn save(dir: &Path, c: &Counters) -> Result<()> {
-    let mut bytes = serde_json::to_vec_pretty(c).context("cannot encode counters.json")?;
-    bytes.push(b'\n');
-    write_atomic(&dir.join(COUNTERS_FILE), &bytes)
 }
 
 /// What the metrics say about the cycle in progress.
@@ -382,18 +356,10 @@ pub fn render(
     o.0
 }
 
-/// Writes the text file atomically (temp file in the same directory, then rename), mode 0644 so
-/// node_exporter can read it. The temp name does not end in `.prom`, so the collector never
-/// reads a half-written file.
-pub fn write_textfile(path: &Path, text: &str) -> Result<()> {
-    crate::state::write_atomic_mode(path, text.as_bytes(), 0o644)
-        .context("does the directory exist, and may this user write there?")
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::report::SweepReport;
+    use crate::core::report::SweepReport;
 
     fn report(exit: i32, at_ms: i64) -> Report {
         let mut r = Report::new("run", false, Timestamp(at_ms));
@@ -437,9 +403,9 @@ mod tests {
         let mut r = report(0, 2_000);
         r.cycle_id = Some("c1".into());
         r.event("tofu_destroy", true, "VM destroyed");
-        let e = r.event("delete_runner", true, crate::report::DELETED);
+        let e = r.event("delete_runner", true, crate::core::report::DELETED);
         e.reason = Some("sweep".into());
-        let e = r.event("delete_runner", true, crate::report::ALREADY_GONE);
+        let e = r.event("delete_runner", true, crate::core::report::ALREADY_GONE);
         e.reason = Some("sweep".into());
         r.settle(false);
         c.record(&r);

@@ -17,10 +17,6 @@ impl Timestamp {
         }
     }
 
-    pub fn now() -> Timestamp {
-        Timestamp::from_system(SystemTime::now())
-    }
-
     pub fn to_system(self) -> SystemTime {
         if self.0 >= 0 {
             UNIX_EPOCH + Duration::from_millis(self.0 as u64)

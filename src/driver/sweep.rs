@@ -1,95 +1,17 @@
 //! The sweep: list every page first, then delete the offline registrations with our prefix.
 //! Any doubt deletes nothing.
 
-use std::collections::{BTreeMap, HashSet};
+use crate::core::listing::{LIST_PASSES, Listing, MAX_PAGES, PAGE_LIMIT, Seen, select};
+use crate::core::model::{Runner, is_ours};
+use crate::core::planner::DeleteReason;
+use crate::core::ports::{Deleted, Forgejo};
+use crate::core::report::{SweepReport, SweptRunner};
 
-use crate::forgejo::{Deleted, Forgejo};
-use crate::model::{Deletable, Runner, RunnerStatus, is_ours, may_delete};
-use crate::planner::DeleteReason;
-use crate::report::{SweepReport, SweptRunner};
-
-/// Forgejo clamps `limit` to `[api].MAX_RESPONSE_ITEMS` (default 50).
-pub const PAGE_LIMIT: u32 = 50;
-/// More pages than this (500,000 registrations) is treated as a misbehaving server. A server
-/// that ignores `page` is caught long before: its second page brings no new id.
-pub const MAX_PAGES: u32 = 10_000;
-/// Reads of the whole list, at most, when pages overlapped while the count stayed the same.
-pub const LIST_PASSES: u32 = 3;
-
-/// The rows of every page that the caller kept, de-duplicated by id. Rows whose id appears twice
-/// with different contents are returned in the second list: they are doubtful and never deleted.
-pub struct Listing {
-    /// The kept rows, in id order.
-    pub rows: Vec<Runner>,
-    pub conflicting: Vec<i64>,
-    pub pages: u32,
-    /// False when the listing ended short of `X-Total-Count` (rows moved between pages while we
-    /// read them): absence from it proves nothing.
-    pub complete: bool,
-    pub total: Option<u64>,
-    /// Distinct ids listed, kept or not.
-    pub distinct: usize,
-}
-
-/// What the pages showed so far: the kept rows whole, of the others only their ids.
-struct Seen<'a> {
-    keep: &'a dyn Fn(&Runner) -> bool,
-    by_id: BTreeMap<i64, Runner>,
-    others: HashSet<i64>,
-    conflicting: Vec<i64>,
-}
-
-impl Seen<'_> {
-    fn distinct(&self) -> usize {
-        self.by_id.len() + self.others.len()
-    }
-
-    /// Adds one page's rows; an id seen before with different contents is conflicting.
-    fn merge(&mut self, rows: Vec<Runner>) {
-        for r in rows {
-            let conflict = if (self.keep)(&r) {
-                match self.by_id.get(&r.id) {
-                    Some(seen) => *seen != r,
-                    None if self.others.contains(&r.id) => true,
-                    None => {
-                        self.by_id.insert(r.id, r);
-                        continue;
-                    }
-                }
-            } else if self.by_id.contains_key(&r.id) {
-                // Kept on an earlier page, not now: its contents differ.
-                true
-            } else {
-                self.others.insert(r.id);
-                false
-            };
-            if conflict && !self.conflicting.contains(&r.id) {
-                self.conflicting.push(r.id);
-            }
-        }
-    }
-}
-
-/// Lists all pages (`page=1..`, `limit=50`). Stops on an empty page, once `X-Total-Count` rows
-/// are collected, or on a short page when no count is given; when the pages overlapped while the
-/// count held, reads them again (`LIST_PASSES` reads in all). Any failed page is an error, and
-/// so is a full page of only ids already listed (a server that ignores `page`).
-///
-/// Only the rows `keep` accepts are kept whole (the sweep keeps those with its prefix); of every
-/// other row just its id, which is what proves the list complete (distinct ids against
-/// `X-Total-Count`, since Forgejo's order is not stable between pages) and catches an id that
-/// was kept on one page and not on another (its name changed while we paged: a conflict). So
-/// memory follows the candidates, not the size of the instance.
 pub fn list_all(
     forgejo: &mut dyn Forgejo,
     keep: &dyn Fn(&Runner) -> bool,
 ) -> Result<Listing, String> {
-    let mut seen = Seen {
-        keep,
-        by_id: BTreeMap::new(),
-        others: HashSet::new(),
-        conflicting: Vec::new(),
-    };
+    let mut seen = Seen::new(keep);
     let mut page = 0u32;
     let mut last_total = None;
     let mut totals: Vec<u64> = Vec::new();
@@ -173,51 +95,7 @@ pub fn list_all(
         [t] => distinct as u64 == *t,
         _ => false,
     };
-    Ok(Listing {
-        distinct,
-        rows: seen.by_id.into_values().collect(),
-        conflicting: seen.conflicting,
-        pages,
-        complete,
-        total: last_total,
-    })
-}
-
-pub struct Selection {
-    /// At most `cap`, lowest id first: each passed the gate, with its row for the report.
-    pub delete: Vec<(Deletable, Runner)>,
-    pub found: usize,
-    pub doubtful: Vec<Runner>,
-    pub left_over_cap: usize,
-}
-
-/// Pure: which listed rows the sweep deletes.
-pub fn select(listing: &Listing, prefix: &str, cap: usize) -> Selection {
-    let mut deletable: Vec<(Deletable, Runner)> = Vec::new();
-    let mut doubtful: Vec<Runner> = Vec::new();
-    for r in &listing.rows {
-        let ours = is_ours(r.name.as_deref(), prefix);
-        if listing.conflicting.contains(&r.id) {
-            if ours {
-                doubtful.push(r.clone());
-            }
-            continue;
-        }
-        if let Some(target) = may_delete(r, prefix) {
-            deletable.push((target, r.clone()));
-        } else if ours && matches!(r.status, RunnerStatus::Unknown(_) | RunnerStatus::Missing) {
-            doubtful.push(r.clone());
-        }
-    }
-    let found = deletable.len();
-    let left_over_cap = found.saturating_sub(cap);
-    deletable.truncate(cap);
-    Selection {
-        delete: deletable,
-        found,
-        doubtful,
-        left_over_cap,
-    }
+    Ok(seen.into_listing(pages, complete, last_total))
 }
 
 fn swept(r: &Runner) -> SweptRunner {
@@ -319,31 +197,15 @@ pub fn sweep_with(
     report
 }
 
-/// Whether a sweep report is a failure of the run.
-pub fn sweep_failures(report: &SweepReport) -> Vec<String> {
-    let mut f = Vec::new();
-    if let Some(e) = &report.error {
-        f.push(format!("sweep: {e}"));
-    }
-    if !report.failed.is_empty() {
-        f.push(format!(
-            "sweep: deleting {} registration(s) failed: {:?}",
-            report.failed.len(),
-            report
-                .failed
-                .iter()
-                .map(|r| r.runner_id)
-                .collect::<Vec<_>>()
-        ));
-    }
-    f
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::forgejo::{ApiError, NewRunner, RunnerPage};
-    use crate::model::Job;
+    use crate::core::listing::sweep_failures;
+    use crate::core::model::Job;
+    use crate::core::model::{Deletable, RunnerStatus};
+    use crate::core::ports::ApiError;
+    use crate::core::ports::NewRunner;
+    use crate::core::ports::RunnerPage;
 
     type ScriptedPage = Result<(Vec<Runner>, Option<u64>), String>;
 

@@ -5,46 +5,10 @@ use std::time::Duration;
 
 use serde_json::Value;
 
-use crate::process::{ChildSpec, run_child};
-use crate::secret::Secret;
-use crate::signals::StopFlag;
-use crate::tofu::{Outputs, StepError};
-
-pub struct LaunchRequest<'a> {
-    pub runner_id: i64,
-    pub runner_uuid: &'a str,
-    pub runner_name: &'a str,
-    pub job_id: i64,
-    pub job_handle: &'a str,
-    pub labels: &'a str,
-    pub forgejo_url: &'a str,
-    pub outputs: &'a Outputs,
-}
-
-/// What `RUNNER_ACTION=check` said about one runner's process on the VM.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum ProcessCheck {
-    /// Exit 0: it still runs.
-    Running,
-    /// Exit 3: it is gone.
-    Gone,
-    /// Anything else (a launch command that ignores RUNNER_ACTION, an unreachable VM): it may
-    /// still run. `interrupted` when a stop request cut the call short.
-    Unknown { why: String, interrupted: bool },
-}
-
-/// `check` answers 3 for a runner's process that is gone.
-pub const CHECK_GONE: i32 = 3;
-
-pub trait Launcher {
-    fn check_config(&self) -> Result<(), String>;
-    /// `RUNNER_ACTION=start`: starts the runner on the VM, the token on stdin.
-    fn launch(&mut self, req: &LaunchRequest<'_>, token: &Secret) -> Result<(), StepError>;
-    /// `RUNNER_ACTION=check`: whether that runner's process still runs on the VM.
-    fn check(&mut self, req: &LaunchRequest<'_>) -> ProcessCheck;
-    /// `RUNNER_ACTION=stop`: ends that runner's process; `Ok` once it is gone.
-    fn stop(&mut self, req: &LaunchRequest<'_>) -> Result<(), StepError>;
-}
+use crate::adapters::process::{ChildSpec, run_child};
+use crate::adapters::signals::StopFlag;
+use crate::core::ports::{CHECK_GONE, LaunchRequest, Launcher, Outputs, ProcessCheck, StepError};
+use crate::core::secret::Secret;
 
 /// `TOFU_OUTPUT_<NAME>` variables: strings as they are, everything else as compact JSON.
 pub fn output_env(outputs: &Outputs) -> Vec<(String, String)> {
@@ -98,7 +62,7 @@ impl Launcher for CommandLauncher {
                 "--launch-command is not set; it names the program that starts a runner on the VM"
                     .into(),
             ),
-            Some(p) if crate::process::find_executable(p).is_none() => Err(format!(
+            Some(p) if crate::adapters::process::find_executable(p).is_none() => Err(format!(
                 "--launch-command {} is not an executable file (missing, or `chmod +x` it)",
                 p.display()
             )),
@@ -233,7 +197,7 @@ impl CommandLauncher {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::tofu::Output;
+    use crate::core::ports::Output;
 
     #[test]
     fn outputs_become_env() {

@@ -6,10 +6,14 @@ use std::time::Duration;
 
 use serde::Serialize;
 
-use crate::holds::Holds;
-use crate::model::{Deletable, Job, Runner, RunnerStatus, job_matches, may_delete, waiting_jobs};
-use crate::state::{Boundary, CycleState, Launch, NotServed, Phase, ProcessState, Registration};
-use crate::time::{Timestamp, format_duration};
+use crate::core::holds::Holds;
+use crate::core::model::{
+    Deletable, Job, Runner, RunnerStatus, job_matches, may_delete, waiting_jobs,
+};
+use crate::core::state::{
+    Boundary, CycleState, Launch, NotServed, Phase, ProcessState, Registration,
+};
+use crate::core::time::{Timestamp, format_duration};
 
 /// Failed attempts in a row to start a runner (POST, launch, never connected) after which the VM is presumed
 /// broken and torn down.

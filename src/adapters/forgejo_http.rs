@@ -1,83 +1,16 @@
-//! The Forgejo runner API (≥ 15) as the cycle needs it, behind a small trait, and its HTTP
-//! implementation on ureq.
+//! The Forgejo runner API (≥ 15) over HTTP (ureq): the `Forgejo` port for live runs, and the
+//! checks of `--forgejo-url` and `--scope`.
 
-use std::fmt;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
-use crate::model::{Deletable, Job, Runner, parse_jobs, parse_runner_page};
-use crate::secret::Secret;
+use crate::core::model::{Deletable, Job, Runner, parse_jobs, parse_runner_page};
+use crate::core::ports::{ApiError, Deleted, Forgejo, NewRunner, RunnerPage};
+use crate::core::secret::Secret;
 
-/// Largest response body read from Forgejo (a full page of 50 runners is ~20 KiB).
 pub const MAX_BODY_BYTES: u64 = 4 * 1024 * 1024;
-
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Deleted {
-    /// 204: Forgejo deleted it now.
-    Now,
-    /// 404: it was already gone.
-    AlreadyGone,
-    /// A dry-run: the deletion went into the plan, nothing was sent.
-    Planned,
-}
-
-pub struct NewRunner {
-    pub id: i64,
-    pub uuid: String,
-    pub token: Secret,
-}
-
-pub struct RunnerPage {
-    pub rows: Vec<Runner>,
-    /// `X-Total-Count`, when present and a number.
-    pub total: Option<u64>,
-}
-
-#[derive(Clone, Debug)]
-pub struct ApiError {
-    /// `GET https://forgejo.example/api/v1/admin/actions/runners/5`
-    pub request: String,
-    pub detail: String,
-    /// The HTTP status when Forgejo answered with an error status.
-    pub status: Option<u16>,
-}
-
-impl ApiError {
-    /// The request was refused outright (bad request, authentication, scope, unknown path,
-    /// validation), so it did nothing. Timeouts, rate limits, 5xx and transport errors may or
-    /// may not have had an effect.
-    pub fn is_rejection(&self) -> bool {
-        matches!(
-            self.status,
-            Some(400 | 401 | 403 | 404 | 405 | 413 | 415 | 422)
-        )
-    }
-}
-
-impl fmt::Display for ApiError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}: {}", self.request, self.detail)
-    }
-}
-
-impl std::error::Error for ApiError {}
-
-/// The runner API calls of one scope (`admin`, `user`, `org/NAME`, `repo/OWNER/NAME`).
-pub trait Forgejo {
-    /// Waiting and running jobs that match our labels (`null` is an empty list).
-    fn list_jobs(&mut self) -> Result<Vec<Job>, ApiError>;
-    /// `Ok(None)` on 404.
-    fn get_runner(&mut self, id: i64) -> Result<Option<Runner>, ApiError>;
-    /// 204 and 404 are both success. Only a registration that passed the gate can be named
-    /// (see [`Deletable`]). `reason` is for logs and plans only.
-    fn delete_runner(&mut self, target: &Deletable, reason: &str) -> Result<Deleted, ApiError>;
-    /// `POST …/actions/runners {"name", "ephemeral": true}`.
-    fn register_runner(&mut self, name: &str) -> Result<NewRunner, ApiError>;
-    /// One page of the runner list (`page` is 1-based).
-    fn list_runners_page(&mut self, page: u32, limit: u32) -> Result<RunnerPage, ApiError>;
-}
 
 /// `--scope`: which runner API the registrations live in.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -221,6 +154,7 @@ fn encode_query_value(s: &str) -> String {
 /// 57% of an idle tick's instructions). Bodies stream through them; the input buffer bounds the
 /// response head, which Forgejo keeps to a few KiB.
 const INPUT_BUFFER: usize = 32 * 1024;
+
 const OUTPUT_BUFFER: usize = 16 * 1024;
 
 /// How long a resolved Forgejo address is reused before the name is looked up again.
@@ -600,7 +534,7 @@ impl Forgejo for HttpForgejo {
         // hand us jobs we cannot run.
         Ok(jobs
             .into_iter()
-            .filter(|j| crate::model::job_matches(j, &self.label_names))
+            .filter(|j| crate::core::model::job_matches(j, &self.label_names))
             .collect())
     }
 

@@ -115,7 +115,7 @@ pub fn is_ours(name: Option<&str>, prefix: &str) -> bool {
 /// constructor, so no code can send a DELETE for a registration the gate has not passed:
 ///
 /// ```compile_fail
-/// let bypass = ci_ephemeral_provisioner::model::Deletable { id: 7 };
+/// let bypass = ci_ephemeral_provisioner::core::model::Deletable { id: 7 };
 /// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Deletable {
@@ -132,7 +132,7 @@ impl Deletable {
 /// Forgejo says it is exactly `offline`; then, and only then, it is [`Deletable`].
 ///
 /// ```
-/// use ci_ephemeral_provisioner::model::{Deletable, Runner, RunnerStatus, may_delete};
+/// use ci_ephemeral_provisioner::core::model::{Deletable, Runner, RunnerStatus, may_delete};
 /// let mut r = Runner { id: 7, name: Some("ephemeral-c1-1".into()), status: RunnerStatus::Offline, labels: None };
 /// let d: Option<Deletable> = may_delete(&r, "ephemeral-");
 /// assert_eq!(d.map(|d| d.id()), Some(7));
@@ -229,6 +229,7 @@ pub struct SlimRow<const LABELS: bool>(pub Value);
 
 /// A list row: what the sweep and the lost-POST lookup read.
 pub type SlimRunner = SlimRow<false>;
+
 /// A fixture row: also the labels, which a fetched runner shows.
 pub type FixtureRunner = SlimRow<true>;
 

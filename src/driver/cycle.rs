@@ -4,35 +4,20 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use crate::forgejo::{Deleted, Forgejo};
-use crate::holds::HoldsError;
-use crate::launch::{LaunchRequest, Launcher, ProcessCheck};
-use crate::model::{Deletable, may_delete};
-use crate::planner::{self, DeleteReason, Observation, Policy, RunContext, Step, TeardownReason};
-use crate::report::{ALREADY_GONE, DELETED, PLANNED, Report, Stopwatch};
-use crate::state::{
-    Boundary, CycleState, Launch, NotServed, Phase, PreviousRunner, ProcessState, StateStore,
+use crate::core::holds::HoldsError;
+use crate::core::model::{Deletable, may_delete};
+use crate::core::planner;
+use crate::core::planner::{DeleteReason, Observation, Policy, RunContext, Step, TeardownReason};
+use crate::core::ports::{
+    Clock, Deleted, Forgejo, LaunchRequest, Launcher, Outputs, ProcessCheck, Sleep, StateStore,
+    Tofu,
 };
-use crate::sweep;
-use crate::time::{Timestamp, format_duration};
-use crate::tofu::{Outputs, Tofu};
-
-pub enum Sleep {
-    Slept,
-    /// A stop was requested (SIGTERM/SIGINT).
-    Interrupted,
-    /// Dry-run: the plan ends where the cycle would wait.
-    Stop,
-}
-
-pub trait Clock {
-    fn now(&self) -> Timestamp;
-    fn sleep(&mut self, d: Duration) -> Sleep;
-    /// A stop (SIGTERM/SIGINT) was requested: end the run before the next step.
-    fn stop_requested(&self) -> bool;
-    /// A fresh cycle id, unique and usable in runner names and tofu variables.
-    fn new_cycle_id(&mut self, now: Timestamp) -> String;
-}
+use crate::core::report::{ALREADY_GONE, DELETED, PLANNED, Report, Stopwatch};
+use crate::core::state::{
+    Boundary, CycleState, Launch, NotServed, Phase, PreviousRunner, ProcessState,
+};
+use crate::core::time::{Timestamp, format_duration};
+use crate::driver::sweep;
 
 pub struct CycleConfig {
     pub policy: Policy,
@@ -63,6 +48,7 @@ pub enum End {
 /// Consecutive observation rounds with a failed request after which the run gives up (the next
 /// run resumes).
 const MAX_OBSERVATION_FAILURES: u32 = 3;
+
 /// Steps without a wait or a change to cycle.json after which the driver assumes a bug and stops.
 const MAX_STEPS_WITHOUT_WAIT: u32 = 500;
 
@@ -93,7 +79,7 @@ pub fn run(w: &mut World<'_>, cfg: &CycleConfig, report: &mut Report) -> End {
     // this run, which goes on without holds (at worst a held job gets a runner once more); one
     // that is unusable is also removed, or every run would fail the same way.
     let holds = w.store.load_holds().unwrap_or_else(|e| {
-        let empty = crate::holds::Holds::default();
+        let empty = crate::core::holds::Holds::default();
         let what = match &e {
             HoldsError::Unreadable(_) => "going on without held jobs".to_string(),
             HoldsError::Unusable(_) => match w.store.save_holds(&empty) {
@@ -410,7 +396,7 @@ impl Driver<'_, '_> {
             }
             Step::Destroy => self.destroy(),
             Step::Sweep => {
-                let sw = Stopwatch::start();
+                let sw = Stopwatch::start(&*self.w.clock);
                 // The sweep runs only after this run's destroy succeeded: that is its evidence.
                 let destroyed = self.state.as_ref().map(|s| {
                     (
@@ -438,7 +424,7 @@ impl Driver<'_, '_> {
                         );
                     },
                 );
-                let failures = sweep::sweep_failures(&report);
+                let failures = crate::core::listing::sweep_failures(&report);
                 let ok = failures.is_empty();
                 for f in failures {
                     self.report.fail(f);
@@ -454,7 +440,7 @@ impl Driver<'_, '_> {
                         report.left_over_cap
                     ),
                 );
-                e.duration_ms = sw.ms();
+                e.duration_ms = sw.ms(&*self.w.clock);
                 self.report.sweep = Some(report);
                 self.ctx.swept = true;
                 crate::crash_point!("sweep-done");
@@ -562,7 +548,7 @@ impl Driver<'_, '_> {
 
     fn apply(&mut self) -> Option<End> {
         let cycle_id = self.state.as_ref()?.cycle_id.clone();
-        let sw = Stopwatch::start();
+        let sw = Stopwatch::start(&*self.w.clock);
         let result = self
             .w
             .tofu
@@ -588,19 +574,19 @@ impl Driver<'_, '_> {
                 crate::crash_point!("apply-running-written");
                 self.report
                     .event("tofu_apply", true, "VM ready")
-                    .duration_ms = sw.ms();
+                    .duration_ms = sw.ms(&*self.w.clock);
                 None
             }
             Err(e) if e.interrupted => {
                 self.report
                     .event("tofu_apply", false, e.message.clone())
-                    .duration_ms = sw.ms();
+                    .duration_ms = sw.ms(&*self.w.clock);
                 Some(self.interrupted("during tofu apply"))
             }
             Err(e) => {
                 self.report
                     .event("tofu_apply", false, e.message.clone())
-                    .duration_ms = sw.ms();
+                    .duration_ms = sw.ms(&*self.w.clock);
                 self.report
                     .fail(format!("tofu apply failed: {}", e.message));
                 let s = self.state.as_mut()?;
@@ -661,13 +647,13 @@ impl Driver<'_, '_> {
             .as_ref()
             .and_then(|s| s.registration(id))
             .map(|r| r.name.clone());
-        let mut intent = Report::draft("delete_runner", "");
+        let mut intent = self.report.draft("delete_runner", "");
         intent.runner_id = Some(id);
         intent.runner_name.clone_from(&name);
         intent.reason = Some(reason.as_str().into());
         intent.status = self.seen.get(&id).cloned();
         self.report.intend_deletion(&intent);
-        let sw = Stopwatch::start();
+        let sw = Stopwatch::start(&*self.w.clock);
         match self.w.forgejo.delete_runner(target, reason.as_str()) {
             Ok(outcome) => {
                 crate::crash_point!("delete-answered");
@@ -687,7 +673,7 @@ impl Driver<'_, '_> {
                 e.runner_name = name;
                 e.reason = Some(reason.as_str().into());
                 e.status = self.seen.get(&id).cloned();
-                e.duration_ms = sw.ms();
+                e.duration_ms = sw.ms(&*self.w.clock);
                 let end = self.save().err().map(|_| End::Done);
                 crate::crash_point!("delete-forgotten-written");
                 end
@@ -712,7 +698,7 @@ impl Driver<'_, '_> {
     }
 
     /// The VM's tofu outputs, read once per run.
-    fn vm_outputs(&mut self) -> Result<Outputs, crate::tofu::StepError> {
+    fn vm_outputs(&mut self) -> Result<Outputs, crate::core::ports::StepError> {
         if let Some(o) = &self.outputs {
             return Ok(o.clone());
         }
@@ -911,7 +897,7 @@ impl Driver<'_, '_> {
     fn resolve_intent(&mut self, name: &str) -> Option<End> {
         // Kept whole: rows of that name, and rows without a readable name (they could be it).
         let could_be_it =
-            |r: &crate::model::Runner| r.name.is_none() || r.name.as_deref() == Some(name);
+            |r: &crate::core::model::Runner| r.name.is_none() || r.name.as_deref() == Some(name);
         let listing = match sweep::list_all(self.w.forgejo, &could_be_it) {
             Ok(l) => l,
             Err(e) => {
@@ -962,7 +948,7 @@ impl Driver<'_, '_> {
                 ));
                 continue;
             };
-            let mut intent = Report::draft("delete_runner", "");
+            let mut intent = self.report.draft("delete_runner", "");
             intent.runner_id = Some(r.id);
             intent.runner_name = Some(name.to_string());
             intent.reason = Some(DeleteReason::LostRegistration.as_str().into());
@@ -1026,7 +1012,7 @@ impl Driver<'_, '_> {
         s.boundary.get_or_insert(boundary);
         let name = format!("{prefix}{}-{}", s.cycle_id, s.next_seq);
         s.next_seq += 1;
-        s.registrations.push(crate::state::Registration {
+        s.registrations.push(crate::core::state::Registration {
             name: name.clone(),
             id: None,
             uuid: None,
@@ -1046,7 +1032,7 @@ impl Driver<'_, '_> {
         }
         crate::crash_point!("register-intent-written");
 
-        let sw = Stopwatch::start();
+        let sw = Stopwatch::start(&*self.w.clock);
         let new = match self.w.forgejo.register_runner(&name) {
             Ok(n) => n,
             Err(e) => {
@@ -1088,7 +1074,7 @@ impl Driver<'_, '_> {
         ev.runner_id = Some(new.id);
         ev.runner_name = Some(name.clone());
         ev.job_id = Some(job_id);
-        ev.duration_ms = sw.ms();
+        ev.duration_ms = sw.ms(&*self.w.clock);
 
         // Launch. The token lives only in `new` and dies with it.
         if self.outputs.is_none() {
@@ -1123,7 +1109,7 @@ impl Driver<'_, '_> {
             forgejo_url: &self.cfg.forgejo_url,
             outputs: &outputs,
         };
-        let sw = Stopwatch::start();
+        let sw = Stopwatch::start(&*self.w.clock);
         match self.w.launcher.launch(&req, &new.token) {
             Ok(()) => {
                 crate::crash_point!("launch-returned");
@@ -1145,7 +1131,7 @@ impl Driver<'_, '_> {
                 ev.runner_id = Some(new.id);
                 ev.runner_name = Some(name);
                 ev.job_id = Some(job_id);
-                ev.duration_ms = sw.ms();
+                ev.duration_ms = sw.ms(&*self.w.clock);
                 None
             }
             Err(e) => self.launch_failed(new.id, &name, e.message, e.interrupted),
@@ -1186,7 +1172,7 @@ impl Driver<'_, '_> {
             .teardown_reason
             .clone()
             .unwrap_or_else(|| "teardown".to_string());
-        let sw = Stopwatch::start();
+        let sw = Stopwatch::start(&*self.w.clock);
         match self.w.tofu.destroy(&cycle_id, &reason) {
             Ok(()) => {
                 crate::crash_point!("destroy-done-unsaved");
@@ -1205,13 +1191,13 @@ impl Driver<'_, '_> {
                 crate::crash_point!("destroy-written");
                 self.report
                     .event("tofu_destroy", true, "VM destroyed")
-                    .duration_ms = sw.ms();
+                    .duration_ms = sw.ms(&*self.w.clock);
                 None
             }
             Err(e) => {
                 self.report
                     .event("tofu_destroy", false, e.message.clone())
-                    .duration_ms = sw.ms();
+                    .duration_ms = sw.ms(&*self.w.clock);
                 if e.interrupted {
                     return Some(self.interrupted("during tofu destroy"));
                 }
@@ -1231,7 +1217,7 @@ impl Driver<'_, '_> {
 
 /// Forgejo's assignment rule, shared with every model of Forgejo in the tests.
 #[cfg(test)]
-#[path = "../tests/support/forgejo_rules.rs"]
+#[path = "../../tests/support/forgejo_rules.rs"]
 mod forgejo_rules_for_tests;
 
 #[cfg(test)]
@@ -1243,12 +1229,16 @@ mod tests {
 
     use super::forgejo_rules_for_tests as forgejo_rules;
     use super::*;
-    use crate::forgejo::{ApiError, NewRunner, RunnerPage};
-    use crate::launch::LaunchRequest;
-    use crate::model::{Job, Runner, RunnerStatus};
-    use crate::secret::Secret;
-    use crate::state::MemoryStore;
-    use crate::tofu::StepError;
+    use crate::adapters::dry::MemoryStore;
+    use crate::core::model::Job;
+    use crate::core::model::Runner;
+    use crate::core::model::RunnerStatus;
+    use crate::core::ports::ApiError;
+    use crate::core::ports::LaunchRequest;
+    use crate::core::ports::NewRunner;
+    use crate::core::ports::RunnerPage;
+    use crate::core::ports::StepError;
+    use crate::core::secret::Secret;
 
     /// Forgejo where a launched runner runs its job at once: the job ends, the registration goes.
     #[derive(Default)]
@@ -1424,7 +1414,7 @@ mod tests {
                 hard_deadline: Duration::from_secs(7200),
                 intent_settle: Duration::from_secs(10),
                 job_pickup_timeout: Duration::from_secs(600),
-                reuse_within: crate::planner::ReuseWithin::Repo,
+                reuse_within: crate::core::planner::ReuseWithin::Repo,
             },
             poll_interval: Duration::from_secs(5),
             labels: "debian".into(),

@@ -3,18 +3,21 @@
 //! is renamed to `events.jsonl.1` (replacing the previous one) and a new one is started, so the
 //! trail never takes more than twice that.
 
-use std::fs;
-use std::io::{self, Read, Seek, SeekFrom, Write};
+use std::io::{Read, Seek, SeekFrom, Write};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
+use std::{fs, io};
 
 use serde_json::Value;
 
-use crate::report::AuditSink;
+use crate::core::ports::AuditSink;
 
 pub const EVENTS_FILE: &str = "events.jsonl";
+
 pub const EVENTS_ROTATED: &str = "events.jsonl.1";
+
 pub const DEFAULT_MAX_BYTES: u64 = 10 * 1024 * 1024;
+
 /// Smaller than this could not hold a few records (a record's detail is cut at 2 KiB).
 pub const MIN_MAX_BYTES: u64 = 16 * 1024;
 
@@ -74,7 +77,7 @@ impl EventsFile {
                     .create(true)
                     .append(true)
                     .mode(0o600)
-                    .custom_flags(crate::state::STATE_OPEN_FLAGS)
+                    .custom_flags(crate::adapters::files::STATE_OPEN_FLAGS)
                     .open(&path)?;
                 let len = f.metadata()?.len();
                 self.open.insert((f, len))
@@ -97,7 +100,7 @@ impl AuditSink for EventsFile {
             if e.raw_os_error() == Some(libc::ELOOP) {
                 return format!(
                     "cannot append to the audit trail: {}",
-                    crate::state::open_error(&self.path(), &e)
+                    crate::adapters::files::open_error(&self.path(), &e)
                 );
             }
             format!(
@@ -122,32 +125,6 @@ impl AuditSink for EventsFile {
     }
 }
 
-/// Parses `--events-max-bytes`: `10MiB`, `512KiB`, `1GiB` or plain bytes.
-pub fn parse_bytes(s: &str) -> Result<u64, String> {
-    let t = s.trim();
-    let (digits, unit) = t.split_at(t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len()));
-    let mult: u64 = match unit.trim() {
-        "" | "B" => 1,
-        "K" | "KiB" => 1024,
-        "M" | "MiB" => 1024 * 1024,
-        "G" | "GiB" => 1024 * 1024 * 1024,
-        _ => return Err(format!("{s:?} is not a size like 10MiB, 512KiB or 1048576")),
-    };
-    let n: u64 = digits
-        .parse()
-        .map_err(|_| format!("{s:?} is not a size like 10MiB, 512KiB or 1048576"))?;
-    let bytes = n
-        .checked_mul(mult)
-        .ok_or_else(|| format!("{s:?} is too large"))?;
-    if bytes < MIN_MAX_BYTES {
-        return Err(format!(
-            "{s:?} is below the minimum of {} KiB",
-            MIN_MAX_BYTES / 1024
-        ));
-    }
-    Ok(bytes)
-}
-
 /// The last `n` records of the trail (the rotated file too when the current one has fewer),
 /// oldest first. Lines that are not JSON objects (a line cut by a crash) are skipped.
 pub fn tail(dir: &Path, n: usize) -> Result<Vec<Value>, String> {
@@ -163,10 +140,10 @@ pub fn tail(dir: &Path, n: usize) -> Result<Vec<Value>, String> {
 /// Reads at most the last 256 KiB of `path` (records are a few hundred bytes).
 fn tail_of(path: &Path, n: usize) -> Result<Vec<Value>, String> {
     const WINDOW: u64 = 256 * 1024;
-    let mut f = match crate::state::open_state_file(path) {
+    let mut f = match crate::adapters::files::open_state_file(path) {
         Ok(f) => f,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
-        Err(e) => return Err(crate::state::open_error(path, &e).to_string()),
+        Err(e) => return Err(crate::adapters::files::open_error(path, &e).to_string()),
     };
     let mut text = String::new();
     let read = f
@@ -200,6 +177,7 @@ fn tail_of(path: &Path, n: usize) -> Result<Vec<Value>, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cli::parse_bytes;
     use serde_json::json;
 
     #[test]

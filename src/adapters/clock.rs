@@ -1,0 +1,66 @@
+//! The real clock: wall time for timestamps, monotonic time for durations and waits.
+
+use std::fs;
+use std::io::Read;
+use std::time::{Duration, Instant, SystemTime};
+
+use crate::adapters::signals::StopFlag;
+use crate::core::ports::{Clock, Sleep};
+use crate::core::time::Timestamp;
+
+/// The system's wall clock, read once: what a clock of its own starts from.
+pub fn wall_now() -> Timestamp {
+    Timestamp::from_system(SystemTime::now())
+}
+
+/// Wall time for timestamps, read once at the start and carried on by the monotonic clock (so
+/// the durations between timestamps are never negative); waits that a stop request cuts short.
+#[derive(Clone)]
+pub struct RealClock {
+    stop: StopFlag,
+    origin: Instant,
+    origin_at: Timestamp,
+}
+
+impl RealClock {
+    pub fn new(stop: StopFlag) -> RealClock {
+        RealClock {
+            stop,
+            origin: Instant::now(),
+            origin_at: wall_now(),
+        }
+    }
+}
+
+impl Clock for RealClock {
+    fn now(&self) -> Timestamp {
+        self.origin_at.plus(self.origin.elapsed())
+    }
+
+    fn sleep(&mut self, d: Duration) -> Sleep {
+        let end = std::time::Instant::now() + d;
+        loop {
+            if self.stop.is_raised() {
+                return Sleep::Interrupted;
+            }
+            let left = end.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return Sleep::Slept;
+            }
+            std::thread::sleep(left.min(Duration::from_millis(100)));
+        }
+    }
+
+    fn stop_requested(&self) -> bool {
+        self.stop.is_raised()
+    }
+
+    fn new_cycle_id(&mut self, now: Timestamp) -> String {
+        let mut buf = [0u8; 2];
+        let random = fs::File::open("/dev/urandom")
+            .and_then(|mut f| f.read_exact(&mut buf))
+            .map(|()| u16::from_be_bytes(buf))
+            .unwrap_or_else(|_| (std::process::id() as u16) ^ (now.0 as u16));
+        format!("{}-{random:04x}", now.compact())
+    }
+}

@@ -1,0 +1,394 @@
+//! One file per command (`run`, `sweep`, `status`, `check`) and what they share: exit codes,
+//! the configuration checks and the choice of implementations for live runs and dry-runs.
+
+pub mod check;
+pub mod run;
+pub mod status;
+pub mod sweep;
+
+use std::path::{Path, PathBuf};
+
+use crate::adapters::files::{read_state_file, write_atomic};
+use crate::adapters::forgejo_http::HttpForgejo;
+use crate::adapters::forgejo_http::Scope;
+use crate::adapters::forgejo_http::load_ca_file;
+use crate::adapters::forgejo_http::validate_url;
+use crate::cli::ForgejoArgs;
+use crate::cli::OutputFormat;
+use crate::cli::RunArgs;
+use crate::core::escape::escape_controls;
+use crate::core::model::label_names;
+use crate::core::planner::Policy;
+use crate::core::report::Report;
+use crate::core::secret::Secret;
+use crate::core::time::Timestamp;
+use crate::driver::cycle::CycleConfig;
+use crate::driver::cycle::End;
+use anyhow::anyhow;
+use serde_json::{Value, json};
+
+pub const EXIT_OK: u8 = 0;
+
+pub const EXIT_FAILED: u8 = 1;
+
+pub const EXIT_USAGE: u8 = 2;
+
+pub const EXIT_LOCKED: u8 = 75;
+
+pub const LAST_RUN_FILE: &str = "last-run.json";
+
+pub const LOCK_FILE: &str = "cycle.lock";
+
+/// A reason to stop before doing anything, with its exit status.
+pub struct Fatal(pub u8, pub String);
+
+pub(crate) fn usage(msg: impl Into<String>) -> Fatal {
+    Fatal(EXIT_USAGE, msg.into())
+}
+
+/// `--metrics-file` must be a `.prom` file: node_exporter's textfile collector reads no other.
+pub(crate) fn check_metrics_file(common: &ForgejoArgs) -> Result<(), Fatal> {
+    if let Some(p) = &common.metrics_file
+        && p.extension().and_then(|e| e.to_str()) != Some("prom")
+    {
+        return Err(usage(format!(
+            "--metrics-file {} must end in .prom: node_exporter's textfile collector reads only *.prom files",
+            p.display()
+        )));
+    }
+    Ok(())
+}
+
+pub(crate) fn state_dir(arg: &Option<PathBuf>) -> PathBuf {
+    if let Some(d) = arg {
+        return d.clone();
+    }
+    if let Some(d) = std::env::var_os("STATE_DIRECTORY") {
+        // systemd may pass several directories separated by ':'; the first is ours.
+        if let Some(first) = d.to_string_lossy().split(':').next()
+            && !first.is_empty()
+        {
+            return PathBuf::from(first);
+        }
+    }
+    PathBuf::from("/var/lib/ci-ephemeral-provisioner")
+}
+
+/// The Forgejo token: `--token-file -` reads standard input (the role's units:
+/// `StandardInput=file:…`), a path reads that file, and without the flag
+/// `$CREDENTIALS_DIRECTORY/forgejo-token` (`LoadCredential=`). Called at most once per process:
+/// standard input is `/dev/null` after it was read.
+pub(crate) fn read_token(arg: &Option<PathBuf>) -> Result<Secret, Fatal> {
+    let path = match arg {
+        Some(p) if p.as_os_str() == crate::core::secret::STDIN_PATH => {
+            return crate::adapters::token::read_token_stdin().map_err(usage);
+        }
+        Some(p) => p.clone(),
+        None => match std::env::var_os("CREDENTIALS_DIRECTORY") {
+            Some(d) => Path::new(&d).join("forgejo-token"),
+            None => {
+                return Err(usage(
+                    "no Forgejo token: pass --token-file PATH, or --token-file - with the token on standard input (under systemd, LoadCredential=forgejo-token:… works too)",
+                ));
+            }
+        },
+    };
+    crate::adapters::token::read_token_file(&path).map_err(usage)
+}
+
+/// `--fixture` only makes sense for a dry-run (clap's `requires` is satisfied by a
+/// `…_DRY_RUN=false` variable, so this checks the value).
+fn check_fixture(common: &ForgejoArgs) -> Result<(), Fatal> {
+    if common.fixture.is_some() && !common.dry_run {
+        return Err(usage(
+            "--fixture needs --dry-run: a fixture world can only be planned against, never acted on",
+        ));
+    }
+    Ok(())
+}
+
+/// Longest `--runner-prefix`: with the cycle id and sequence number a name stays well within
+/// Forgejo's `VARCHAR(255)` (the REST registration stores it as sent; a longer one fails).
+pub const MAX_PREFIX_BYTES: usize = 128;
+
+pub(crate) fn check_prefix(prefix: &str) -> Result<(), Fatal> {
+    if prefix.is_empty() {
+        return Err(usage(
+            "--runner-prefix must not be empty: it is the only mark of the registrations this tool may delete",
+        ));
+    }
+    if prefix.len() > MAX_PREFIX_BYTES {
+        return Err(usage(format!(
+            "--runner-prefix is {} bytes long; at most {MAX_PREFIX_BYTES}: runner names (prefix, cycle id, number) must fit Forgejo's 255 characters",
+            prefix.len()
+        )));
+    }
+    Ok(())
+}
+
+/// The Forgejo client of a live run or a live dry-run.
+pub(crate) fn http_forgejo(
+    common: &ForgejoArgs,
+    url: &str,
+    scope: Scope,
+    token: &Secret,
+    label_names: &[String],
+) -> Result<HttpForgejo, Fatal> {
+    let ca = match &common.ca_file {
+        Some(path) => Some(load_ca_file(path).map_err(|e| usage(format!("--ca-file: {e}")))?),
+        None => None,
+    };
+    Ok(HttpForgejo::new(
+        url,
+        scope,
+        token,
+        label_names,
+        common.http_timeout,
+        ca.as_deref(),
+    ))
+}
+
+pub(crate) fn forgejo_target(common: &ForgejoArgs) -> Result<(String, Scope), Fatal> {
+    let url = common.forgejo_url.as_deref().ok_or_else(|| {
+        usage("--forgejo-url is required (or CI_EPHEMERAL_PROVISIONER_FORGEJO_URL)")
+    })?;
+    let url = validate_url(url).map_err(|e| usage(format!("--forgejo-url: {e}")))?;
+    let scope = Scope::parse(&common.scope).map_err(|e| usage(format!("--scope: {e}")))?;
+    Ok((url, scope))
+}
+
+pub(crate) fn policy(a: &RunArgs, labels: &str) -> Policy {
+    Policy {
+        runner_prefix: a.common.runner_prefix.clone(),
+        label_names: label_names(labels),
+        max_jobs_per_vm: a.max_jobs_per_vm,
+        idle_timeout: a.idle_timeout,
+        registration_grace: a.registration_grace,
+        max_cycle_duration: a.max_cycle_duration,
+        hard_deadline: a.hard_deadline,
+        // Twice the longest a POST can take from our side: by then it has landed or never will.
+        intent_settle: a.common.http_timeout.saturating_mul(2),
+        job_pickup_timeout: a.job_pickup_timeout,
+        reuse_within: a.reuse_within,
+    }
+}
+
+fn cycle_config(a: &RunArgs, policy: Policy, labels: String, forgejo_url: String) -> CycleConfig {
+    CycleConfig {
+        policy,
+        poll_interval: a.poll_interval,
+        labels,
+        forgejo_url,
+        sweep_max_deletions: a.common.sweep_max_deletions,
+    }
+}
+
+/// The checks of `run`'s flags that need no I/O; the labels, when they pass.
+pub(crate) fn validate_run_args(a: &RunArgs) -> Result<String, Fatal> {
+    check_prefix(&a.common.runner_prefix)?;
+    let labels = a.labels.clone().unwrap_or_default();
+    if label_names(&labels).is_empty() {
+        return Err(usage(
+            "--labels is required: the runner labels this pool serves, e.g. --labels debian:host",
+        ));
+    }
+    if a.max_jobs_per_vm == 0 {
+        return Err(usage("--max-jobs-per-vm must be at least 1"));
+    }
+    for (flag, d) in [
+        ("--poll-interval", a.poll_interval),
+        ("--job-pickup-timeout", a.job_pickup_timeout),
+        ("--launch-timeout", a.launch_timeout),
+        ("--http-timeout", a.common.http_timeout),
+    ] {
+        if d.is_zero() {
+            return Err(usage(format!("{flag} must be longer than 0")));
+        }
+    }
+    if a.hard_deadline < a.max_cycle_duration {
+        return Err(usage(format!(
+            "--hard-deadline ({}) must not be shorter than --max-cycle-duration ({}): the deadline is the backstop past the normal end of a cycle",
+            crate::core::time::format_duration(a.hard_deadline),
+            crate::core::time::format_duration(a.max_cycle_duration)
+        )));
+    }
+    check_metrics_file(&a.common)?;
+    Ok(labels)
+}
+
+fn events_file(
+    dir: &Path,
+    common: &ForgejoArgs,
+) -> Box<crate::adapters::events_file::EventsFile> {
+    Box::new(crate::adapters::events_file::EventsFile::new(
+        dir,
+        common.events_max_bytes,
+    ))
+}
+
+/// The metrics file at the start of a run: the counters so far, and that a run is in progress.
+/// A failure here is only logged: the write at the end of the run reports it.
+/// Where the metrics go, and the `pool` label they carry.
+#[derive(Clone, Copy)]
+struct MetricsTarget<'a> {
+    path: &'a Path,
+    pool: Option<&'a str>,
+}
+
+fn metrics_target(common: &ForgejoArgs) -> Option<MetricsTarget<'_>> {
+    common.metrics_file.as_deref().map(|path| MetricsTarget {
+        path,
+        pool: common.metrics_pool.as_deref(),
+    })
+}
+
+fn announce_run(dir: &Path, metrics: Option<MetricsTarget<'_>>, started: Timestamp) {
+    let Some(MetricsTarget { path, pool }) = metrics else {
+        return;
+    };
+    let counters = crate::adapters::files::load_counters(dir).unwrap_or_default();
+    let cycle = read_state_file(&dir.join(crate::core::state::STATE_FILE));
+    let text = crate::core::metrics::render(&counters, &cycle_view(&cycle), Some(started), pool);
+    if let Err(e) = crate::adapters::files::write_textfile(path, &text) {
+        log::warn!("--metrics-file: {e:#}");
+    }
+}
+
+fn cycle_view(
+    cycle: &anyhow::Result<Option<crate::core::state::CycleState>>,
+) -> crate::core::metrics::CycleView<'_> {
+    match cycle {
+        Ok(None) => crate::core::metrics::CycleView::None,
+        Ok(Some(s)) => crate::core::metrics::CycleView::Active(s),
+        Err(_) => crate::core::metrics::CycleView::Unreadable,
+    }
+}
+
+/// Adds the run to counters.json and writes the metrics file. A failure to write either is a
+/// failure of the run (exit 1), reported like any other.
+fn record_run(dir: &Path, metrics: Option<MetricsTarget<'_>>, report: &mut Report) {
+    let before = match crate::adapters::files::load_counters(dir) {
+        Ok(c) => c,
+        Err(e) => {
+            log::warn!("{e:#}; the counters start again from zero");
+            crate::core::metrics::Counters::default()
+        }
+    };
+    let mut counters = before.clone();
+    counters.record(report);
+    if let Some(MetricsTarget { path, pool }) = metrics {
+        let cycle = read_state_file(&dir.join(crate::core::state::STATE_FILE));
+        let text = crate::core::metrics::render(&counters, &cycle_view(&cycle), None, pool);
+        if let Err(e) = crate::adapters::files::write_textfile(path, &text) {
+            report.fail(format!("--metrics-file: {e:#}"));
+            report.settle(report.exit_code == i32::from(EXIT_USAGE));
+            counters = before.clone();
+            counters.record(report);
+        }
+    }
+    if let Err(e) = crate::adapters::files::save_counters(dir, &counters) {
+        report.fail(format!("{e:#}"));
+        report.settle(report.exit_code == i32::from(EXIT_USAGE));
+    }
+}
+
+/// Sets the exit status, records the run (counters, metrics file), keeps the report as
+/// last-run.json, prints it.
+fn finish(
+    mut report: Report,
+    end: End,
+    dir: Option<&Path>,
+    output: OutputFormat,
+    metrics: Option<MetricsTarget<'_>>,
+) -> Result<u8, Fatal> {
+    let config_error = match end {
+        End::Config(msg) => {
+            // Kept in last-run.json too: `status` must show why runs stopped doing anything.
+            report.fail(msg);
+            report.outcome = "configuration_error".into();
+            true
+        }
+        End::Done => false,
+    };
+    let end_at = report.now();
+    report.finished_at = Some(end_at);
+    report.duration_ms = end_at.since(report.started_at).as_millis() as u64;
+    report.settle(config_error);
+    report.sync_audit();
+    if let Some(dir) = dir {
+        record_run(dir, metrics, &mut report);
+    }
+    if let Some(dir) = dir {
+        let path = dir.join(LAST_RUN_FILE);
+        let written = serde_json::to_vec_pretty(&report)
+            .map_err(|e| anyhow!("cannot encode the report: {e}"))
+            .and_then(|mut b| {
+                b.push(b'\n');
+                write_atomic(&path, &b)
+            });
+        if let Err(e) = written {
+            report.fail(format!("cannot write {}: {e:#}", path.display()));
+            report.exit_code = 1;
+        }
+    }
+    match output {
+        OutputFormat::Json => println!(
+            "{}",
+            serde_json::to_string_pretty(&report)
+                .unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"))
+        ),
+        OutputFormat::Text => println!("{}", report.text()),
+    }
+    Ok(report.exit_code as u8)
+}
+
+fn print_plan(actions: &[Value], report: &Report, output: OutputFormat) {
+    match output {
+        OutputFormat::Json => {
+            // Exactly the plan; how it ends is on stderr.
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&json!({ "actions": actions })).unwrap_or_default()
+            );
+            eprintln!("plan ends: {}", report.outcome);
+        }
+        OutputFormat::Text => {
+            if actions.is_empty() {
+                println!("plan: nothing to do ({})", escape_controls(&report.outcome));
+            } else {
+                println!("plan ({} action(s)):", actions.len());
+                for a in actions {
+                    let mut line = a["action"].as_str().unwrap_or("?").to_string();
+                    if let Some(obj) = a.as_object() {
+                        // What it acts on first, why last.
+                        const ORDER: [&str; 5] =
+                            ["runner_id", "name", "job_id", "job_handle", "reason"];
+                        let rank = |k: &str| {
+                            ORDER
+                                .iter()
+                                .position(|o| *o == k)
+                                .unwrap_or(ORDER.len() - 1)
+                        };
+                        let mut fields: Vec<_> =
+                            obj.iter().filter(|(k, _)| *k != "action").collect();
+                        fields.sort_by_key(|(k, _)| rank(k));
+                        for (k, v) in fields {
+                            line.push_str(&format!(
+                                " {k}={}",
+                                v.as_str()
+                                    .map(str::to_string)
+                                    .unwrap_or_else(|| v.to_string())
+                            ));
+                        }
+                    }
+                    println!("  {}", escape_controls(&line));
+                }
+                println!("then: {}", escape_controls(&report.outcome));
+            }
+            let failures = report.failures.len() as u64 + report.failures_not_listed;
+            if failures > 0 {
+                println!("{failures} error(s), logged above");
+            }
+        }
+    }
+}

@@ -1,0 +1,137 @@
+//! `status`: reads the state directory (no lock, writes nothing) and prints what it found.
+
+use std::fs;
+use std::path::Path;
+
+use serde_json::{Value, json};
+
+use crate::adapters::files::read_state_file;
+use crate::cli::{OutputFormat, StatusArgs};
+use crate::commands::{EXIT_FAILED, EXIT_OK, Fatal, state_dir, usage};
+use crate::core::metrics::Counters;
+use crate::core::state::STATE_FILE;
+use crate::core::status::{EVENTS_SHOWN, Limits, MAX_LAST_RUN_BYTES, facts, warnings};
+use crate::core::time::Timestamp;
+
+pub fn cmd_status(a: StatusArgs) -> Result<u8, Fatal> {
+    let dir = state_dir(&a.local.state_dir);
+    // Read-only and often run by root: the owner is not ours to judge here, only that the
+    // directory is there (a typo must not look like a host where no run happened yet).
+    match fs::metadata(&dir) {
+        Ok(m) if m.is_dir() => {}
+        Ok(_) => {
+            return Err(usage(format!(
+                "state directory {} is not a directory; point --state-dir at the pool's state directory",
+                dir.display()
+            )));
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(usage(format!(
+                "state directory {} does not exist: is --state-dir right? (the service creates it when it first starts; under the Ansible role it is /var/lib/ci-ephemeral-provisioner/<pool>)",
+                dir.display()
+            )));
+        }
+        Err(e) => {
+            return Err(Fatal(
+                EXIT_FAILED,
+                format!("cannot inspect state directory {}: {e}", dir.display()),
+            ));
+        }
+    }
+    let limits = crate::core::status::Limits {
+        max_success_age: a.max_success_age,
+        max_cycle_duration: a.max_cycle_duration,
+    };
+    let doc = crate::commands::status::gather(&dir, &limits, crate::adapters::clock::wall_now());
+    match a.local.output {
+        OutputFormat::Json => {
+            println!("{}", serde_json::to_string_pretty(&doc).unwrap_or_default());
+        }
+        OutputFormat::Text => println!("{}", crate::core::status::text(&doc)),
+    }
+    let healthy = doc["healthy"].as_bool().unwrap_or(false);
+    Ok(if a.check && !healthy {
+        EXIT_FAILED
+    } else {
+        EXIT_OK
+    })
+}
+
+/// Everything `status` shows, as one JSON document (the text form is rendered from it).
+pub fn gather(dir: &Path, limits: &Limits, now: Timestamp) -> Value {
+    let mut unreadable = Vec::new();
+    let cycle_path = dir.join(STATE_FILE);
+    let (cycle, cycle_error) = match read_state_file(&cycle_path) {
+        Ok(c) => (c, None),
+        Err(e) => {
+            unreadable.push(format!("cycle.json is unreadable: {e:#}"));
+            (None, Some(format!("{e:#}")))
+        }
+    };
+    let last_path = dir.join(crate::commands::LAST_RUN_FILE);
+    let (last_run, last_run_error): (Option<Value>, Option<String>) =
+        match crate::adapters::files::read_state_text(&last_path, MAX_LAST_RUN_BYTES) {
+            Ok(None) => (None, None),
+            Err(e) => (None, Some(e.to_string())),
+            Ok(Some(t)) => match serde_json::from_str(&t) {
+                Ok(v) => (Some(v), None),
+                Err(e) => (
+                    None,
+                    Some(format!("{} is not JSON: {e}", last_path.display())),
+                ),
+            },
+        };
+    if let Some(e) = &last_run_error {
+        unreadable.push(e.clone());
+    }
+    let (counters, counters_error) = match crate::adapters::files::load_counters(dir) {
+        Ok(c) if c == Counters::default() => (None, None),
+        Ok(c) => (Some(c), None),
+        Err(e) => {
+            unreadable.push(format!("{e:#}"));
+            (None, Some(format!("{e:#}")))
+        }
+    };
+    let held: Vec<crate::core::holds::Hold> =
+        match crate::adapters::files::read_holds_file(&dir.join(crate::core::holds::HOLDS_FILE)) {
+            Ok(h) => h.active(now).cloned().collect(),
+            Err(e) => {
+                unreadable.push(e.to_string());
+                Vec::new()
+            }
+        };
+    let (events, events_error) = match crate::adapters::events_file::tail(dir, EVENTS_SHOWN) {
+        Ok(e) => (e, None),
+        Err(e) => (Vec::new(), Some(e)),
+    };
+    let f = facts(
+        counters.as_ref(),
+        last_run.as_ref(),
+        cycle.as_ref(),
+        unreadable,
+    );
+    let warnings = warnings(&f, limits, now);
+    let secs_since = |t: Option<Timestamp>| t.map(|t| now.since(t).as_secs());
+    let last_run_end = last_run
+        .as_ref()
+        .and_then(|r| r["finished_at"].as_str())
+        .and_then(|s| Timestamp::parse_rfc3339(s).ok());
+    json!({
+        "state_dir": dir.display().to_string(),
+        "healthy": warnings.is_empty(),
+        "warnings": warnings,
+        "cycle_id": cycle.as_ref().map(|c| c.cycle_id.clone()),
+        "cycle": cycle,
+        "cycle_age_seconds": secs_since(cycle.as_ref().map(|c| c.started_at)),
+        "cycle_error": cycle_error,
+        "last_run": last_run,
+        "last_run_age_seconds": secs_since(last_run_end),
+        "last_run_error": last_run_error,
+        "last_success_at": f.last_success,
+        "last_success_age_seconds": secs_since(f.last_success),
+        "counters_error": counters_error,
+        "held_jobs": held,
+        "events": events,
+        "events_error": events_error,
+    })
+}

@@ -1,0 +1,15 @@
+//! Everything that decides, and nothing that does I/O: no files, processes, network, environment,
+//! threads, signals or clock (time comes in as an argument). `tests/layering.rs` holds it to that.
+
+pub mod escape;
+pub mod holds;
+pub mod listing;
+pub mod metrics;
+pub mod model;
+pub mod planner;
+pub mod ports;
+pub mod report;
+pub mod secret;
+pub mod state;
+pub mod status;
+pub mod time;

@@ -1,0 +1,199 @@
+//! Every port the shell implements: what the program talks to (Forgejo, tofu, the launch
+//! command, the state store, the clock, the audit trail). Read this file to learn the edges.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::time::Duration;
+
+use anyhow::Result;
+use serde_json::Value;
+
+use crate::core::holds::{Holds, HoldsError};
+use crate::core::model::{Deletable, Job, Runner};
+use crate::core::secret::Secret;
+use crate::core::state::CycleState;
+use crate::core::time::Timestamp;
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Deleted {
+    /// 204: Forgejo deleted it now.
+    Now,
+    /// 404: it was already gone.
+    AlreadyGone,
+    /// A dry-run: the deletion went into the plan, nothing was sent.
+    Planned,
+}
+
+pub struct NewRunner {
+    pub id: i64,
+    pub uuid: String,
+    pub token: Secret,
+}
+
+pub struct RunnerPage {
+    pub rows: Vec<Runner>,
+    /// `X-Total-Count`, when present and a number.
+    pub total: Option<u64>,
+}
+
+#[derive(Clone, Debug)]
+pub struct ApiError {
+    /// `GET https://forgejo.example/api/v1/admin/actions/runners/5`
+    pub request: String,
+    pub detail: String,
+    /// The HTTP status when Forgejo answered with an error status.
+    pub status: Option<u16>,
+}
+
+impl ApiError {
+    /// The request was refused outright (bad request, authentication, scope, unknown path,
+    /// validation), so it did nothing. Timeouts, rate limits, 5xx and transport errors may or
+    /// may not have had an effect.
+    pub fn is_rejection(&self) -> bool {
+        matches!(
+            self.status,
+            Some(400 | 401 | 403 | 404 | 405 | 413 | 415 | 422)
+        )
+    }
+}
+
+impl fmt::Display for ApiError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.request, self.detail)
+    }
+}
+
+impl std::error::Error for ApiError {}
+
+/// The runner API calls of one scope (`admin`, `user`, `org/NAME`, `repo/OWNER/NAME`).
+pub trait Forgejo {
+    /// Waiting and running jobs that match our labels (`null` is an empty list).
+    fn list_jobs(&mut self) -> Result<Vec<Job>, ApiError>;
+    /// `Ok(None)` on 404.
+    fn get_runner(&mut self, id: i64) -> Result<Option<Runner>, ApiError>;
+    /// 204 and 404 are both success. Only a registration that passed the gate can be named
+    /// (see [`Deletable`]). `reason` is for logs and plans only.
+    fn delete_runner(&mut self, target: &Deletable, reason: &str) -> Result<Deleted, ApiError>;
+    /// `POST …/actions/runners {"name", "ephemeral": true}`.
+    fn register_runner(&mut self, name: &str) -> Result<NewRunner, ApiError>;
+    /// One page of the runner list (`page` is 1-based).
+    fn list_runners_page(&mut self, page: u32, limit: u32) -> Result<RunnerPage, ApiError>;
+}
+
+/// A failed external step (tofu, the launch command).
+#[derive(Clone, Debug)]
+pub struct StepError {
+    pub message: String,
+    /// The step ended because a stop (SIGTERM/SIGINT) was requested.
+    pub interrupted: bool,
+}
+
+impl StepError {
+    pub fn failed(message: impl Into<String>) -> StepError {
+        StepError {
+            message: message.into(),
+            interrupted: false,
+        }
+    }
+}
+
+impl std::fmt::Display for StepError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Output {
+    pub sensitive: bool,
+    pub value: Value,
+}
+
+pub type Outputs = BTreeMap<String, Output>;
+
+pub trait Tofu {
+    /// `Err` with a message saying what to configure when this cannot run at all.
+    fn check_config(&self) -> Result<(), String>;
+    /// `init`, then `apply`.
+    fn apply(&mut self, cycle_id: &str) -> Result<(), StepError>;
+    fn outputs(&mut self, cycle_id: &str) -> Result<Outputs, StepError>;
+    /// `reason` (why the VM goes) is for logs and plans only.
+    fn destroy(&mut self, cycle_id: &str, reason: &str) -> Result<(), StepError>;
+}
+
+pub struct LaunchRequest<'a> {
+    pub runner_id: i64,
+    pub runner_uuid: &'a str,
+    pub runner_name: &'a str,
+    pub job_id: i64,
+    pub job_handle: &'a str,
+    pub labels: &'a str,
+    pub forgejo_url: &'a str,
+    pub outputs: &'a Outputs,
+}
+
+/// What `RUNNER_ACTION=check` said about one runner's process on the VM.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ProcessCheck {
+    /// Exit 0: it still runs.
+    Running,
+    /// Exit 3: it is gone.
+    Gone,
+    /// Anything else (a launch command that ignores RUNNER_ACTION, an unreachable VM): it may
+    /// still run. `interrupted` when a stop request cut the call short.
+    Unknown { why: String, interrupted: bool },
+}
+
+/// `check` answers 3 for a runner's process that is gone.
+pub const CHECK_GONE: i32 = 3;
+
+pub trait Launcher {
+    fn check_config(&self) -> Result<(), String>;
+    /// `RUNNER_ACTION=start`: starts the runner on the VM, the token on stdin.
+    fn launch(&mut self, req: &LaunchRequest<'_>, token: &Secret) -> Result<(), StepError>;
+    /// `RUNNER_ACTION=check`: whether that runner's process still runs on the VM.
+    fn check(&mut self, req: &LaunchRequest<'_>) -> ProcessCheck;
+    /// `RUNNER_ACTION=stop`: ends that runner's process; `Ok` once it is gone.
+    fn stop(&mut self, req: &LaunchRequest<'_>) -> Result<(), StepError>;
+}
+
+/// Where cycle.json (and the held jobs, which outlive a cycle) live. Chosen once in `main`: a
+/// directory on disk, or memory for dry-runs.
+pub trait StateStore {
+    fn load(&mut self) -> Result<Option<CycleState>>;
+    fn save(&mut self, state: &CycleState) -> Result<()>;
+    fn remove(&mut self) -> Result<()>;
+    fn describe(&self) -> String;
+    /// The held jobs (`held-jobs.json`); none when there is no file.
+    fn load_holds(&mut self) -> Result<Holds, HoldsError>;
+    fn save_holds(&mut self, holds: &Holds) -> Result<()>;
+}
+
+pub enum Sleep {
+    Slept,
+    /// A stop was requested (SIGTERM/SIGINT).
+    Interrupted,
+    /// Dry-run: the plan ends where the cycle would wait.
+    Stop,
+}
+
+pub trait Clock {
+    fn now(&self) -> Timestamp;
+    fn sleep(&mut self, d: Duration) -> Sleep;
+    /// A stop (SIGTERM/SIGINT) was requested: end the run before the next step.
+    fn stop_requested(&self) -> bool;
+    /// A fresh cycle id, unique and usable in runner names and tofu variables.
+    fn new_cycle_id(&mut self, now: Timestamp) -> String;
+}
+
+/// Where side effects and failures are appended as they happen (the audit trail). Chosen once in
+/// `app`: a file for real runs, none for dry-runs.
+pub trait AuditSink {
+    /// Appends one record; the error names the file and what failed.
+    fn append(&mut self, record: &Value) -> Result<(), String>;
+    /// Makes what was appended durable (fsync); called at the points that matter (before each
+    /// cycle.json write, at the end of the run), not after every record.
+    fn sync(&mut self) -> Result<(), String> {
+        Ok(())
+    }
+}

@@ -1,0 +1,4 @@
+//! Runs what the core decides: each step through the ports, each change persisted first.
+
+pub mod cycle;
+pub mod sweep;

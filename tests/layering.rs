@@ -1,0 +1,214 @@
+//! The architecture, held to by tests: `src/core/` does no I/O and knows nothing of the shell,
+//! and no code sends a DELETE but `delete_runner`, which takes a `Deletable` (the gate's proof).
+//! Each rule is also run against a planted violation, so the check is seen to bite.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+/// What `src/core/` must not use, and why. Matched against the code with comments and the
+/// `#[cfg(test)]` module removed.
+const FORBIDDEN_IN_CORE: &[(&str, &str)] = &[
+    ("std::fs", "files"),
+    ("std::io", "reads and writes"),
+    ("std::os", "the operating system"),
+    ("std::process", "processes"),
+    ("std::net", "the network"),
+    ("std::env", "the environment"),
+    ("std::thread", "threads"),
+    ("std::sync", "threads"),
+    ("ureq", "HTTP"),
+    ("libc", "system calls"),
+    ("signal_hook", "signals"),
+    ("tempfile", "files"),
+    ("Instant", "the monotonic clock"),
+    ("SystemTime::now", "the wall clock"),
+    ("Timestamp::now", "the wall clock"),
+    ("println!", "standard output"),
+    ("print!", "standard output"),
+    ("eprintln!", "standard error"),
+    ("eprint!", "standard error"),
+    ("crate::adapters", "the shell (adapters)"),
+    ("crate::driver", "the shell (driver)"),
+    ("crate::commands", "the shell (commands)"),
+    ("crate::cli", "the command line"),
+];
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    let mut entries: Vec<_> = fs::read_dir(dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .map(|e| e.unwrap().path())
+        .collect();
+    entries.sort();
+    for p in entries {
+        if p.is_dir() {
+            rust_files(&p, out);
+        } else if p.extension().is_some_and(|x| x == "rs") {
+            out.push(p);
+        }
+    }
+}
+
+/// The code of a file as the build sees it outside tests: no comments, no `#[cfg(test)]` module
+/// (always the file's last item here), no `tests.rs` file at all.
+fn code(path: &Path) -> String {
+    if path.file_name().is_some_and(|n| n == "tests.rs") {
+        return String::new();
+    }
+    let text = fs::read_to_string(path).unwrap();
+    let text = match text.find("#[cfg(test)]\nmod tests") {
+        Some(i) => &text[..i],
+        None => &text[..],
+    };
+    text.lines()
+        .map(|l| match l.find("//") {
+            // A `//` inside a string (a URL) is rare in the core; the whole line is kept then.
+            Some(i) if !l[..i].contains('"') => &l[..i],
+            _ => l,
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// Each use of something forbidden in `code`: (line, what, why).
+fn violations(code: &str) -> Vec<(usize, &'static str, &'static str)> {
+    let mut found = Vec::new();
+    for (n, line) in code.lines().enumerate() {
+        for (what, why) in FORBIDDEN_IN_CORE {
+            let mut rest = line;
+            while let Some(i) = rest.find(what) {
+                let before = rest[..i].chars().next_back();
+                let after = rest[i + what.len()..].chars().next();
+                let word = |c: Option<char>| c.is_some_and(|c| c.is_alphanumeric() || c == '_');
+                // `print!` must not match inside `eprint!`/`println!`; `Instant` not inside a name.
+                if !word(before) && (what.ends_with('!') || !word(after)) {
+                    found.push((n + 1, *what, *why));
+                    break;
+                }
+                rest = &rest[i + what.len()..];
+            }
+        }
+    }
+    found
+}
+
+#[test]
+fn the_core_does_no_io_and_knows_nothing_of_the_shell() {
+    let mut files = Vec::new();
+    rust_files(&root().join("src/core"), &mut files);
+    assert!(files.len() > 10, "src/core has only {} files", files.len());
+    let mut bad = Vec::new();
+    for f in &files {
+        for (line, what, why) in violations(&code(f)) {
+            bad.push(format!(
+                "{}:{line}: uses {what} ({why})",
+                f.strip_prefix(root()).unwrap().display()
+            ));
+        }
+    }
+    assert!(
+        bad.is_empty(),
+        "src/core/ decides and does no I/O; move these to src/adapters/ behind a port in \
+         src/core/ports.rs, or pass the value in:\n{}",
+        bad.join("\n")
+    );
+}
+
+#[test]
+fn the_core_check_catches_a_planted_violation() {
+    let planted = "use crate::core::time::Timestamp;\n\
+                   pub fn load() -> String {\n    std::fs::read_to_string(\"cycle.json\").unwrap()\n}\n\
+                   pub fn at() -> Timestamp { Timestamp::now() }\n\
+                   fn log() { eprintln!(\"x\"); let _ = crate::adapters::clock::wall_now(); }\n";
+    let found: Vec<&str> = violations(planted).iter().map(|v| v.1).collect();
+    assert_eq!(
+        found,
+        ["std::fs", "Timestamp::now", "eprintln!", "crate::adapters"]
+    );
+    // Names that only contain a forbidden word are not uses of it.
+    assert!(violations("let printed = 1; let instants = 2; struct MyInstantView;").is_empty());
+    // Comments and the test module do not count.
+    let dir = tempfile::tempdir().unwrap();
+    let f = dir.path().join("x.rs");
+    fs::write(
+        &f,
+        "/// Reads std::fs for you.\npub fn f() {}\n\n#[cfg(test)]\nmod tests {\n    use std::fs;\n}\n",
+    )
+    .unwrap();
+    assert!(violations(&code(&f)).is_empty(), "{}", code(&f));
+}
+
+/// Where a DELETE request is made: the text `"DELETE"` in the code outside tests, with the
+/// function it is in.
+fn delete_requests(files: &[PathBuf]) -> Vec<(String, String)> {
+    let mut found = Vec::new();
+    for f in files {
+        let code = code(f);
+        let mut current_fn = String::new();
+        for line in code.lines() {
+            if let Some(i) = line.find("fn ") {
+                let name: String = line[i + 3..]
+                    .chars()
+                    .take_while(|c| c.is_alphanumeric() || *c == '_')
+                    .collect();
+                if !name.is_empty() {
+                    current_fn = line.trim().to_string();
+                }
+            }
+            if line.contains("\"DELETE\"") {
+                found.push((
+                    f.strip_prefix(root()).unwrap_or(f).display().to_string(),
+                    current_fn.clone(),
+                ));
+            }
+        }
+    }
+    found
+}
+
+#[test]
+fn only_delete_runner_sends_a_delete_and_it_takes_the_gates_proof() {
+    let mut files = Vec::new();
+    rust_files(&root().join("src"), &mut files);
+    let found = delete_requests(&files);
+    // The HTTP client's `send` maps the method to ureq, and one caller sends "DELETE": the
+    // port's `delete_runner`, whose target is a `Deletable`.
+    let callers: Vec<&(String, String)> = found
+        .iter()
+        .filter(|(_, f)| !f.starts_with("fn send("))
+        .collect();
+    assert_eq!(
+        callers,
+        [&(
+            "src/adapters/forgejo_http.rs".to_string(),
+            "fn delete_runner(&mut self, target: &Deletable, reason: &str) -> Result<Deleted, ApiError> {"
+                .to_string()
+        )],
+        "a DELETE outside `delete_runner(target: &Deletable)` bypasses the gate: {found:?}"
+    );
+    // `Deletable`'s field is private and `may_delete` its only constructor (the compile_fail
+    // doctest on `Deletable` shows the rest).
+    let model = code(&root().join("src/core/model.rs"));
+    assert!(
+        model.contains("pub struct Deletable {\n    id: i64,\n}"),
+        "{model}"
+    );
+    assert_eq!(model.matches("Deletable { id").count(), 1, "{model}");
+}
+
+#[test]
+fn the_delete_check_catches_a_planted_bypass() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = dir.path().join("bypass.rs");
+    fs::write(
+        &f,
+        "impl X {\n    fn cleanup(&mut self, id: i64) {\n        self.send(\"DELETE\", &url(id), None);\n    }\n}\n",
+    )
+    .unwrap();
+    let found = delete_requests(&[f]);
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert!(found[0].1.starts_with("fn cleanup("), "{found:?}");
+}
