@@ -16,7 +16,7 @@ use ci_ephemeral_provisioner::model::{Job, Runner, RunnerStatus};
 use ci_ephemeral_provisioner::planner::MAX_START_FAILURES;
 use ci_ephemeral_provisioner::state::{CycleState, NotServed, Phase, parse_state};
 
-use super::forgejo_model::{Forgejo, JobRow, NewRunner, RunnerRow};
+use super::forgejo_model::{Forgejo, JobRow, NewRunner, RunnerRow, Scope};
 use super::forgejo_rules as rules;
 use super::rng::Rng;
 
@@ -1229,7 +1229,7 @@ impl Sim {
     /// behind its concurrency group is listed `waiting` all the same.
     pub fn srv_list_jobs(&self) -> Vec<Job> {
         self.forgejo
-            .list_jobs(|_| true, Some(&[LABEL]))
+            .list_jobs(&Scope::ADMIN, Some(&[LABEL]))
             .into_iter()
             .map(|j| Job {
                 id: j.id,
@@ -1322,7 +1322,8 @@ impl Sim {
         self.schedule(at, Bg::LatePost(name.to_string()));
     }
 
-    /// One page, `ORDER BY last_online DESC` (`Forgejo::list_runners`). Ties (every
+    /// One page of `GET /admin/actions/runners` (no `visible`: every runner of the world is an
+    /// instance runner), `ORDER BY last_online DESC` (`Forgejo::list_runners`). Ties (every
     /// never-connected registration has `last_online = 0`) come in an arbitrary order that
     /// changes whenever rows are added or deleted (or, with `random_ties`, on every request), so
     /// pages read across a change overlap or skip rows. `page=0` is every row.
@@ -1331,7 +1332,8 @@ impl Sim {
         let rng = &mut self.rng;
         let (rows, total) = self.forgejo.list_runners(
             self.now,
-            |_| true,
+            &Scope::ADMIN,
+            false,
             i64::from(page),
             i64::from(limit),
             |id, version| {

@@ -29,7 +29,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde_json::{Value, json};
 
-use super::forgejo_model::{self as model, Forgejo, JobRow, NewRunner};
+use super::forgejo_model::{self as model, Forgejo, JobRow, NewRunner, Scope, ScopeKind};
 use super::forgejo_rules as rules;
 
 /// `url` of every API error body.
@@ -244,70 +244,6 @@ struct FaultRule {
     path_contains: String,
     fault: Fault,
     remaining: usize,
-}
-
-#[derive(Clone, Copy, PartialEq, Debug)]
-enum Kind {
-    Admin,
-    Owner,
-    Repo,
-}
-
-/// The scope of an API route: `(owner_id, repo_id)` as in `FindRunnerOptions`.
-#[derive(Clone, Copy, Debug)]
-struct Scope {
-    kind: Kind,
-    owner_id: i64,
-    repo_id: i64,
-    /// For a repo scope: the owner id of the repo (an org id by name), for `visible=true`.
-    repo_owner_id: i64,
-    write_scope: &'static str,
-}
-
-impl Scope {
-    /// `FindRunnerOptions.ToConds` for the list endpoint.
-    fn lists(&self, r: &RunnerRow, visible: bool) -> bool {
-        match self.kind {
-            Kind::Admin => visible || r.is_instance(),
-            Kind::Owner => r.owner_id == self.owner_id || (visible && r.is_instance()),
-            Kind::Repo => {
-                r.repo_id == self.repo_id
-                    || (visible
-                        && (r.is_instance()
-                            || (r.repo_id == 0 && r.owner_id == self.repo_owner_id)))
-            }
-        }
-    }
-
-    /// `GetVisibleRunnerByID`.
-    fn sees(&self, r: &RunnerRow) -> bool {
-        match self.kind {
-            Kind::Admin => true,
-            Kind::Owner => r.owner_id == self.owner_id || r.is_instance(),
-            Kind::Repo => {
-                r.repo_id == self.repo_id
-                    || r.is_instance()
-                    || (r.repo_id == 0 && r.owner_id == self.repo_owner_id)
-            }
-        }
-    }
-
-    /// `ActionRunner.Editable`.
-    fn edits(&self, r: &RunnerRow) -> bool {
-        match self.kind {
-            Kind::Admin => true,
-            Kind::Owner => r.owner_id == self.owner_id && r.repo_id == 0,
-            Kind::Repo => r.repo_id == self.repo_id,
-        }
-    }
-
-    fn has_job(&self, j: &JobRow) -> bool {
-        match self.kind {
-            Kind::Admin => true,
-            Kind::Owner => j.owner_id == self.owner_id,
-            Kind::Repo => j.repo_id == self.repo_id,
-        }
-    }
 }
 
 struct World {
@@ -556,7 +492,8 @@ impl World {
             .map(|s| percent_decode(s, false))
             .collect();
         let segs: Vec<&str> = segs.iter().map(String::as_str).collect();
-        let (scope, rest): (Scope, &[&str]) = match segs.as_slice() {
+        // The rows a route reads, and the token scope its writes need.
+        let (scope, write_scope, rest): (Scope, &str, &[&str]) = match segs.as_slice() {
             ["version"] => {
                 return if inc.method == "GET" {
                     Reply::json(200, &json!({"version": self.forgejo_version}))
@@ -564,37 +501,37 @@ impl World {
                     Reply::method_not_allowed()
                 };
             }
-            ["admin", "actions", "runners", rest @ ..] => (self.admin_scope(), rest),
+            ["admin", "actions", "runners", rest @ ..] => (Scope::ADMIN, "write:admin", rest),
             // Legacy path, deprecated in 15 but still routed.
-            ["admin", "runners", "jobs"] => (self.admin_scope(), &["jobs"][..]),
+            ["admin", "runners", "jobs"] => (Scope::ADMIN, "write:admin", &["jobs"][..]),
             ["user", "actions", "runners", rest @ ..] => (
                 Scope {
-                    kind: Kind::Owner,
+                    kind: ScopeKind::Owner,
                     owner_id: TOKEN_USER_ID,
                     repo_id: 0,
                     repo_owner_id: 0,
-                    write_scope: "write:user",
                 },
+                "write:user",
                 rest,
             ),
             ["orgs", org, "actions", "runners", rest @ ..] => (
                 Scope {
-                    kind: Kind::Owner,
+                    kind: ScopeKind::Owner,
                     owner_id: self.org_id(org),
                     repo_id: 0,
                     repo_owner_id: 0,
-                    write_scope: "write:organization",
                 },
+                "write:organization",
                 rest,
             ),
             ["repos", owner, repo, "actions", "runners", rest @ ..] => (
                 Scope {
-                    kind: Kind::Repo,
+                    kind: ScopeKind::Repo,
                     owner_id: 0,
                     repo_id: self.repo_id(&format!("{owner}/{repo}")),
                     repo_owner_id: self.org_id(owner),
-                    write_scope: "write:repository",
                 },
+                "write:repository",
                 rest,
             ),
             _ => return Reply::not_found(),
@@ -624,7 +561,7 @@ impl World {
                 403,
                 &format!(
                     "token does not have at least one of required scope(s): [{}]",
-                    scope.write_scope
+                    write_scope
                 ),
             );
         }
@@ -673,16 +610,6 @@ impl World {
         }
     }
 
-    fn admin_scope(&self) -> Scope {
-        Scope {
-            kind: Kind::Admin,
-            owner_id: 0,
-            repo_id: 0,
-            repo_owner_id: 0,
-            write_scope: "write:admin",
-        }
-    }
-
     /// `shared.ListRunners`.
     fn list_runners(&self, inc: &Incoming, scope: Scope, now: i64) -> Reply {
         let q = parse_query(&inc.query);
@@ -695,13 +622,11 @@ impl World {
         // database plan would give), shuffled by every insert and delete, so pages read across a
         // change overlap or skip rows as they can on Forgejo.
         let tie_seed = self.tie_seed;
-        let (rows, total) = self.forgejo.list_runners(
-            now,
-            |r| scope.lists(r, visible),
-            page,
-            limit,
-            |id, version| mix(id as u64 ^ tie_seed ^ version.wrapping_mul(0x9E37_79B9_7F4A_7C15)),
-        );
+        let (rows, total) =
+            self.forgejo
+                .list_runners(now, &scope, visible, page, limit, |id, version| {
+                    mix(id as u64 ^ tie_seed ^ version.wrapping_mul(0x9E37_79B9_7F4A_7C15))
+                });
         let total = total as i64;
         let shown: Vec<Value> = rows.iter().map(|r| runner_json(r, now)).collect();
         let mut reply = Reply::json(200, &Value::Array(shown));
@@ -783,7 +708,7 @@ impl World {
         });
         let matching: Vec<Value> = self
             .forgejo
-            .list_jobs(|j| scope.has_job(j), labels.as_deref())
+            .list_jobs(&scope, labels.as_deref())
             .into_iter()
             .map(job_json)
             .collect();

@@ -152,6 +152,81 @@ pub fn page_size(limit: i64) -> i64 {
     }
 }
 
+/// Which rows an API route reads (`FindRunnerOptions`): the instance's (admin), an owner's (a
+/// user or an organisation) or a repository's.
+#[derive(Clone, Copy, PartialEq, Debug)]
+pub enum ScopeKind {
+    Admin,
+    Owner,
+    Repo,
+}
+
+/// The scope of an API route: `(owner_id, repo_id)` as in `FindRunnerOptions`.
+#[derive(Clone, Copy, Debug)]
+pub struct Scope {
+    pub kind: ScopeKind,
+    pub owner_id: i64,
+    pub repo_id: i64,
+    /// For a repo scope: the owner id of the repo, for `visible=true`.
+    pub repo_owner_id: i64,
+}
+
+impl Scope {
+    /// `/api/v1/admin/actions/runners`.
+    pub const ADMIN: Scope = Scope {
+        kind: ScopeKind::Admin,
+        owner_id: 0,
+        repo_id: 0,
+        repo_owner_id: 0,
+    };
+
+    /// `FindRunnerOptions.ToConds` (`models/actions/runner.go`) for the list endpoint: the
+    /// admin list without `visible` shows instance runners only.
+    pub fn lists<X>(&self, r: &RunnerRow<X>, visible: bool) -> bool {
+        match self.kind {
+            ScopeKind::Admin => visible || r.is_instance(),
+            ScopeKind::Owner => r.owner_id == self.owner_id || (visible && r.is_instance()),
+            ScopeKind::Repo => {
+                r.repo_id == self.repo_id
+                    || (visible
+                        && (r.is_instance()
+                            || (r.repo_id == 0 && r.owner_id == self.repo_owner_id)))
+            }
+        }
+    }
+
+    /// `GetVisibleRunnerByID`.
+    pub fn sees<X>(&self, r: &RunnerRow<X>) -> bool {
+        match self.kind {
+            ScopeKind::Admin => true,
+            ScopeKind::Owner => r.owner_id == self.owner_id || r.is_instance(),
+            ScopeKind::Repo => {
+                r.repo_id == self.repo_id
+                    || r.is_instance()
+                    || (r.repo_id == 0 && r.owner_id == self.repo_owner_id)
+            }
+        }
+    }
+
+    /// `ActionRunner.Editable`: whether this scope may delete the runner.
+    pub fn edits<X>(&self, r: &RunnerRow<X>) -> bool {
+        match self.kind {
+            ScopeKind::Admin => true,
+            ScopeKind::Owner => r.owner_id == self.owner_id && r.repo_id == 0,
+            ScopeKind::Repo => r.repo_id == self.repo_id,
+        }
+    }
+
+    /// The jobs the scope's jobs search shows.
+    pub fn has_job(&self, j: &JobRow) -> bool {
+        match self.kind {
+            ScopeKind::Admin => true,
+            ScopeKind::Owner => j.owner_id == self.owner_id,
+            ScopeKind::Repo => j.repo_id == self.repo_id,
+        }
+    }
+}
+
 /// Forgejo's runner and job tables.
 #[derive(Clone, Debug)]
 pub struct Forgejo<X> {
@@ -268,7 +343,7 @@ impl<X> Forgejo<X> {
         }
     }
 
-    /// `FindRunnerOptions` + `ToOrders` + `db.FindAndCount`: the live rows `visible` admits,
+    /// `FindRunnerOptions` + `ToOrders` + `db.FindAndCount`: the live rows the scope lists,
     /// `last_online DESC`, and their total. Rows that tie (every never-connected one has 0) come
     /// in no promised order: `tie(id, rows_version)` gives each its key, called once per row in id
     /// order. `limit` is clamped (`page_size`); `page` ≤ 0 is every row (`models/db/list.go`
@@ -276,7 +351,8 @@ impl<X> Forgejo<X> {
     pub fn list_runners(
         &self,
         now: i64,
-        visible: impl Fn(&RunnerRow<X>) -> bool,
+        scope: &Scope,
+        visible: bool,
         page: i64,
         limit: i64,
         mut tie: impl FnMut(i64, u64) -> u64,
@@ -285,7 +361,7 @@ impl<X> Forgejo<X> {
         let mut rows: Vec<(i64, u64, &RunnerRow<X>)> = self
             .runners
             .values()
-            .filter(|r| !r.deleted && visible(r))
+            .filter(|r| !r.deleted && scope.lists(r, visible))
             .map(|r| {
                 (
                     r.effective_last_online(now),
@@ -342,19 +418,15 @@ impl<X> Forgejo<X> {
         id
     }
 
-    /// `GetActionRunJobs` (`routers/api/v1/shared/action.go`): waiting and running jobs the
-    /// scope admits, id DESC; `labels` `None`: any; empty: jobs without `runs_on`; else those
+    /// `GetActionRunJobs` (`routers/api/v1/shared/action.go`): waiting and running jobs of the
+    /// scope, id DESC; `labels` `None`: any; empty: jobs without `runs_on`; else those
     /// the names run (`ItRunsOn`). A job queued behind its concurrency group is listed all the
     /// same.
-    pub fn list_jobs<L: AsRef<str>>(
-        &self,
-        in_scope: impl Fn(&JobRow) -> bool,
-        labels: Option<&[L]>,
-    ) -> Vec<&JobRow> {
+    pub fn list_jobs<L: AsRef<str>>(&self, scope: &Scope, labels: Option<&[L]>) -> Vec<&JobRow> {
         self.jobs
             .values()
             .rev()
-            .filter(|j| j.is_listed() && in_scope(j))
+            .filter(|j| j.is_listed() && scope.has_job(j))
             .filter(|j| match labels {
                 None => true,
                 Some([]) => j.runs_on.is_empty(),
