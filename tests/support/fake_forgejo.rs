@@ -833,16 +833,14 @@ impl World {
     }
 
     /// The runner's process is gone (it died, or its VM was destroyed): offline at once (a
-    /// shortcut: Forgejo waits 60 s after the last contact), and nothing more comes from it.
+    /// shortcut: Forgejo waits 60 s after the last contact, so its last RPC is dated two
+    /// minutes back), and nothing more comes from it.
     fn process_dies(&mut self, id: i64, now: i64) {
         let Some(r) = self.forgejo.live_mut(id) else {
             return;
         };
         r.extra.process_gone = true;
-        r.polling = false;
-        r.busy = false;
-        r.last_online = now - 120_000;
-        r.last_active = r.last_active.min(r.last_online);
+        r.stops_polling(now - 2 * rules::OFFLINE_AFTER_MS);
     }
 
     /// Final UpdateTask: the job succeeds; an ephemeral runner is deleted by Forgejo.
