@@ -16,7 +16,10 @@
 //! next poll is one poll interval away; the launch command reports when it started. With no
 //! arguments (as `cargo test --all-targets` runs benchmark targets) it only prints its usage.
 
-// Forgejo's assignment rule and constants, shared with the tests' models of Forgejo.
+// Forgejo's assignment rule and constants, shared with the tests' model of Forgejo. The model
+// itself (`tests/support/forgejo_model.rs`, used by the HTTP fake and the simulation) is not
+// used here: it computes every list from its rows (a filter and a sort per request), which
+// would be part of what a benchmark measures; this server renders its rows once at start.
 #[path = "../tests/support/forgejo_rules.rs"]
 mod forgejo_rules;
 

@@ -11,6 +11,8 @@
 
 #[path = "sim/driver.rs"]
 mod driver;
+#[path = "support/forgejo_model.rs"]
+mod forgejo_model;
 #[path = "support/forgejo_rules.rs"]
 mod forgejo_rules;
 #[path = "sim/ports.rs"]
@@ -396,7 +398,7 @@ fn pages_in_no_stable_order_still_converge() {
 /// the world's own runners, jobs and `task_for` (and the rule itself against the table).
 #[test]
 fn the_world_assigns_jobs_by_forgejos_rule() {
-    use world::{JobState, Owner};
+    use world::Owner;
 
     forgejo_rules::check_rule_against_the_table();
     for c in forgejo_rules::CASES {
@@ -411,26 +413,28 @@ fn the_world_assigns_jobs_by_forgejos_rule() {
             runner,
             forgejo_rules::declared_names(&c.runner_labels.join(",")),
         );
-        {
-            let r = s.runners.get_mut(&runner).expect("added");
-            r.had_task = c.ephemeral_with_task;
-            r.repo_id = match c.same_repo {
-                None => 0,
-                Some(true) => 7,
-                Some(false) => 8,
-            };
+        s.forgejo.runners.get_mut(&runner).expect("added").repo_id = match c.same_repo {
+            None => 0,
+            Some(true) => 7,
+            Some(false) => 8,
+        };
+        let other_handle = s.forgejo.jobs[&other].handle.clone();
+        if c.ephemeral_with_task {
+            // Its task ran the other job (`HasTaskForRunner`).
+            let o = s.forgejo.jobs.get_mut(&other).expect("added");
+            o.status = "success".into();
+            o.runner_id = Some(runner);
+        } else {
+            s.forgejo.jobs.remove(&other);
         }
-        let other_handle = s.jobs[&other].handle.clone();
-        s.jobs.remove(&other);
-        let j = s.jobs.get_mut(&job).expect("added");
+        let j = s.forgejo.jobs.get_mut(&job).expect("added");
         j.repo_id = 7;
         j.queued_behind = c.queued_behind;
-        j.state = match c.job_status {
-            "waiting" => JobState::Waiting,
-            "running" => JobState::Running(1),
-            "blocked" => JobState::Blocked,
-            other => panic!("a status the world does not model: {other}"),
-        };
+        j.status = c.job_status.to_string();
+        if c.job_status == "running" {
+            j.task_id = 1;
+            j.runner_id = Some(1);
+        }
         let handle = j.handle.clone();
         let asks = match c.with_handle {
             None => None,
@@ -473,7 +477,7 @@ fn a_never_connected_runner_whose_delete_answer_was_lost_is_still_a_failed_start
         let job = s.new_job(&[world::LABEL]);
         // Another waiting job: a VM taken for sound would register a runner for it.
         s.new_job(&[world::LABEL]);
-        let handle = s.jobs[&job].handle.clone();
+        let handle = s.forgejo.jobs[&job].handle.clone();
         s.create_vm("c1");
         let id = s.srv_register(&name);
         let mut st = CycleState::new("c1".into(), Timestamp(now - 20 * 60_000));
@@ -515,9 +519,10 @@ fn a_never_connected_runner_whose_delete_answer_was_lost_is_still_a_failed_start
         s.trace_tail()
     );
     let ours = s
+        .forgejo
         .runners
         .values()
-        .filter(|r| r.owner == world::Owner::Ours)
+        .filter(|r| r.extra == world::Owner::Ours)
         .count();
     assert_eq!(
         ours,

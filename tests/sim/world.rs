@@ -3,8 +3,10 @@
 //! on disk, time, the fault plan, the statistics and the trace. Everything random comes from one
 //! seeded `Rng`.
 //!
-//! Forgejo's rules come from `tests/support/forgejo_rules.rs` (status, the assignment rule
-//! `may_take`/`pick`, the clean-up constants); each other rule names the Forgejo v15.0.3 or
+//! Forgejo's rows and rules are the tests' one model of Forgejo, `tests/support/forgejo_model.rs`
+//! (registration, the runner list, deletion, status, the assignment of tasks, their end, the
+//! clean-ups) over `tests/support/forgejo_rules.rs`; this world brings the clock, the crons'
+//! schedule and what the runner processes do. Each other rule names the Forgejo v15.0.3 or
 //! forgejo-runner v12.8 source it copies.
 
 use std::collections::{BTreeMap, VecDeque};
@@ -20,7 +22,8 @@ use ci_ephemeral_provisioner::core::state::NotServed;
 use ci_ephemeral_provisioner::core::state::Phase;
 use ci_ephemeral_provisioner::core::state::parse_state;
 
-use super::forgejo_rules::{self as rules, JobView, RunnerView};
+use super::forgejo_model::{Forgejo, JobRow, NewRunner, RunnerRow, Scope};
+use super::forgejo_rules as rules;
 use super::rng::Rng;
 
 pub const PREFIX: &str = "ephemeral-a-";
@@ -58,98 +61,15 @@ pub enum Owner {
     Persistent,
 }
 
-pub struct SRunner {
-    pub id: i64,
-    pub name: String,
-    pub owner: Owner,
-    pub ephemeral: bool,
-    /// Unix ms; 0 = never connected.
-    pub last_online: i64,
-    pub last_active: i64,
-    /// The runner process polls: `last_online` is "now".
-    pub polling: bool,
-    /// Running a task and reporting: `last_active` is "now".
-    pub busy: bool,
-    pub deleted: bool,
-    /// The label names it declared (`Declare`, forgejo-runner `internal/app/cmd/daemon.go`
-    /// `createRunner`); `None`: never connected.
-    pub labels: Option<Vec<String>>,
-    /// When it declared them.
-    pub declared_at: i64,
-    /// It was given a task once (an ephemeral runner is then given no other).
-    pub had_task: bool,
-    /// `repo_id` of a repository runner; 0: an instance runner (every runner of the world; the
-    /// assignment table's cases use others).
-    pub repo_id: i64,
-}
+/// A runner row of the world's Forgejo, with who registered it.
+pub type SRunner = RunnerRow<Owner>;
 
-impl SRunner {
-    /// `ActionRunner.Status()` (`forgejo_rules::status`).
-    pub fn status(&self, now: i64) -> RunnerStatus {
-        let lo = if self.polling { now } else { self.last_online };
-        let la = if self.busy { now } else { self.last_active };
-        match rules::status(now, lo, la) {
-            "offline" => RunnerStatus::Offline,
-            "idle" => RunnerStatus::Idle,
-            _ => RunnerStatus::Active,
-        }
-    }
-
-    fn effective_last_online(&self, now: i64) -> i64 {
-        if self.polling { now } else { self.last_online }
-    }
-}
-
-/// A job that is not done. Done jobs (success, failure, cancelled) are no longer listed by
-/// Forgejo's jobs API and are dropped from the world.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum JobState {
-    /// Waiting on `needs`: not listed, not assignable.
-    Blocked,
-    Waiting,
-    /// A task on this runner.
-    Running(i64),
-}
-
-impl JobState {
-    fn as_str(self) -> &'static str {
-        match self {
-            JobState::Blocked => "blocked",
-            JobState::Waiting => "waiting",
-            JobState::Running(_) => "running",
-        }
-    }
-}
-
-pub struct SJob {
-    pub id: i64,
-    pub handle: String,
-    pub runs_on: Vec<String>,
-    pub state: JobState,
-    /// Its run waits behind another run of its concurrency group
-    /// (`CONCURRENCY_GROUP_QUEUE_ENABLED`): listed `waiting`, given to nobody.
-    pub queued_behind: bool,
-    pub owner_id: i64,
-    pub repo_id: i64,
-    /// When its task started (Unix ms), for `stop_endless_tasks`.
-    pub started: i64,
-}
-
-impl SJob {
-    /// What the assignment rule reads of the job.
-    pub fn view(&self) -> JobView<'_> {
-        JobView {
-            status: self.state.as_str(),
-            task_id: match self.state {
-                JobState::Running(_) => self.id,
-                _ => 0,
-            },
-            handle: &self.handle,
-            runs_on: &self.runs_on,
-            owner_id: self.owner_id,
-            repo_id: self.repo_id,
-            queued_behind: self.queued_behind,
-        }
+/// The product's `RunnerStatus` of a row (`ActionRunner.Status()`, `forgejo_rules::status`).
+pub fn status_of(r: &SRunner, now: i64) -> RunnerStatus {
+    match r.status(now) {
+        "offline" => RunnerStatus::Offline,
+        "idle" => RunnerStatus::Idle,
+        _ => RunnerStatus::Active,
     }
 }
 
@@ -400,17 +320,13 @@ pub struct Sim {
     pub seed: u64,
     pub rng: Rng,
     pub now: i64,
-    pub runners: BTreeMap<i64, SRunner>,
-    next_runner_id: i64,
-    pub jobs: BTreeMap<i64, SJob>,
-    next_job_id: i64,
+    /// Forgejo's runner and job rows. Done jobs stay (Forgejo keeps them; no list shows them).
+    pub forgejo: Forgejo<Owner>,
     bg: BTreeMap<(i64, u64), Bg>,
     bg_seq: u64,
     procs: BTreeMap<i64, Proc>,
     /// The repository of the first job each VM ran (the trust-boundary invariant).
     vm_repos: BTreeMap<String, i64>,
-    /// Bumped on every insert and delete: ties in the list order are reshuffled by it.
-    rows_version: u64,
     /// `SIM_RANDOM_TIES=1`: ties in a new order on every request (a database that gives no
     /// stable order among equal keys even between identical queries).
     pub random_ties: bool,
@@ -477,15 +393,11 @@ impl Sim {
             seed,
             rng,
             now: T0,
-            runners: BTreeMap::new(),
-            next_runner_id: 1,
-            jobs: BTreeMap::new(),
-            next_job_id: 1,
+            forgejo: Forgejo::default(),
             bg: BTreeMap::new(),
             bg_seq: 0,
             procs: BTreeMap::new(),
             vm_repos: BTreeMap::new(),
-            rows_version: 0,
             nameless: Vec::new(),
             forced_faults: Vec::new(),
             random_ties: std::env::var("SIM_RANDOM_TIES").is_ok_and(|v| v == "1"),
@@ -574,28 +486,17 @@ impl Sim {
 
     /// A registration as Forgejo creates it: never connected, no labels.
     pub fn add_runner(&mut self, name: String, owner: Owner, ephemeral: bool) -> i64 {
-        let id = self.next_runner_id;
-        self.next_runner_id += 1;
-        self.rows_version += 1;
-        self.runners.insert(
-            id,
-            SRunner {
-                id,
-                name,
-                owner,
-                ephemeral,
-                last_online: 0,
-                last_active: 0,
-                polling: false,
-                busy: false,
-                deleted: false,
-                labels: None,
-                declared_at: 0,
-                had_task: false,
-                repo_id: 0,
-            },
-        );
-        id
+        self.forgejo.register(NewRunner {
+            id: None,
+            uuid: String::new(),
+            token: String::new(),
+            name: &name,
+            description: "",
+            owner_id: 0,
+            repo_id: 0,
+            ephemeral,
+            extra: owner,
+        })
     }
 
     /// The runner's `Declare` RPC with the label names of these `--label` values (forgejo-runner
@@ -603,11 +504,8 @@ impl Sim {
     /// runner.go` `Declare` stores them as `AgentLabels`). The runner is online from now on.
     pub fn declare(&mut self, id: i64, labels: Vec<String>) {
         let now = self.now;
-        if let Some(r) = self.runners.get_mut(&id) {
-            r.labels = Some(labels);
-            r.declared_at = now;
-            r.polling = true;
-            r.last_online = now;
+        if let Some(r) = self.forgejo.runners.get_mut(&id) {
+            r.declare(Some(labels), now);
         }
     }
 
@@ -625,7 +523,8 @@ impl Sim {
         // Persistent runners: one online that takes jobs, duplicate names, near-miss names.
         let builder = self.add_runner("static-builder".into(), Owner::Persistent, false);
         self.declare(builder, Self::names(BUILDER_LABELS));
-        self.runners
+        self.forgejo
+            .runners
             .get_mut(&builder)
             .expect("just added")
             .last_active = now - HOUR;
@@ -635,7 +534,7 @@ impl Sim {
             let started = now - self.rng.range(2 * HOUR, 7 * HOUR / 2);
             let j = self.new_job(&["docker"]);
             self.start_task(j, builder);
-            self.jobs.get_mut(&j).expect("just added").started = started;
+            self.forgejo.jobs.get_mut(&j).expect("just added").started = started;
         }
         for (name, online, labels) in [
             ("build-01", true, GPU_LABELS),
@@ -646,7 +545,7 @@ impl Sim {
         ] {
             let id = self.add_runner(name.into(), Owner::Persistent, false);
             self.declare(id, Self::names(labels));
-            let r = self.runners.get_mut(&id).expect("just added");
+            let r = self.forgejo.runners.get_mut(&id).expect("just added");
             r.declared_at = now - 30 * 24 * HOUR;
             if online {
                 r.last_active = now - HOUR;
@@ -666,7 +565,7 @@ impl Sim {
         };
         for i in 0..filler {
             let id = self.add_runner(format!("old-runner-{}", i % 17), Owner::Persistent, false);
-            let r = self.runners.get_mut(&id).expect("just added");
+            let r = self.forgejo.runners.get_mut(&id).expect("just added");
             r.labels = Some(vec![LABEL.into()]);
             r.last_online = now - 24 * HOUR;
         }
@@ -695,7 +594,7 @@ impl Sim {
             let started = now - self.rng.range(0, 4 * HOUR);
             let j = self.new_job(&[LABEL]);
             self.start_task(j, id);
-            self.jobs.get_mut(&j).expect("just added").started = started;
+            self.forgejo.jobs.get_mut(&j).expect("just added").started = started;
             let at = now + self.rng.range(MIN, 20 * MIN);
             self.schedule(at, Bg::LegacyFinish(id));
         }
@@ -717,9 +616,10 @@ impl Sim {
         self.faults_on = false;
         self.arrivals_on = false;
         let queued: Vec<i64> = self
+            .forgejo
             .jobs
             .values()
-            .filter(|j| j.queued_behind)
+            .filter(|j| j.queued_behind && !j.is_done())
             .map(|j| j.id)
             .collect();
         for j in queued {
@@ -734,28 +634,15 @@ impl Sim {
     /// (same owner 1), one in eight in repository 3 of owner 2, so that VMs are both reused and
     /// refused across the trust boundary. By id, not by the random stream.
     pub fn new_job(&mut self, runs_on: &[&str]) -> i64 {
-        let id = self.next_job_id;
-        self.next_job_id += 1;
+        let id = self.forgejo.next_job_id();
         let (repo_id, owner_id) = match id % 8 {
             3 => (2, 1),
             7 => (3, 2),
             _ => (1, 1),
         };
         let handle = format!("{:08x}-h", self.rng.next_u64() as u32);
-        self.jobs.insert(
-            id,
-            SJob {
-                id,
-                handle,
-                runs_on: Self::names(runs_on),
-                state: JobState::Waiting,
-                queued_behind: false,
-                owner_id,
-                repo_id,
-                started: 0,
-            },
-        );
-        id
+        self.forgejo
+            .add_job(handle, Self::names(runs_on), owner_id, repo_id)
     }
 
     // -- Forgejo's job assignment -----------------------------------------------------------------
@@ -763,61 +650,29 @@ impl Sim {
     /// The job Forgejo gives runner `id` when it asks for a task (FetchTask; FetchSingleTask
     /// with `handle`): `forgejo_rules::pick` over the jobs by id (`CreateTaskForRunner`).
     pub fn task_for(&self, id: i64, handle: Option<&str>) -> Option<i64> {
-        let r = self.live(id)?;
-        let runner = RunnerView {
-            owner_id: 0,
-            repo_id: r.repo_id,
-            labels: r.labels.as_deref().unwrap_or(&[]),
-            ephemeral: r.ephemeral,
-            has_task: r.had_task,
-            handle,
-        };
-        rules::pick(&runner, self.jobs.values().map(|j| (j.id, j.view())))
+        self.forgejo.task_for(id, handle)
     }
 
     /// `CreateTaskForRunner`: the job runs on the runner from now.
     fn start_task(&mut self, job: i64, runner: i64) {
-        let now = self.now;
-        if let Some(j) = self.jobs.get_mut(&job) {
-            j.state = JobState::Running(runner);
-            j.started = now;
-        }
-        if let Some(r) = self.runners.get_mut(&runner) {
-            r.busy = true;
-            r.last_active = now;
-            r.had_task = true;
-        }
+        self.forgejo.start_task(job, runner, self.now);
     }
 
-    /// When the task on this runner was last updated: now while its runner reports, else its
-    /// last report (`UpdateTask`/`UpdateLog` set `last_active`,
-    /// `routers/api/actions/runner/interceptor.go`).
-    fn task_updated(&self, runner: i64) -> i64 {
-        match self.runners.get(&runner) {
-            Some(r) if r.busy && !r.deleted => self.now,
-            Some(r) => r.last_active,
-            None => 0,
-        }
-    }
-
-    /// `StopTask` (`services/actions/task.go`): the job ends; an ephemeral runner is deleted
-    /// (its process may still run), any other is simply no longer busy.
-    fn stop_task(&mut self, job: i64, runner: i64, event: &'static str) {
+    /// `StopTask` with `status`: an ephemeral runner is deleted (its process may still run);
+    /// any other runner's process is told its task ended at its next report and is no longer
+    /// busy.
+    fn stop_task(&mut self, job: i64, runner: i64, status: &str, event: &'static str) {
         let now = self.now;
-        self.jobs.remove(&job);
-        let ephemeral = self
-            .runners
-            .get(&runner)
-            .is_some_and(|r| r.ephemeral && !r.deleted);
-        if ephemeral {
+        if self.forgejo.stop_task(job, status, now).is_some() {
             self.log(format!(
                 "forgejo: task of job {job} stopped, runner {runner} deleted"
             ));
             self.event(event);
-            self.delete_runner_server_side(runner);
-        } else if let Some(r) = self.runners.get_mut(&runner) {
-            r.busy = false;
-            r.last_active = now;
+        } else {
+            if let Some(r) = self.forgejo.runners.get_mut(&runner) {
+                r.busy = false;
+                r.last_active = now;
+            }
             if event == EV_ENDLESS {
                 self.event(EV_ENDLESS_PERSISTENT);
             }
@@ -827,18 +682,14 @@ impl Sim {
     /// The run ahead of it in its concurrency group ended: it can be given out now; a runner of
     /// ours polling for it asks again within its fetch interval.
     fn release(&mut self, job: i64) {
-        let Some(j) = self.jobs.get_mut(&job).filter(|j| j.queued_behind) else {
+        if !self.forgejo.release(job) {
             return;
-        };
-        j.queued_behind = false;
-        let handle = j.handle.clone();
+        }
+        let handle = self.forgejo.jobs[&job].handle.clone();
         self.event(EV_RELEASED);
         let now = self.now;
         for (id, p) in self.procs.iter_mut() {
-            if p.stage == Stage::Poll
-                && p.handle == handle
-                && self.runners.get(id).is_some_and(|r| !r.deleted)
-            {
+            if p.stage == Stage::Poll && p.handle == handle && self.forgejo.live(*id).is_some() {
                 p.stage = Stage::Take;
                 p.next_at = now + self.rng.range(0, rules::FETCH_INTERVAL_MS);
                 p.woken = true;
@@ -893,33 +744,16 @@ impl Sim {
         self.now = self.now.max(to);
     }
 
-    /// Forgejo deletes the registration (`DeleteRunner`). A process of it keeps running: its
-    /// requests fail from now on.
-    /// The final UpdateTask of the runner's task: its job ends, and Forgejo deletes the
-    /// ephemeral runner (`routers/api/actions/runner/runner.go` `UpdateTask`).
+    /// The runner's process exits: after the final UpdateTask of its task, if it has one (its
+    /// job ends, and Forgejo deletes the ephemeral runner); a runner with none is deleted all the
+    /// same (every caller's runner is ephemeral).
     fn final_update_task(&mut self, id: i64) {
-        let done: Vec<i64> = self
-            .jobs
-            .values()
-            .filter(|j| j.state == JobState::Running(id))
-            .map(|j| j.id)
-            .collect();
-        for j in done {
-            self.jobs.remove(&j);
-        }
-        self.delete_runner_server_side(id);
-    }
-
-    fn delete_runner_server_side(&mut self, id: i64) {
         let now = self.now;
-        self.rows_version += 1;
-        if let Some(r) = self.runners.get_mut(&id) {
-            r.deleted = true;
-            if r.busy {
-                r.last_active = now;
+        match self.forgejo.running_job_of(id) {
+            Some(j) => {
+                self.forgejo.final_update_task(j, now);
             }
-            r.polling = false;
-            r.busy = false;
+            None => self.forgejo.delete(id, now),
         }
     }
 
@@ -938,7 +772,7 @@ impl Sim {
                 let id = self.new_job(runs_on);
                 if self.rng.chance(0.1) {
                     // `needs`: blocked, not listed, until the jobs it needs finish.
-                    self.jobs.get_mut(&id).expect("just added").state = JobState::Blocked;
+                    self.forgejo.jobs.get_mut(&id).expect("just added").status = "blocked".into();
                     let at = now + self.rng.range(30 * SEC, 5 * MIN);
                     self.schedule(at, Bg::JobUnblock(id));
                 }
@@ -946,7 +780,11 @@ impl Sim {
                     // Queued behind a run of its concurrency group (`getConcurrencyCondition`,
                     // `models/actions/task.go`): half let go before the pickup timeout, half
                     // (much) later.
-                    self.jobs.get_mut(&id).expect("just added").queued_behind = true;
+                    self.forgejo
+                        .jobs
+                        .get_mut(&id)
+                        .expect("just added")
+                        .queued_behind = true;
                     self.count_fault("job queued behind its concurrency group");
                     let after = if self.rng.chance(0.5) {
                         self.rng.range(MIN, 9 * MIN)
@@ -969,38 +807,24 @@ impl Sim {
             Bg::JobCancel(j) => {
                 // `cancelSingleJob` (`services/actions/rerun.go`): a job without a task just
                 // ends; a running one's task is stopped, which deletes an ephemeral runner.
-                match self.jobs.get(&j).map(|job| job.state) {
-                    Some(JobState::Running(r)) => self.stop_task(j, r, EV_CANCEL),
-                    Some(_) => {
-                        self.jobs.remove(&j);
+                let running = self.forgejo.jobs.get(&j).filter(|job| job.is_running());
+                match running.and_then(|job| job.runner_id) {
+                    Some(r) => self.stop_task(j, r, "cancelled", EV_CANCEL),
+                    None => {
+                        self.forgejo.cancel_job(j, now);
                     }
-                    None => {}
                 }
             }
             Bg::JobTakenByOther(j) => {
                 // A persistent runner that may take this job asks for a task and is given the
                 // first job the rule admits (this one or an older one).
                 let asks = self
+                    .forgejo
                     .runners
                     .values()
-                    .filter(|r| r.owner == Owner::Persistent && r.polling && !r.busy && !r.deleted)
+                    .filter(|r| r.extra == Owner::Persistent && r.polling && !r.busy && !r.deleted)
                     .map(|r| r.id)
-                    .find(|r| {
-                        self.jobs.get(&j).is_some_and(|job| {
-                            let run = &self.runners[r];
-                            rules::may_take(
-                                &RunnerView {
-                                    owner_id: 0,
-                                    repo_id: run.repo_id,
-                                    labels: run.labels.as_deref().unwrap_or(&[]),
-                                    ephemeral: run.ephemeral,
-                                    has_task: run.had_task,
-                                    handle: None,
-                                },
-                                &job.view(),
-                            )
-                        })
-                    });
+                    .find(|r| self.forgejo.may_take(*r, j, None));
                 if let Some(r) = asks
                     && let Some(job) = self.task_for(r, None)
                 {
@@ -1011,55 +835,45 @@ impl Sim {
                 }
             }
             Bg::JobFinish(j) => {
-                if let Some(JobState::Running(r)) = self.jobs.get(&j).map(|job| job.state) {
-                    self.jobs.remove(&j);
-                    if let Some(run) = self.runners.get_mut(&r) {
-                        run.busy = false;
-                        run.last_active = now;
-                    }
+                if self.forgejo.jobs.get(&j).is_some_and(JobRow::is_running) {
+                    self.forgejo.final_update_task(j, now);
                 }
             }
             Bg::JobRelease(j) => self.release(j),
             Bg::JobUnblock(j) => {
-                if let Some(job) = self.jobs.get_mut(&j)
-                    && job.state == JobState::Blocked
+                if let Some(job) = self.forgejo.jobs.get_mut(&j)
+                    && job.status == "blocked"
                 {
-                    job.state = JobState::Waiting;
+                    job.status = "waiting".into();
                 }
             }
             Bg::ZombieCron => {
                 // `StopZombieTasks` (`services/actions/clear_tasks.go`): running tasks not
                 // updated for `ZOMBIE_TASK_TIMEOUT`.
-                let zombies: Vec<(i64, i64)> = self
-                    .running_tasks()
-                    .into_iter()
-                    .filter(|(_, r)| now - self.task_updated(*r) > rules::ZOMBIE_TASK_TIMEOUT_MS)
-                    .collect();
-                for (j, r) in zombies {
-                    self.stop_task(j, r, EV_ZOMBIE);
+                for j in self.forgejo.zombie_tasks(now) {
+                    let r = self.forgejo.jobs[&j].runner_id.unwrap_or(0);
+                    self.stop_task(j, r, "failure", EV_ZOMBIE);
                 }
                 self.schedule(now + rules::ZOMBIE_CRON_MS, Bg::ZombieCron);
             }
             Bg::EndlessCron => {
                 // `StopEndlessTasks` (`services/actions/clear_tasks.go`): running tasks started
                 // more than `ENDLESS_TASK_TIMEOUT` ago, however lively.
-                let endless: Vec<(i64, i64)> = self
-                    .running_tasks()
-                    .into_iter()
-                    .filter(|(j, _)| now - self.jobs[j].started > rules::ENDLESS_TASK_TIMEOUT_MS)
-                    .collect();
-                for (j, r) in endless {
-                    self.stop_task(j, r, EV_ENDLESS);
+                for j in self
+                    .forgejo
+                    .endless_tasks(now, rules::ENDLESS_TASK_TIMEOUT_MS)
+                {
+                    let r = self.forgejo.jobs[&j].runner_id.unwrap_or(0);
+                    self.stop_task(j, r, "failure", EV_ENDLESS);
                 }
                 self.schedule(now + rules::ENDLESS_CRON_MS, Bg::EndlessCron);
             }
             Bg::PersistentFlip(id) => {
-                if let Some(r) = self.runners.get_mut(&id)
+                if let Some(r) = self.forgejo.runners.get_mut(&id)
                     && !r.busy
                 {
                     if r.polling {
-                        r.polling = false;
-                        r.last_online = now;
+                        r.stops_polling(now);
                     } else {
                         r.polling = true;
                     }
@@ -1073,7 +887,7 @@ impl Sim {
                 if !self.arrivals_on {
                     return;
                 }
-                let n = self.next_runner_id;
+                let n = self.forgejo.next_runner_id();
                 let id = self.add_runner(format!("{OTHER_PREFIX}{n}-1"), Owner::OtherPool, true);
                 if self.rng.chance(0.8) {
                     let at = now + self.rng.range(5 * SEC, 40 * SEC);
@@ -1083,7 +897,7 @@ impl Sim {
                 self.schedule(at, Bg::OtherPoolRegister);
             }
             Bg::OtherConnect(id) => {
-                if self.live(id).is_some() {
+                if self.forgejo.live(id).is_some() {
                     // It connects and takes its pool's job (not in our label-filtered list).
                     self.declare(id, vec![OTHER_LABEL.into()]);
                     let j = self.new_job(&[OTHER_LABEL]);
@@ -1095,7 +909,7 @@ impl Sim {
                 }
             }
             Bg::OtherDone(id) | Bg::LegacyFinish(id) => {
-                if self.live(id).is_some() {
+                if self.forgejo.live(id).is_some() {
                     self.final_update_task(id);
                 }
             }
@@ -1108,23 +922,13 @@ impl Sim {
         }
     }
 
-    fn running_tasks(&self) -> Vec<(i64, i64)> {
-        self.jobs
-            .values()
-            .filter_map(|j| match j.state {
-                JobState::Running(r) => Some((j.id, r)),
-                _ => None,
-            })
-            .collect()
-    }
-
     fn run_proc(&mut self, id: i64) {
         let now = self.now;
         let Some(p) = self.procs.get_mut(&id) else {
             return;
         };
         let (stage, behaviour, handle, woken) = (p.stage, p.behaviour, p.handle.clone(), p.woken);
-        if self.runners.get(&id).is_none_or(|r| r.deleted) {
+        if self.forgejo.live(id).is_none() {
             match stage {
                 // Declare fails (Unauthenticated "unregistered runner",
                 // `routers/api/actions/runner/interceptor.go`): one-job exits. A task that was
@@ -1204,13 +1008,8 @@ impl Sim {
                 return;
             }
             Stage::GoSilent | Stage::Die => {
-                let r = self.runners.get_mut(&id).expect("present");
-                r.polling = false;
-                r.last_online = now;
-                if r.busy {
-                    r.busy = false;
-                    r.last_active = now;
-                }
+                let r = self.forgejo.runners.get_mut(&id).expect("present");
+                r.stops_polling(now);
                 self.procs.remove(&id);
                 return;
             }
@@ -1265,18 +1064,13 @@ impl Sim {
             for id in on_vm {
                 self.procs.remove(&id);
                 self.launched_ok.remove(&id);
-                let Some(r) = self.runners.get_mut(&id) else {
+                let Some(r) = self.forgejo.runners.get_mut(&id) else {
                     continue;
                 };
                 if r.deleted {
                     self.event(EV_ORPHAN);
                 } else if r.polling {
-                    r.polling = false;
-                    r.last_online = now;
-                    if r.busy {
-                        r.busy = false;
-                        r.last_active = now;
-                    }
+                    r.stops_polling(now);
                 }
             }
         }
@@ -1310,15 +1104,10 @@ impl Sim {
         self.event(EV_STOPPED);
         self.log(format!("runner {id}: process stopped"));
         self.launched_ok.remove(&id);
-        if let Some(r) = self.runners.get_mut(&id)
+        if let Some(r) = self.forgejo.runners.get_mut(&id)
             && r.polling
         {
-            r.polling = false;
-            r.last_online = now;
-            if r.busy {
-                r.busy = false;
-                r.last_active = now;
-            }
+            r.stops_polling(now);
         }
     }
 
@@ -1339,9 +1128,10 @@ impl Sim {
             ));
         }
         if let Some(repo) = self
+            .forgejo
             .jobs
             .values()
-            .find(|j| j.handle == handle)
+            .find(|j| j.handle == handle && !j.is_done())
             .map(|j| j.repo_id)
         {
             match self.vm_repos.get(vm) {
@@ -1444,17 +1234,13 @@ impl Sim {
     /// `runs_on` the labels cover (`ItRunsOn`; `routers/api/v1/shared/action.go`). A job queued
     /// behind its concurrency group is listed `waiting` all the same.
     pub fn srv_list_jobs(&self) -> Vec<Job> {
-        self.jobs
-            .values()
-            .rev()
-            .filter(|j| {
-                matches!(j.state, JobState::Waiting | JobState::Running(_))
-                    && rules::it_runs_on(&[LABEL], &j.runs_on)
-            })
+        self.forgejo
+            .list_jobs(&Scope::ADMIN, Some(&[LABEL]))
+            .into_iter()
             .map(|j| Job {
                 id: j.id,
                 handle: j.handle.clone(),
-                status: j.state.as_str().into(),
+                status: j.status.clone(),
                 runs_on: j.runs_on.clone(),
                 repo_id: Some(j.repo_id),
                 owner_id: Some(j.owner_id),
@@ -1469,7 +1255,7 @@ impl Sim {
         Runner {
             id: r.id,
             name: Some(r.name.clone()),
-            status: r.status(self.now),
+            status: status_of(r, self.now),
             labels: r.labels.clone(),
         }
     }
@@ -1479,13 +1265,13 @@ impl Sim {
         Runner {
             id: r.id,
             name: Some(r.name.clone()),
-            status: r.status(self.now),
+            status: status_of(r, self.now),
             labels: None,
         }
     }
 
     pub fn live(&self, id: i64) -> Option<&SRunner> {
-        self.runners.get(&id).filter(|r| !r.deleted)
+        self.forgejo.live(id)
     }
 
     /// `DELETE …/runners/{id}` as applied by the server; checks the deletion invariants.
@@ -1493,8 +1279,8 @@ impl Sim {
         let Some(r) = self.live(id) else {
             return false;
         };
-        let status = r.status(self.now);
-        let (name, owner, never_connected) = (r.name.clone(), r.owner, r.labels.is_none());
+        let status = status_of(r, self.now);
+        let (name, owner, never_connected) = (r.name.clone(), r.extra, r.labels.is_none());
         if status != RunnerStatus::Offline {
             self.violate(format!(
                 "deleted runner {id} ({name}, {owner:?}) while it was {} (reason {reason})",
@@ -1527,7 +1313,7 @@ impl Sim {
                 .or_default() += 1;
         }
         *self.stats.deletes.entry(reason.to_string()).or_default() += 1;
-        self.delete_runner_server_side(id);
+        self.forgejo.delete(id, self.now);
         true
     }
 
@@ -1542,54 +1328,39 @@ impl Sim {
         self.schedule(at, Bg::LatePost(name.to_string()));
     }
 
-    /// One page, `ORDER BY last_online DESC`. Ties (every never-connected registration has
-    /// `last_online = 0`) come in an arbitrary order that changes whenever rows are added or
-    /// deleted, so pages read across a change overlap or skip rows. `limit` is clamped
-    /// (`convert.ToCorrectPageSize`); `page=0` is every row (`db.FindAndCount` pages only from
-    /// page 1, `models/db/list.go`).
+    /// One page of `GET /admin/actions/runners` (no `visible`: every runner of the world is an
+    /// instance runner), `ORDER BY last_online DESC` (`Forgejo::list_runners`). Ties (every
+    /// never-connected registration has `last_online = 0`) come in an arbitrary order that
+    /// changes whenever rows are added or deleted (or, with `random_ties`, on every request), so
+    /// pages read across a change overlap or skip rows. `page=0` is every row.
     pub fn srv_page(&mut self, page: u32, limit: u32) -> (Vec<Runner>, u64) {
-        let limit = match limit as i64 {
-            0 => rules::DEFAULT_PAGING_NUM,
-            l if l > rules::MAX_RESPONSE_ITEMS => rules::MAX_RESPONSE_ITEMS,
-            l => l,
-        } as usize;
-        let (skip, limit) = match page {
-            0 => (0, usize::MAX),
-            p => ((p as usize - 1) * limit, limit),
-        };
-        let now = self.now;
-        let mut rows: Vec<(i64, u64, i64)> = Vec::new();
-        let ids: Vec<i64> = self
-            .runners
-            .values()
-            .filter(|r| !r.deleted)
-            .map(|r| r.id)
-            .collect();
-        for id in ids {
-            let lo = self.runners[&id].effective_last_online(now);
-            let tie = if self.random_ties {
-                self.rng.next_u64()
-            } else {
-                super::rng::Rng::new(id as u64 ^ self.rows_version.wrapping_mul(0x9E37_79B9))
-                    .next_u64()
-            };
-            rows.push((lo, tie, id));
-        }
-        rows.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
-        let total = rows.len() as u64;
+        let random = self.random_ties;
+        let rng = &mut self.rng;
+        let (rows, total) = self.forgejo.list_runners(
+            self.now,
+            &Scope::ADMIN,
+            false,
+            i64::from(page),
+            i64::from(limit),
+            |id, version| {
+                if random {
+                    rng.next_u64()
+                } else {
+                    Rng::new(id as u64 ^ version.wrapping_mul(0x9E37_79B9)).next_u64()
+                }
+            },
+        );
         let shown = rows
-            .iter()
-            .skip(skip)
-            .take(limit)
-            .map(|(_, _, id)| {
-                let mut r = self.wire_row(&self.runners[id]);
-                if self.nameless.contains(id) {
+            .into_iter()
+            .map(|row| {
+                let mut r = self.wire_row(row);
+                if self.nameless.contains(&row.id) {
                     r.name = None;
                 }
                 r
             })
             .collect();
-        (shown, total)
+        (shown, total as u64)
     }
 
     // -- invariants ---------------------------------------------------------------------------------
@@ -1599,7 +1370,7 @@ impl Sim {
     pub fn check_remembered(&mut self, after: &str) {
         let mut missing: Option<(i64, String)> = None;
         for id in &self.ours {
-            let r = &self.runners[id];
+            let r = &self.forgejo.runners[id];
             if r.deleted {
                 continue;
             }
@@ -1625,10 +1396,11 @@ impl Sim {
     }
 
     /// A job Forgejo still lists (waiting or running) under this handle.
-    fn listed(&self, job_id: i64, handle: &str) -> Option<&SJob> {
-        self.jobs.get(&job_id).filter(|j| {
-            j.handle == handle && matches!(j.state, JobState::Waiting | JobState::Running(_))
-        })
+    fn listed(&self, job_id: i64, handle: &str) -> Option<&JobRow> {
+        self.forgejo
+            .jobs
+            .get(&job_id)
+            .filter(|j| j.handle == handle && j.is_listed())
     }
 
     /// Hold before teardown: while cycle.json records a teardown because a runner of ours was not
@@ -1710,13 +1482,13 @@ impl Sim {
         for reg in &st.registrations {
             let Some(id) = reg.id else { continue };
             let Some(r) = self.live(id) else { continue };
-            if r.status(now) != RunnerStatus::Idle {
+            if status_of(r, now) != RunnerStatus::Idle {
                 continue;
             }
             let Some(job) = self.listed(reg.job_id, &reg.job_handle) else {
                 continue;
             };
-            if job.state != JobState::Waiting {
+            if job.status != "waiting" {
                 continue;
             }
             waits += 1;
@@ -1824,14 +1596,14 @@ impl Sim {
         if !self.vms.is_empty() {
             left.push(format!("VM {}", self.vms.join(", ")));
         }
-        for r in self.runners.values() {
+        for r in self.forgejo.runners.values() {
             if !r.deleted && r.name.starts_with(PREFIX) {
                 left.push(format!(
                     "registration {} ({}, {:?}, {})",
                     r.id,
                     r.name,
-                    r.owner,
-                    r.status(self.now).as_str()
+                    r.extra,
+                    r.status(self.now)
                 ));
             }
         }

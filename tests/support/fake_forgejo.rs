@@ -29,16 +29,13 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde_json::{Value, json};
 
-use super::forgejo_rules::{
-    self as rules, DEFAULT_PAGING_NUM, JobView, MAX_RESPONSE_ITEMS, RunnerView,
-};
+use super::forgejo_model::{self as model, Forgejo, JobRow, NewRunner, Scope, ScopeKind};
+use super::forgejo_rules as rules;
 
 /// `url` of every API error body.
 pub const SWAGGER_URL: &str = "https://forgejo.invalid/api/swagger";
 /// Default `ROOT_URL` used in `Link` headers.
 pub const DEFAULT_ROOT_URL: &str = "http://forgejo.invalid/";
-/// `version` a runner reports once it has connected (Declare).
-pub const RUNNER_VERSION: &str = "12.8.2";
 /// Answer of `GET /api/v1/version`.
 pub const FORGEJO_VERSION: &str = "15.0.3+gitea-1.22.0";
 /// Id of the user who owns the API token (the `/user/...` scope).
@@ -134,26 +131,9 @@ pub enum Fault {
 // State
 // ---------------------------------------------------------------------------------------------
 
-struct RunnerRow {
-    id: i64,
-    uuid: String,
-    token: String,
-    name: String,
-    description: String,
-    owner_id: i64,
-    repo_id: i64,
-    ephemeral: bool,
-    version: String,
-    /// `None` until the runner has connected (JSON `null`).
-    labels: Option<Vec<String>>,
-    /// Unix milliseconds; 0 = never.
-    last_online_ms: i64,
-    last_active_ms: i64,
-    /// The runner process polls: `last_online` is "now" at every status computation.
-    polling: bool,
-    /// The runner is running a task and reporting: `last_active` is "now".
-    busy: bool,
-    deleted: bool,
+/// What the fake keeps with each runner row besides Forgejo's columns (`forgejo_model`).
+#[derive(Clone, Debug, Default)]
+struct FakeRow {
     status_override: Option<String>,
     token_presented: bool,
     /// `/_fake/disconnect` was called: the runner's process is gone (it died, or its VM was
@@ -164,156 +144,98 @@ struct RunnerRow {
     die_when_seen: bool,
 }
 
-impl RunnerRow {
-    fn effective_last_online(&self, now: i64) -> i64 {
-        if self.polling {
-            now
-        } else {
-            self.last_online_ms
+type RunnerRow = model::RunnerRow<FakeRow>;
+
+fn runner_json(r: &RunnerRow, now: i64) -> Value {
+    let mut v = json!({
+        "id": r.id,
+        "uuid": r.uuid,
+        "owner_id": r.owner_id,
+        "repo_id": r.repo_id,
+        "name": r.name,
+        "status": r.status(now),
+        "version": r.version,
+        // No labels: `null` before Declare; after a Declare of none Forgejo shows `null` for
+        // a nil list (`[]` for an empty one; the product reads both as none).
+        "labels": r.labels.as_ref().filter(|l| !l.is_empty()),
+        "description": r.description,
+        "ephemeral": r.ephemeral,
+    });
+    match r.extra.status_override.as_deref() {
+        None => {}
+        Some("") => {
+            v.as_object_mut().expect("object").remove("status");
         }
+        Some(s) => v["status"] = json!(s),
     }
+    v
+}
 
-    /// `ActionRunner.Status()`: offline after 1 min without contact, idle after 10 s without
-    /// task activity, else active.
-    fn status(&self, now: i64) -> &'static str {
-        let last_active = if self.busy { now } else { self.last_active_ms };
-        rules::status(now, self.effective_last_online(now), last_active)
+fn runner_snapshot(r: &RunnerRow, now: i64) -> RunnerSnapshot {
+    RunnerSnapshot {
+        id: r.id,
+        uuid: r.uuid.clone(),
+        name: r.name.clone(),
+        status: r.status(now).to_string(),
+        ephemeral: r.ephemeral,
+        owner_id: r.owner_id,
+        repo_id: r.repo_id,
     }
+}
 
-    fn is_instance(&self) -> bool {
-        self.owner_id == 0 && self.repo_id == 0
-    }
-
-    fn json(&self, now: i64) -> Value {
-        let mut v = json!({
-            "id": self.id,
-            "uuid": self.uuid,
-            "owner_id": self.owner_id,
-            "repo_id": self.repo_id,
-            "name": self.name,
-            "status": self.status(now),
-            "version": self.version,
-            // No labels: `null` before Declare; after a Declare of none Forgejo shows `null` for
-            // a nil list (`[]` for an empty one; the product reads both as none).
-            "labels": self.labels.as_ref().filter(|l| !l.is_empty()),
-            "description": self.description,
-            "ephemeral": self.ephemeral,
-        });
-        match self.status_override.as_deref() {
-            None => {}
-            Some("") => {
-                v.as_object_mut().expect("object").remove("status");
-            }
-            Some(s) => v["status"] = json!(s),
+/// Seeds a row's connection state (test set-up, not an RPC).
+fn apply_conn(r: &mut RunnerRow, conn: &Conn, now: i64) {
+    match conn {
+        Conn::NeverConnected => {
+            r.version = String::new();
+            r.labels = None;
+            r.last_online = 0;
+            r.last_active = 0;
+            r.polling = false;
+            r.busy = false;
         }
-        v
-    }
-
-    fn snapshot(&self, now: i64) -> RunnerSnapshot {
-        RunnerSnapshot {
-            id: self.id,
-            uuid: self.uuid.clone(),
-            name: self.name.clone(),
-            status: self.status(now).to_string(),
-            ephemeral: self.ephemeral,
-            owner_id: self.owner_id,
-            repo_id: self.repo_id,
+        Conn::Idle => {
+            r.declare(None, now);
+            r.busy = false;
+            r.last_active = now - 3_600_000;
         }
-    }
-
-    /// The runner's Declare RPC: version and label names, and it starts polling.
-    fn declare(&mut self, labels: Option<Vec<String>>, now: i64) {
-        self.version = RUNNER_VERSION.to_string();
-        let labels = labels.unwrap_or_else(|| self.labels.take().unwrap_or_default());
-        self.labels = Some(labels);
-        self.polling = true;
-        self.last_online_ms = now;
-    }
-
-    fn apply_conn(&mut self, conn: &Conn, now: i64) {
-        match conn {
-            Conn::NeverConnected => {
-                self.version = String::new();
-                self.labels = None;
-                self.last_online_ms = 0;
-                self.last_active_ms = 0;
-                self.polling = false;
-                self.busy = false;
-            }
-            Conn::Idle => {
-                self.declare(None, now);
-                self.busy = false;
-                self.last_active_ms = now - 3_600_000;
-            }
-            Conn::Active => {
-                self.declare(None, now);
-                self.busy = true;
-                self.last_active_ms = now;
-            }
-            Conn::OfflineFor(d) => {
-                self.declare(None, now);
-                self.polling = false;
-                self.busy = false;
-                self.last_online_ms = now - d.as_millis() as i64;
-                self.last_active_ms = self.last_online_ms - 3_600_000;
-            }
+        Conn::Active => {
+            r.declare(None, now);
+            r.busy = true;
+            r.last_active = now;
+        }
+        Conn::OfflineFor(d) => {
+            r.declare(None, now);
+            r.polling = false;
+            r.busy = false;
+            r.last_online = now - d.as_millis() as i64;
+            r.last_active = r.last_online - 3_600_000;
         }
     }
 }
 
-struct JobRow {
-    id: i64,
-    attempt: i64,
-    handle: String,
-    repo_id: i64,
-    owner_id: i64,
-    name: String,
-    runs_on: Vec<String>,
-    task_id: i64,
-    status: String,
-    runner_id: Option<i64>,
-    /// Its run waits behind another of its concurrency group: listed `waiting`, given to nobody.
-    queued_behind: bool,
-    /// When its task started (Unix ms), for the endless-task clean-up.
-    started_ms: i64,
+fn job_json(j: &JobRow) -> Value {
+    json!({
+        "id": j.id,
+        "attempt": j.attempt,
+        "handle": j.handle,
+        "repo_id": j.repo_id,
+        "owner_id": j.owner_id,
+        "name": j.name,
+        "needs": null,
+        "runs_on": j.runs_on,
+        "task_id": j.task_id,
+        "status": j.status,
+    })
 }
 
-impl JobRow {
-    fn view(&self) -> JobView<'_> {
-        JobView {
-            status: &self.status,
-            task_id: self.task_id,
-            handle: &self.handle,
-            runs_on: &self.runs_on,
-            owner_id: self.owner_id,
-            repo_id: self.repo_id,
-            queued_behind: self.queued_behind,
-        }
-    }
-
-    fn json(&self) -> Value {
-        json!({
-            "id": self.id,
-            "attempt": self.attempt,
-            "handle": self.handle,
-            "repo_id": self.repo_id,
-            "owner_id": self.owner_id,
-            "name": self.name,
-            "needs": null,
-            "runs_on": self.runs_on,
-            "task_id": self.task_id,
-            "status": self.status,
-        })
-    }
-
-    fn snapshot(&self) -> JobSnapshot {
-        JobSnapshot {
-            id: self.id,
-            handle: self.handle.clone(),
-            status: self.status.clone(),
-            runs_on: self.runs_on.clone(),
-            runner_id: self.runner_id,
-        }
+fn job_snapshot(j: &JobRow) -> JobSnapshot {
+    JobSnapshot {
+        id: j.id,
+        handle: j.handle.clone(),
+        status: j.status.clone(),
+        runs_on: j.runs_on.clone(),
+        runner_id: j.runner_id,
     }
 }
 
@@ -324,79 +246,12 @@ struct FaultRule {
     remaining: usize,
 }
 
-#[derive(Clone, Copy, PartialEq, Debug)]
-enum Kind {
-    Admin,
-    Owner,
-    Repo,
-}
-
-/// The scope of an API route: `(owner_id, repo_id)` as in `FindRunnerOptions`.
-#[derive(Clone, Copy, Debug)]
-struct Scope {
-    kind: Kind,
-    owner_id: i64,
-    repo_id: i64,
-    /// For a repo scope: the owner id of the repo (an org id by name), for `visible=true`.
-    repo_owner_id: i64,
-    write_scope: &'static str,
-}
-
-impl Scope {
-    /// `FindRunnerOptions.ToConds` for the list endpoint.
-    fn lists(&self, r: &RunnerRow, visible: bool) -> bool {
-        match self.kind {
-            Kind::Admin => visible || r.is_instance(),
-            Kind::Owner => r.owner_id == self.owner_id || (visible && r.is_instance()),
-            Kind::Repo => {
-                r.repo_id == self.repo_id
-                    || (visible
-                        && (r.is_instance()
-                            || (r.repo_id == 0 && r.owner_id == self.repo_owner_id)))
-            }
-        }
-    }
-
-    /// `GetVisibleRunnerByID`.
-    fn sees(&self, r: &RunnerRow) -> bool {
-        match self.kind {
-            Kind::Admin => true,
-            Kind::Owner => r.owner_id == self.owner_id || r.is_instance(),
-            Kind::Repo => {
-                r.repo_id == self.repo_id
-                    || r.is_instance()
-                    || (r.repo_id == 0 && r.owner_id == self.repo_owner_id)
-            }
-        }
-    }
-
-    /// `ActionRunner.Editable`.
-    fn edits(&self, r: &RunnerRow) -> bool {
-        match self.kind {
-            Kind::Admin => true,
-            Kind::Owner => r.owner_id == self.owner_id && r.repo_id == 0,
-            Kind::Repo => r.repo_id == self.repo_id,
-        }
-    }
-
-    fn has_job(&self, j: &JobRow) -> bool {
-        match self.kind {
-            Kind::Admin => true,
-            Kind::Owner => j.owner_id == self.owner_id,
-            Kind::Repo => j.repo_id == self.repo_id,
-        }
-    }
-}
-
 struct World {
     token: String,
     read_only_token: Option<String>,
     root_url: String,
-    runners: BTreeMap<i64, RunnerRow>,
-    next_runner_id: i64,
-    jobs: BTreeMap<i64, JobRow>,
-    next_job_id: i64,
-    next_task_id: i64,
+    /// Forgejo's rows and rules.
+    forgejo: Forgejo<FakeRow>,
     orgs: Vec<String>,
     repos: Vec<String>,
     deleted_ids: Vec<i64>,
@@ -405,9 +260,7 @@ struct World {
     requests: Vec<Request>,
     faults: Vec<FaultRule>,
     rng: u64,
-    /// Bumped whenever a row is added or deleted: rows that tie on `last_online` are listed in
-    /// an order that depends on it (see `list_runners`).
-    rows_version: u64,
+    /// Rows that tie on `last_online` are listed in an order hashed from it (see `list_runners`).
     tie_seed: u64,
     /// What `GET /api/v1/version` answers (`routers/api/v1/misc/version.go` `Version`:
     /// `{"version": setting.AppVer}`, e.g. `15.0.3+gitea-1.22.0`).
@@ -490,11 +343,7 @@ impl World {
             token: token.to_string(),
             read_only_token: None,
             root_url: DEFAULT_ROOT_URL.to_string(),
-            runners: BTreeMap::new(),
-            next_runner_id: 1,
-            jobs: BTreeMap::new(),
-            next_job_id: 1,
-            next_task_id: 1,
+            forgejo: Forgejo::default(),
             orgs: Vec::new(),
             repos: Vec::new(),
             deleted_ids: Vec::new(),
@@ -502,7 +351,6 @@ impl World {
             requests: Vec::new(),
             faults: Vec::new(),
             rng: seed | 1,
-            rows_version: 0,
             tie_seed: seed.rotate_left(17),
             forgejo_version: FORGEJO_VERSION.to_string(),
         }
@@ -586,58 +434,29 @@ impl World {
         conn: &Conn,
         now: i64,
     ) -> (i64, String, String) {
-        let id = id.unwrap_or(self.next_runner_id);
-        assert!(
-            !self.runners.contains_key(&id),
-            "fake forgejo: runner id {id} already exists"
-        );
-        self.next_runner_id = self.next_runner_id.max(id + 1);
         let uuid = self.uuid_v4();
         let token = self.runner_token();
-        let mut row = RunnerRow {
+        let id = self.forgejo.register(NewRunner {
             id,
             uuid: uuid.clone(),
             token: token.clone(),
-            name: name.to_string(),
-            description: description.to_string(),
+            name,
+            description,
             owner_id,
             repo_id,
             ephemeral,
-            version: String::new(),
-            labels: None,
-            last_online_ms: 0,
-            last_active_ms: 0,
-            polling: false,
-            busy: false,
-            deleted: false,
-            status_override: None,
-            token_presented: false,
-            process_gone: false,
-            die_when_seen: false,
-        };
-        row.apply_conn(conn, now);
-        self.runners.insert(id, row);
-        self.rows_version += 1;
+            extra: FakeRow::default(),
+        });
+        let row = self.forgejo.live_mut(id).expect("just registered");
+        apply_conn(row, conn, now);
         (id, uuid, token)
     }
 
-    fn live_runner_mut(&mut self, id: i64) -> Option<&mut RunnerRow> {
-        self.runners.get_mut(&id).filter(|r| !r.deleted)
-    }
-
-    /// Soft delete (`DeleteRunner`): the UUID is rewritten so the runner can no longer
-    /// authenticate, and the row disappears from list/get.
-    fn soft_delete(&mut self, id: i64, via_api: bool) {
-        self.rows_version += 1;
-        if let Some(r) = self.runners.get_mut(&id) {
-            r.deleted = true;
-            r.polling = false;
-            r.busy = false;
-            let b = id.to_be_bytes();
-            r.uuid = format!("ffffffff-ffff-ffff-{}-{}", hex(&b[0..2]), hex(&b[2..8]));
-            if via_api {
-                self.deleted_ids.push(id);
-            }
+    /// Deletes a row (`DeleteRunner`); `via_api`: a DELETE request, recorded in `deleted_ids`.
+    fn soft_delete(&mut self, id: i64, via_api: bool, now: i64) {
+        self.forgejo.delete(id, now);
+        if via_api {
+            self.deleted_ids.push(id);
         }
     }
 
@@ -673,7 +492,8 @@ impl World {
             .map(|s| percent_decode(s, false))
             .collect();
         let segs: Vec<&str> = segs.iter().map(String::as_str).collect();
-        let (scope, rest): (Scope, &[&str]) = match segs.as_slice() {
+        // The rows a route reads, and the token scope its writes need.
+        let (scope, write_scope, rest): (Scope, &str, &[&str]) = match segs.as_slice() {
             ["version"] => {
                 return if inc.method == "GET" {
                     Reply::json(200, &json!({"version": self.forgejo_version}))
@@ -681,37 +501,37 @@ impl World {
                     Reply::method_not_allowed()
                 };
             }
-            ["admin", "actions", "runners", rest @ ..] => (self.admin_scope(), rest),
+            ["admin", "actions", "runners", rest @ ..] => (Scope::ADMIN, "write:admin", rest),
             // Legacy path, deprecated in 15 but still routed.
-            ["admin", "runners", "jobs"] => (self.admin_scope(), &["jobs"][..]),
+            ["admin", "runners", "jobs"] => (Scope::ADMIN, "write:admin", &["jobs"][..]),
             ["user", "actions", "runners", rest @ ..] => (
                 Scope {
-                    kind: Kind::Owner,
+                    kind: ScopeKind::Owner,
                     owner_id: TOKEN_USER_ID,
                     repo_id: 0,
                     repo_owner_id: 0,
-                    write_scope: "write:user",
                 },
+                "write:user",
                 rest,
             ),
             ["orgs", org, "actions", "runners", rest @ ..] => (
                 Scope {
-                    kind: Kind::Owner,
+                    kind: ScopeKind::Owner,
                     owner_id: self.org_id(org),
                     repo_id: 0,
                     repo_owner_id: 0,
-                    write_scope: "write:organization",
                 },
+                "write:organization",
                 rest,
             ),
             ["repos", owner, repo, "actions", "runners", rest @ ..] => (
                 Scope {
-                    kind: Kind::Repo,
+                    kind: ScopeKind::Repo,
                     owner_id: 0,
                     repo_id: self.repo_id(&format!("{owner}/{repo}")),
                     repo_owner_id: self.org_id(owner),
-                    write_scope: "write:repository",
                 },
+                "write:repository",
                 rest,
             ),
             _ => return Reply::not_found(),
@@ -741,7 +561,7 @@ impl World {
                 403,
                 &format!(
                     "token does not have at least one of required scope(s): [{}]",
-                    scope.write_scope
+                    write_scope
                 ),
             );
         }
@@ -750,10 +570,10 @@ impl World {
             Op::List => self.list_runners(inc, scope, now),
             Op::Register => self.register_runner(inc, scope, now),
             Op::Jobs => self.list_jobs(inc, scope),
-            Op::Get(id) => match self.runners.get(&id) {
-                Some(r) if !r.deleted && scope.sees(r) => {
-                    let reply = Reply::json(200, &r.json(now));
-                    if r.die_when_seen && r.status(now) != "offline" {
+            Op::Get(id) => match self.forgejo.live(id) {
+                Some(r) if scope.sees(r) => {
+                    let reply = Reply::json(200, &runner_json(r, now));
+                    if r.extra.die_when_seen && r.status(now) != "offline" {
                         self.process_dies(id, now);
                     }
                     reply
@@ -763,15 +583,15 @@ impl World {
                     &format!("runner with ID {id}: resource does not exist"),
                 ),
             },
-            Op::Delete(id) => match self.runners.get(&id) {
-                Some(r) if !r.deleted && scope.sees(r) => {
+            Op::Delete(id) => match self.forgejo.live(id) {
+                Some(r) if scope.sees(r) => {
                     if !scope.edits(r) {
                         return Reply::error(404, "No permission to delete this runner");
                     }
                     // No busy check: Forgejo deletes active runners too.
                     let seen = (id, r.name.clone(), r.status(now).to_string());
                     self.deletions.push(seen);
-                    self.soft_delete(id, true);
+                    self.soft_delete(id, true, now);
                     Reply::empty(204)
                 }
                 _ => Reply::error(
@@ -790,55 +610,25 @@ impl World {
         }
     }
 
-    fn admin_scope(&self) -> Scope {
-        Scope {
-            kind: Kind::Admin,
-            owner_id: 0,
-            repo_id: 0,
-            repo_owner_id: 0,
-            write_scope: "write:admin",
-        }
-    }
-
     /// `shared.ListRunners`.
     fn list_runners(&self, inc: &Incoming, scope: Scope, now: i64) -> Reply {
         let q = parse_query(&inc.query);
         let visible = go_parse_bool(first(&q, "visible"));
         let page = go_atoi(first(&q, "page"));
-        let limit = match go_atoi(first(&q, "limit")) {
-            l if l <= 0 => DEFAULT_PAGING_NUM,
-            l if l > MAX_RESPONSE_ITEMS => MAX_RESPONSE_ITEMS,
-            l => l,
-        };
-        let mut rows: Vec<&RunnerRow> = self
-            .runners
-            .values()
-            .filter(|r| !r.deleted && scope.lists(r, visible))
-            .collect();
+        let limit = model::page_size(go_atoi(first(&q, "limit")));
         // `ToOrders` is only `last_online DESC` (models/actions/runner.go): rows that tie (every
         // never-connected one has 0) come in no promised order. Here their order is a hash of
         // the row and of the table's version: the same while nothing is added or deleted (as one
         // database plan would give), shuffled by every insert and delete, so pages read across a
         // change overlap or skip rows as they can on Forgejo.
-        let tie = |id: i64| {
-            mix(id as u64 ^ self.tie_seed ^ self.rows_version.wrapping_mul(0x9E37_79B9_7F4A_7C15))
-        };
-        rows.sort_by(|a, b| {
-            b.effective_last_online(now)
-                .cmp(&a.effective_last_online(now))
-                .then(tie(a.id).cmp(&tie(b.id)))
-        });
-        let total = rows.len() as i64;
-        // Quirk: LIMIT/OFFSET only applies when page >= 1; without `page` every row comes back.
-        let shown: Vec<Value> = if page >= 1 {
-            rows.iter()
-                .skip(((page - 1) * limit) as usize)
-                .take(limit as usize)
-                .map(|r| r.json(now))
-                .collect()
-        } else {
-            rows.iter().map(|r| r.json(now)).collect()
-        };
+        let tie_seed = self.tie_seed;
+        let (rows, total) =
+            self.forgejo
+                .list_runners(now, &scope, visible, page, limit, |id, version| {
+                    mix(id as u64 ^ tie_seed ^ version.wrapping_mul(0x9E37_79B9_7F4A_7C15))
+                });
+        let total = total as i64;
+        let shown: Vec<Value> = rows.iter().map(|r| runner_json(r, now)).collect();
         let mut reply = Reply::json(200, &Value::Array(shown));
         reply.headers.push(("X-Total-Count", total.to_string()));
         let links = api_links(&self.root_url, &inc.path, &q, total, limit, page);
@@ -917,18 +707,10 @@ impl World {
             }
         });
         let matching: Vec<Value> = self
-            .jobs
-            .values()
-            .rev()
-            .filter(|j| j.status == "waiting" || j.status == "running")
-            .filter(|j| scope.has_job(j))
-            .filter(|j| match &labels {
-                None => true,
-                Some(ls) if ls.is_empty() => j.runs_on.is_empty(),
-                // The jobs list filters by ItRunsOn of the names asked for.
-                Some(ls) => rules::it_runs_on(ls, &j.runs_on),
-            })
-            .map(JobRow::json)
+            .forgejo
+            .list_jobs(&scope, labels.as_deref())
+            .into_iter()
+            .map(job_json)
             .collect();
         // A nil Go slice: an empty result is `null`.
         if matching.is_empty() {
@@ -948,6 +730,7 @@ impl World {
         let token = token.trim_end();
         let uuid = inc.runner_uuid.as_deref().unwrap_or("").trim();
         let id = self
+            .forgejo
             .runners
             .values()
             .find(|r| !r.deleted && !uuid.is_empty() && r.uuid == uuid && r.token == token)
@@ -955,13 +738,18 @@ impl World {
         let Some(id) = id else {
             return Reply::error(401, "unregistered runner");
         };
-        if self.runners.get(&id).is_some_and(|r| r.process_gone) {
+        if self
+            .forgejo
+            .runners
+            .get(&id)
+            .is_some_and(|r| r.extra.process_gone)
+        {
             // A request a dead process could not have sent (a test poller that lost the race
             // against its VM's destroy): it changes nothing.
             return Reply::error(410, "this runner's process is gone");
         }
-        if let Some(r) = self.runners.get_mut(&id) {
-            r.token_presented = true;
+        if let Some(r) = self.forgejo.runners.get_mut(&id) {
+            r.extra.token_presented = true;
         }
         let q = parse_query(&inc.query);
         let labels = first(&q, "labels").map(rules::declared_names);
@@ -969,8 +757,8 @@ impl World {
         match action {
             "connect" => {
                 let die_when_seen = first(&q, "die") == Some("seen");
-                let r = self.live_runner_mut(id).expect("runner exists");
-                r.die_when_seen = die_when_seen;
+                let r = self.forgejo.live_mut(id).expect("runner exists");
+                r.extra.die_when_seen = die_when_seen;
                 r.declare(labels, now);
                 let status = r.status(now);
                 Reply::json(200, &json!({"runner_id": id, "status": status}))
@@ -995,7 +783,7 @@ impl World {
             }
             "disconnect" => {
                 self.process_dies(id, now);
-                let status = self.runners[&id].status(now);
+                let status = self.forgejo.runners[&id].status(now);
                 Reply::json(200, &json!({"runner_id": id, "status": status}))
             }
             _ => Reply::not_found(),
@@ -1003,8 +791,8 @@ impl World {
     }
 
     fn control_job_json(&self, runner_id: i64, job_id: i64) -> Value {
-        let job = &self.jobs[&job_id];
-        let runner_deleted = self.runners.get(&runner_id).is_none_or(|r| r.deleted);
+        let job = &self.forgejo.jobs[&job_id];
+        let runner_deleted = self.forgejo.live(runner_id).is_none();
         json!({
             "runner_id": runner_id,
             "runner_deleted": runner_deleted,
@@ -1025,94 +813,42 @@ impl World {
         labels: Option<Vec<String>>,
         now: i64,
     ) -> Result<i64, Reply> {
-        let r = self.live_runner_mut(id).expect("runner exists");
+        let r = self.forgejo.live_mut(id).expect("runner exists");
         if r.labels.is_none() || r.version.is_empty() || labels.is_some() {
             r.declare(labels, now);
         }
-        r.last_online_ms = now;
-        let (ephemeral, owner_id, repo_id) = (r.ephemeral, r.owner_id, r.repo_id);
-        let runner_labels = r.labels.clone().unwrap_or_default();
-        let has_task = self.jobs.values().any(|j| j.runner_id == Some(id));
-        if ephemeral && has_task {
+        r.last_online = now;
+        let ephemeral = r.ephemeral;
+        if ephemeral && self.forgejo.has_had_task(id) {
             return Err(Reply::error(
                 409,
                 "no task: ephemeral runner already has an assigned task",
             ));
         }
-        let runner = RunnerView {
-            owner_id,
-            repo_id,
-            labels: &runner_labels,
-            ephemeral,
-            has_task,
-            handle,
-        };
-        let job_id = rules::pick(&runner, self.jobs.values().map(|j| (j.id, j.view())));
-        let Some(job_id) = job_id else {
+        let Some(job_id) = self.forgejo.task_for(id, handle) else {
             return Err(Reply::error(409, "no task available"));
         };
-        let task_id = self.next_task_id;
-        self.next_task_id += 1;
-        let job = self.jobs.get_mut(&job_id).expect("job exists");
-        job.status = "running".to_string();
-        job.task_id = task_id;
-        job.runner_id = Some(id);
-        job.started_ms = now;
-        let r = self.live_runner_mut(id).expect("runner exists");
-        r.busy = true;
-        r.last_active_ms = now;
+        self.forgejo.start_task(job_id, id, now);
         Ok(job_id)
     }
 
     /// The runner's process is gone (it died, or its VM was destroyed): offline at once (a
-    /// shortcut: Forgejo waits 60 s after the last contact), and nothing more comes from it.
+    /// shortcut: Forgejo waits 60 s after the last contact, so its last RPC is dated two
+    /// minutes back), and nothing more comes from it.
     fn process_dies(&mut self, id: i64, now: i64) {
-        let Some(r) = self.live_runner_mut(id) else {
+        let Some(r) = self.forgejo.live_mut(id) else {
             return;
         };
-        r.process_gone = true;
-        r.polling = false;
-        r.busy = false;
-        r.last_online_ms = now - 120_000;
-        r.last_active_ms = r.last_active_ms.min(r.last_online_ms);
-    }
-
-    /// `StopTask` (services/actions/task.go): the job ends with `status`, and the ephemeral
-    /// runner that had its task is deleted, whether or not its process still runs.
-    fn stop_task(&mut self, job_id: i64, status: &str) {
-        let Some(job) = self.jobs.get_mut(&job_id) else {
-            return;
-        };
-        job.status = status.to_string();
-        let runner = job.runner_id;
-        if let Some(id) = runner
-            && self
-                .runners
-                .get(&id)
-                .is_some_and(|r| r.ephemeral && !r.deleted)
-        {
-            self.soft_delete(id, false);
-        }
+        r.extra.process_gone = true;
+        r.stops_polling(now - 2 * rules::OFFLINE_AFTER_MS);
     }
 
     /// Final UpdateTask: the job succeeds; an ephemeral runner is deleted by Forgejo.
     fn finish(&mut self, id: i64, now: i64) -> Result<i64, Reply> {
-        let job_id = self
-            .jobs
-            .values()
-            .find(|j| j.runner_id == Some(id) && j.status == "running")
-            .map(|j| j.id);
-        let Some(job_id) = job_id else {
+        let Some(job_id) = self.forgejo.running_job_of(id) else {
             return Err(Reply::error(409, "runner holds no running task"));
         };
-        self.jobs.get_mut(&job_id).expect("job exists").status = "success".to_string();
-        let r = self.live_runner_mut(id).expect("runner exists");
-        r.busy = false;
-        r.last_active_ms = now;
-        r.last_online_ms = now;
-        if r.ephemeral {
-            self.soft_delete(id, false);
-        }
+        self.forgejo.final_update_task(job_id, now);
         Ok(job_id)
     }
 }
@@ -1283,9 +1019,10 @@ impl FakeForgejo {
         let now = now_ms();
         let mut w = self.world();
         let r = w
-            .live_runner_mut(id)
+            .forgejo
+            .live_mut(id)
             .unwrap_or_else(|| panic!("fake forgejo: no runner {id}"));
-        r.apply_conn(&conn, now);
+        apply_conn(r, &conn, now);
     }
 
     /// A waiting job in repo 1 owned by user 1; returns `(id, handle)`.
@@ -1296,26 +1033,11 @@ impl FakeForgejo {
     /// A waiting job with this owner/repo; returns `(id, handle)`.
     pub fn add_scoped_job(&self, runs_on: &[&str], owner_id: i64, repo_id: i64) -> (i64, String) {
         let mut w = self.world();
-        let id = w.next_job_id;
-        w.next_job_id += 1;
         let handle = w.uuid_v4();
-        w.jobs.insert(
-            id,
-            JobRow {
-                id,
-                attempt: 1,
-                handle: handle.clone(),
-                repo_id,
-                owner_id,
-                name: format!("job-{id}"),
-                runs_on: runs_on.iter().map(|s| s.to_string()).collect(),
-                task_id: 0,
-                status: "waiting".to_string(),
-                runner_id: None,
-                queued_behind: false,
-                started_ms: 0,
-            },
-        );
+        let runs_on = runs_on.iter().map(|s| s.to_string()).collect();
+        let id = w
+            .forgejo
+            .add_job(handle.clone(), runs_on, owner_id, repo_id);
         (id, handle)
     }
 
@@ -1330,6 +1052,7 @@ impl FakeForgejo {
     pub fn set_job_queued(&self, job_id: i64, queued: bool) {
         let mut w = self.world();
         let job = w
+            .forgejo
             .jobs
             .get_mut(&job_id)
             .unwrap_or_else(|| panic!("fake forgejo: no job {job_id}"));
@@ -1343,14 +1066,9 @@ impl FakeForgejo {
     pub fn stop_endless_tasks(&self, older_than: Duration) -> Vec<i64> {
         let now = now_ms();
         let mut w = self.world();
-        let endless: Vec<i64> = w
-            .jobs
-            .values()
-            .filter(|j| j.status == "running" && now - j.started_ms > older_than.as_millis() as i64)
-            .map(|j| j.id)
-            .collect();
+        let endless = w.forgejo.endless_tasks(now, older_than.as_millis() as i64);
         for id in &endless {
-            w.stop_task(*id, "failure");
+            w.forgejo.stop_task(*id, "failure", now);
         }
         endless
     }
@@ -1359,13 +1077,15 @@ impl FakeForgejo {
     /// `skipped`, `blocked`). A running job that ends this way (a cancel, say) stops its task,
     /// and Forgejo deletes the ephemeral runner that had it (`StopTask`). Panics on an unknown id.
     pub fn set_job_status(&self, job_id: i64, status: &str) {
+        let now = now_ms();
         let mut w = self.world();
         let job = w
+            .forgejo
             .jobs
             .get_mut(&job_id)
             .unwrap_or_else(|| panic!("fake forgejo: no job {job_id}"));
-        if job.status == "running" && is_done(status) {
-            w.stop_task(job_id, status);
+        if job.is_running() && model::is_done(status) {
+            w.forgejo.stop_task(job_id, status, now);
         } else {
             job.status = status.to_string();
         }
@@ -1375,10 +1095,11 @@ impl FakeForgejo {
     pub fn runners(&self) -> Vec<RunnerSnapshot> {
         let now = now_ms();
         self.world()
+            .forgejo
             .runners
             .values()
             .filter(|r| !r.deleted)
-            .map(|r| r.snapshot(now))
+            .map(|r| runner_snapshot(r, now))
             .collect()
     }
 
@@ -1386,10 +1107,9 @@ impl FakeForgejo {
     pub fn runner(&self, id: i64) -> Option<RunnerSnapshot> {
         let now = now_ms();
         self.world()
-            .runners
-            .get(&id)
-            .filter(|r| !r.deleted)
-            .map(|r| r.snapshot(now))
+            .forgejo
+            .live(id)
+            .map(|r| runner_snapshot(r, now))
     }
 
     /// Ids deleted through the API's DELETE, in order (not Forgejo's own ephemeral deletions).
@@ -1400,6 +1120,7 @@ impl FakeForgejo {
     /// Every runner token the fake ever issued (deleted registrations included).
     pub fn issued_tokens(&self) -> Vec<String> {
         self.world()
+            .forgejo
             .runners
             .values()
             .map(|r| r.token.clone())
@@ -1413,7 +1134,12 @@ impl FakeForgejo {
 
     /// All jobs, id ascending.
     pub fn jobs(&self) -> Vec<JobSnapshot> {
-        self.world().jobs.values().map(JobRow::snapshot).collect()
+        self.world()
+            .forgejo
+            .jobs
+            .values()
+            .map(job_snapshot)
+            .collect()
     }
 
     /// Every request received, in order, including `/_fake/*` ones.
@@ -1449,18 +1175,20 @@ impl FakeForgejo {
     pub fn set_status_override(&self, id: i64, status: Option<&str>) {
         let mut w = self.world();
         let r = w
+            .forgejo
             .runners
             .get_mut(&id)
             .unwrap_or_else(|| panic!("fake forgejo: no runner {id}"));
-        r.status_override = status.map(str::to_string);
+        r.extra.status_override = status.map(str::to_string);
     }
 
     /// True once a `/_fake/*` endpoint was called with this runner's correct token.
     pub fn token_was_presented(&self, id: i64) -> bool {
         self.world()
+            .forgejo
             .runners
             .get(&id)
-            .is_some_and(|r| r.token_presented)
+            .is_some_and(|r| r.extra.token_presented)
     }
 }
 
@@ -1755,11 +1483,6 @@ fn mix(mut x: u64) -> u64 {
     x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
     x ^ (x >> 31)
-}
-
-/// A final job status (`Status.IsDone`, models/actions/status.go).
-fn is_done(status: &str) -> bool {
-    matches!(status, "success" | "failure" | "cancelled" | "skipped")
 }
 
 /// `Authorization: token T` (exact scheme) or `Bearer T` (any case), as Forgejo accepts.
