@@ -2,153 +2,22 @@
 //! checks of `--forgejo-url` and `--scope`.
 
 use std::sync::Mutex;
+
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
 use crate::core::model::{Deletable, Job, Runner, parse_jobs, parse_runner_page};
+
 use crate::core::ports::{ApiError, Deleted, Forgejo, NewRunner, RunnerPage};
+
 use crate::core::secret::Secret;
 
+mod target;
+pub use target::{Scope, major_version, validate_url};
+use target::{encode_query_value, is_loopback_host};
+
 pub const MAX_BODY_BYTES: u64 = 4 * 1024 * 1024;
-
-/// `--scope`: which runner API the registrations live in.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Scope {
-    Admin,
-    User,
-    Org(String),
-    Repo(String, String),
-}
-
-impl Scope {
-    pub fn parse(s: &str) -> Result<Scope, String> {
-        let segment_ok = |p: &str| {
-            !p.is_empty()
-                && p.chars()
-                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
-        };
-        let parts: Vec<&str> = s.split('/').collect();
-        let scope = match parts.as_slice() {
-            ["admin"] => Scope::Admin,
-            ["user"] => Scope::User,
-            ["org", name] if segment_ok(name) => Scope::Org(name.to_string()),
-            ["repo", owner, name] if segment_ok(owner) && segment_ok(name) => {
-                Scope::Repo(owner.to_string(), name.to_string())
-            }
-            _ => {
-                return Err(format!(
-                    "{s:?} is not a scope; use admin, user, org/NAME or repo/OWNER/NAME"
-                ));
-            }
-        };
-        Ok(scope)
-    }
-
-    /// The runners API path below `/api/v1/`.
-    pub fn runners_path(&self) -> String {
-        match self {
-            Scope::Admin => "admin/actions/runners".into(),
-            Scope::User => "user/actions/runners".into(),
-            Scope::Org(n) => format!("orgs/{n}/actions/runners"),
-            Scope::Repo(o, n) => format!("repos/{o}/{n}/actions/runners"),
-        }
-    }
-
-    /// The token scope Forgejo asks for on writes, for error hints.
-    fn write_scope(&self) -> &'static str {
-        match self {
-            Scope::Admin => "write:admin",
-            Scope::User => "write:user",
-            Scope::Org(_) => "write:organization",
-            Scope::Repo(..) => "write:repository",
-        }
-    }
-}
-
-/// Checks `--forgejo-url`: https, or plain http only to a loopback host. Returns it without a
-/// trailing slash.
-pub fn validate_url(url: &str) -> Result<String, String> {
-    let trimmed = url.trim().trim_end_matches('/');
-    // Checked before anything quotes the URL: it is copied into every error message.
-    if let Some(at) = userinfo_end(trimmed) {
-        let scheme_end = trimmed.find("://").map_or(0, |i| i + 3);
-        return Err(format!(
-            "\"{}…@{}\" holds a user name or password; remove it (Forgejo is authenticated by the token in --token-file alone, and a URL is copied into every log line and report)",
-            &trimmed[..scheme_end],
-            &trimmed[at + 1..]
-        ));
-    }
-    if trimmed.contains('#') {
-        return Err(format!(
-            "{url:?} must not have a #fragment; write the base URL only, like https://forgejo.example.org"
-        ));
-    }
-    let uri: ureq::http::Uri = trimmed
-        .parse()
-        .map_err(|e| format!("{url:?} is not a URL: {e}"))?;
-    let host = uri
-        .host()
-        .ok_or_else(|| format!("{url:?} has no host; write it like https://forgejo.example.org"))?;
-    if uri.query().is_some() {
-        return Err(format!("{url:?} must not have a query string"));
-    }
-    match uri.scheme_str() {
-        Some("https") => Ok(trimmed.to_string()),
-        Some("http") if is_loopback_host(host) => Ok(trimmed.to_string()),
-        Some("http") => Err(format!(
-            "{url:?} uses plain http to a host that is not loopback; the token would cross the network in clear text. Use https://"
-        )),
-        _ => Err(format!("{url:?} must start with https://")),
-    }
-}
-
-/// Index of the `@` that ends a `user:password@` in the authority of `url`, if there is one.
-fn userinfo_end(url: &str) -> Option<usize> {
-    let start = url.find("://").map_or(0, |i| i + 3);
-    let rest = &url[start..];
-    let authority_len = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-    rest[..authority_len].rfind('@').map(|i| start + i)
-}
-
-/// The major version of a Forgejo version string (`15.0.3+gitea-1.22.0` → 15).
-pub fn major_version(version: &str) -> Option<u64> {
-    let v = version.trim().trim_start_matches('v');
-    let digits: String = v.chars().take_while(char::is_ascii_digit).collect();
-    if digits.is_empty()
-        || !matches!(
-            v[digits.len()..].chars().next(),
-            None | Some('.' | '-' | '+')
-        )
-    {
-        return None;
-    }
-    digits.parse().ok()
-}
-
-fn is_loopback_host(host: &str) -> bool {
-    let h = host.trim_start_matches('[').trim_end_matches(']');
-    if h.eq_ignore_ascii_case("localhost") {
-        return true;
-    }
-    match h.parse::<std::net::IpAddr>() {
-        Ok(ip) => ip.is_loopback(),
-        Err(_) => false,
-    }
-}
-
-/// Percent-encodes a query value, keeping `,` (Forgejo splits `labels` on it).
-fn encode_query_value(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for b in s.bytes() {
-        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~' | b',') {
-            out.push(b as char);
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    out
-}
 
 /// ureq's buffers per connection (its defaults are 128 KiB each, zero-filled on every connect:
 /// 57% of an idle tick's instructions). Bodies stream through them; the input buffer bounds the

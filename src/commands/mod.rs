@@ -216,10 +216,7 @@ pub(crate) fn validate_run_args(a: &RunArgs) -> Result<String, Fatal> {
     Ok(labels)
 }
 
-fn events_file(
-    dir: &Path,
-    common: &ForgejoArgs,
-) -> Box<crate::adapters::events_file::EventsFile> {
+fn events_file(dir: &Path, common: &ForgejoArgs) -> Box<crate::adapters::events_file::EventsFile> {
     Box::new(crate::adapters::events_file::EventsFile::new(
         dir,
         common.events_max_bytes,

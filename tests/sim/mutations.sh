@@ -86,7 +86,7 @@ mutate "gate-and-sweep-ignore-prefix" src/core/model.rs \
     '    !prefix.is_empty() && name.is_some_and(|n| n.starts_with(prefix))' \
     '    name.is_some()'
 
-mutate "forget-before-delete-answer" src/driver/cycle.rs \
+mutate "forget-before-delete-answer" src/driver/cycle/registrations.rs \
     '        match self.w.forgejo.delete_runner(target, reason.as_str()) {' \
     '        self.forget(id, now);
         if self.save().is_err() {
@@ -94,11 +94,11 @@ mutate "forget-before-delete-answer" src/driver/cycle.rs \
         }
         match self.w.forgejo.delete_runner(target, reason.as_str()) {'
 
-mutate "forget-post-on-any-error" src/driver/cycle.rs \
+mutate "forget-post-on-any-error" src/driver/cycle/registrations.rs \
     '                if e.is_rejection() {' \
     '                if true {'
 
-mutate "sweep-without-destroy" src/core/planner.rs \
+mutate "sweep-without-destroy" src/core/planner/after.rs \
     '    if !ctx.destroyed_this_run {
         // The destroy happened in an earlier run; only a destroy in this run licenses a sweep.
         // On empty state it is a no-op.
@@ -106,14 +106,14 @@ mutate "sweep-without-destroy" src/core/planner.rs \
     }' \
     ''
 
-mutate "apply-before-intent" src/driver/cycle.rs \
+mutate "apply-before-intent" src/driver/cycle/vm.rs \
     '        self.report.cycle_id = Some(id.clone());
         if self.save().is_err() {
             return Some(End::Done);
         }' \
     '        self.report.cycle_id = Some(id.clone());'
 
-mutate "no-sweep" src/core/planner.rs \
+mutate "no-sweep" src/core/planner/after.rs \
     '    if !ctx.swept {
         return Step::Sweep;
     }' \
@@ -123,11 +123,11 @@ mutate "no-cycle-lock" src/adapters/files.rs \
     '    match file.try_lock() {' \
     '    match Ok::<(), fs::TryLockError>(()) {'
 
-mutate "no-pickup-timeout" src/core/planner.rs \
+mutate "no-pickup-timeout" src/core/planner/running.rs \
     '    (now.since(reg.grace_start()) >= policy.job_pickup_timeout).then_some(Step::Teardown {' \
     '    false.then_some(Step::Teardown {'
 
-mutate "never-connected-not-a-failure" src/driver/cycle.rs \
+mutate "never-connected-not-a-failure" src/driver/cycle/registrations.rs \
     '        s.start_failures += 1;
         self.report.fail(format!(
             "runner {id} ({name}) never connected' \
@@ -140,7 +140,7 @@ mutate "no-labels-match-any-job" src/core/model.rs \
     '    names.is_empty()
         || !job.runs_on.is_empty()'
 
-mutate "no-wrong-labels-teardown" src/core/planner.rs \
+mutate "no-wrong-labels-teardown" src/core/planner/running.rs \
     '        && !job_matches(job, declared)' \
     '        && declared.is_empty() && false'
 

@@ -1,0 +1,149 @@
+//! The cycle's VM: a new cycle recorded before its apply, the apply and its outputs, the destroy.
+
+use super::*;
+
+impl Driver<'_, '_> {
+    pub(super) fn start_cycle(&mut self, now: Timestamp) -> Option<End> {
+        if let Err(e) = self.w.tofu.check_config() {
+            return Some(End::Config(format!("a job is waiting but {e}")));
+        }
+        if let Err(e) = self.w.launcher.check_config() {
+            return Some(End::Config(format!("a job is waiting but {e}")));
+        }
+        let id = self.w.clock.new_cycle_id(now);
+        log::info!("starting cycle {id}");
+        let mut state = CycleState::new(id.clone(), now);
+        state
+            .runner_prefix
+            .clone_from(&self.cfg.policy.runner_prefix);
+        self.state = Some(state);
+        self.report.cycle_id = Some(id.clone());
+        if self.save().is_err() {
+            return Some(End::Done);
+        }
+        crate::crash_point!("cycle-started-written");
+        self.report
+            .event("start_cycle", true, format!("cycle {id}"));
+        None
+    }
+
+    pub(super) fn apply(&mut self) -> Option<End> {
+        let cycle_id = self.state.as_ref()?.cycle_id.clone();
+        let sw = Stopwatch::start(&*self.w.clock);
+        let result = self
+            .w
+            .tofu
+            .apply(&cycle_id)
+            .and_then(|()| self.w.tofu.outputs(&cycle_id));
+        match result {
+            Ok(outputs) => {
+                crate::crash_point!("apply-done-unsaved");
+                let s = self.state.as_mut()?;
+                let ready = self.w.clock.now();
+                s.phase = Phase::Running;
+                s.vm_ready_at = Some(ready);
+                s.free_since = Some(ready);
+                s.outputs = outputs
+                    .iter()
+                    .filter(|(_, o)| !o.sensitive)
+                    .map(|(k, o)| (k.clone(), o.value.clone()))
+                    .collect();
+                self.outputs = Some(outputs);
+                if self.save().is_err() {
+                    return Some(End::Done);
+                }
+                crate::crash_point!("apply-running-written");
+                self.report
+                    .event("tofu_apply", true, "VM ready")
+                    .duration_ms = sw.ms(&*self.w.clock);
+                None
+            }
+            Err(e) if e.interrupted => {
+                self.report
+                    .event("tofu_apply", false, e.message.clone())
+                    .duration_ms = sw.ms(&*self.w.clock);
+                Some(self.interrupted("during tofu apply"))
+            }
+            Err(e) => {
+                self.report
+                    .event("tofu_apply", false, e.message.clone())
+                    .duration_ms = sw.ms(&*self.w.clock);
+                self.report
+                    .fail(format!("tofu apply failed: {}", e.message));
+                let s = self.state.as_mut()?;
+                s.last_error = Some(format!("tofu apply failed: {}", e.message));
+                s.phase = Phase::TearingDown;
+                s.teardown_reason = Some(planner::TeardownReason::ApplyFailed.describe());
+                if self.save().is_err() {
+                    return Some(End::Done);
+                }
+                crate::crash_point!("apply-failed-written");
+                None
+            }
+        }
+    }
+
+    /// The VM's tofu outputs, read once per run.
+    pub(super) fn vm_outputs(&mut self) -> Result<Outputs, crate::core::ports::StepError> {
+        if let Some(o) = &self.outputs {
+            return Ok(o.clone());
+        }
+        let cycle_id = self
+            .state
+            .as_ref()
+            .map(|s| s.cycle_id.clone())
+            .unwrap_or_default();
+        let o = self.w.tofu.outputs(&cycle_id)?;
+        self.outputs = Some(o.clone());
+        Ok(o)
+    }
+
+    pub(super) fn destroy(&mut self) -> Option<End> {
+        let s = self.state.as_ref()?;
+        let cycle_id = s.cycle_id.clone();
+        let reason = s
+            .teardown_reason
+            .clone()
+            .unwrap_or_else(|| "teardown".to_string());
+        let sw = Stopwatch::start(&*self.w.clock);
+        match self.w.tofu.destroy(&cycle_id, &reason) {
+            Ok(()) => {
+                crate::crash_point!("destroy-done-unsaved");
+                let s = self.state.as_mut()?;
+                s.phase = Phase::Destroyed;
+                // The wait for registrations to go offline counts from the end of the destroy.
+                s.destroyed_at = Some(self.w.clock.now());
+                s.last_error = None;
+                self.ctx.destroyed_this_run = true;
+                // What failed before the destroy gets one more try after it, in this run.
+                self.ctx.failed_deletes.clear();
+                self.ctx.failed_intents.clear();
+                if self.save().is_err() {
+                    return Some(End::Done);
+                }
+                crate::crash_point!("destroy-written");
+                self.report
+                    .event("tofu_destroy", true, "VM destroyed")
+                    .duration_ms = sw.ms(&*self.w.clock);
+                None
+            }
+            Err(e) => {
+                self.report
+                    .event("tofu_destroy", false, e.message.clone())
+                    .duration_ms = sw.ms(&*self.w.clock);
+                if e.interrupted {
+                    return Some(self.interrupted("during tofu destroy"));
+                }
+                let s = self.state.as_mut()?;
+                s.last_error = Some(format!("tofu destroy failed: {}", e.message));
+                let _ = self.save();
+                self.report.fail(format!(
+                    "tofu destroy failed: {}; no sweep; cycle.json is kept and the next run retries the destroy first",
+                    e.message
+                ));
+                self.report.outcome = "destroy_failed".into();
+                Some(End::Done)
+            }
+        }
+    }
+}
