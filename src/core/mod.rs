@@ -9,6 +9,7 @@ pub mod model;
 pub mod planner;
 pub mod ports;
 pub mod report;
+pub mod resolve;
 pub mod secret;
 pub mod state;
 pub mod status;

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use crate::core::holds::HoldsError;
-use crate::core::model::{Deletable, may_delete};
+use crate::core::model::Deletable;
 use crate::core::planner;
 use crate::core::planner::{DeleteReason, Observation, Policy, RunContext, Step, TeardownReason};
 use crate::core::ports::{
@@ -134,8 +134,13 @@ fn runner_request<'r>(
 mod registrations;
 mod vm;
 
+/// cycle.json could not be written (reported): stop before the next side effect.
+struct SaveFailed;
+
 impl Driver<'_, '_> {
-    fn save(&mut self) -> Result<(), ()> {
+    /// Writes cycle.json. `Err` when that failed: the failure is in the report already, and the
+    /// run must stop before any further side effect.
+    fn save(&mut self) -> Result<(), SaveFailed> {
         // What was done so far is in the audit trail (durably) before the state that follows
         // from it.
         self.report.sync_audit();
@@ -153,7 +158,7 @@ impl Driver<'_, '_> {
                     self.w.store.describe()
                 ));
                 self.report.outcome = "failed".into();
-                Err(())
+                Err(SaveFailed)
             }
         }
     }

@@ -3,6 +3,8 @@
 //! and found again by name when a POST lost its answer.
 
 use super::*;
+use crate::core::model::Runner;
+use crate::core::resolve::{LostPost, could_be, resolve_lost_post};
 
 impl Driver<'_, '_> {
     /// Removes a registration from the state once Forgejo confirmed it gone.
@@ -288,10 +290,7 @@ impl Driver<'_, '_> {
     /// A POST whose answer was lost: list everything, delete the registrations with exactly this
     /// name (they can only be offline: nobody ever got their token), then forget it.
     pub(super) fn resolve_intent(&mut self, name: &str) -> Option<End> {
-        // Kept whole: rows of that name, and rows without a readable name (they could be it).
-        let could_be_it =
-            |r: &crate::core::model::Runner| r.name.is_none() || r.name.as_deref() == Some(name);
-        let listing = match sweep::list_all(self.w.forgejo, &could_be_it) {
+        let listing = match sweep::list_all(self.w.forgejo, &could_be(name)) {
             Ok(l) => l,
             Err(e) => {
                 self.intent_failed(name);
@@ -302,83 +301,31 @@ impl Driver<'_, '_> {
             }
         };
         crate::crash_point!("resolve-listed");
-        let matches: Vec<_> = listing
-            .rows
-            .iter()
-            .filter(|r| r.name.as_deref() == Some(name))
-            .cloned()
-            .collect();
-        if matches.is_empty() && !listing.complete {
-            self.intent_failed(name);
-            self.report.fail(format!(
-                "registration {name} (its POST got no answer) was not in a runner list that ended with {} of the {} rows Forgejo counted; not forgetting it, retrying",
-                listing.distinct,
-                listing.total.unwrap_or(0)
-            ));
-            return None;
-        }
-        // A row without a readable name could be this registration: its absence is not proven.
-        if matches.is_empty()
-            && let Some(r) = listing.rows.iter().find(|r| r.name.is_none())
-        {
-            self.intent_failed(name);
-            self.report.fail(format!(
-                "registration {name} (its POST got no answer) was not found, but runner {} was listed without a name; not forgetting it, retrying",
-                r.id
-            ));
-            return None;
-        }
-        let prefix = self.cycle_prefix();
         let mut all_gone = true;
-        for r in &matches {
-            let target = may_delete(r, &prefix).filter(|_| !listing.conflicting.contains(&r.id));
-            let Some(target) = target else {
-                all_gone = false;
-                self.report.fail(format!(
-                    "registration {} ({name}) exists with status {}; not deleting it while it is not offline",
-                    r.id,
-                    r.status.as_str()
-                ));
-                continue;
-            };
-            let mut intent = self.report.draft("delete_runner", "");
-            intent.runner_id = Some(r.id);
-            intent.runner_name = Some(name.to_string());
-            intent.reason = Some(DeleteReason::LostRegistration.as_str().into());
-            intent.status = Some(r.status.as_str().to_string());
-            self.report.intend_deletion(&intent);
-            match self
-                .w
-                .forgejo
-                .delete_runner(&target, DeleteReason::LostRegistration.as_str())
-            {
-                Ok(_) => {
-                    crate::crash_point!("resolve-deleted");
-                    let e = self.report.event(
-                        "delete_runner",
-                        true,
-                        "found by name after a lost POST answer",
-                    );
-                    e.runner_id = Some(r.id);
-                    e.runner_name = Some(name.to_string());
-                    e.reason = Some(DeleteReason::LostRegistration.as_str().into());
-                    e.status = Some(r.status.as_str().to_string());
-                }
-                Err(e) => {
+        match resolve_lost_post(&listing, name, &self.cycle_prefix()) {
+            LostPost::Unproven(why) => {
+                self.intent_failed(name);
+                self.report.fail(why);
+                return None;
+            }
+            LostPost::NeverCreated => {
+                log::info!(
+                    "registration {name} was never created (its POST did not reach Forgejo)"
+                );
+            }
+            LostPost::Found { delete, refused } => {
+                for why in refused {
                     all_gone = false;
-                    self.report.fail(format!(
-                        "deleting registration {} ({name}) failed: {e}",
-                        r.id
-                    ));
+                    self.report.fail(why);
+                }
+                for (target, r) in delete {
+                    all_gone &= self.delete_lost(&target, &r, name);
                 }
             }
         }
         if !all_gone {
             self.intent_failed(name);
             return None;
-        }
-        if matches.is_empty() {
-            log::info!("registration {name} was never created (its POST did not reach Forgejo)");
         }
         let s = self.state.as_mut()?;
         s.registrations.retain(|r| r.name != name || r.id.is_some());
@@ -388,6 +335,42 @@ impl Driver<'_, '_> {
         let end = self.save().err().map(|_| End::Done);
         crate::crash_point!("resolve-forgotten-written");
         end
+    }
+
+    /// Deletes a registration found by name after its POST lost its answer; true once gone.
+    fn delete_lost(&mut self, target: &Deletable, r: &Runner, name: &str) -> bool {
+        let mut intent = self.report.draft("delete_runner", "");
+        intent.runner_id = Some(r.id);
+        intent.runner_name = Some(name.to_string());
+        intent.reason = Some(DeleteReason::LostRegistration.as_str().into());
+        intent.status = Some(r.status.as_str().to_string());
+        self.report.intend_deletion(&intent);
+        match self
+            .w
+            .forgejo
+            .delete_runner(target, DeleteReason::LostRegistration.as_str())
+        {
+            Ok(_) => {
+                crate::crash_point!("resolve-deleted");
+                let e = self.report.event(
+                    "delete_runner",
+                    true,
+                    "found by name after a lost POST answer",
+                );
+                e.runner_id = Some(r.id);
+                e.runner_name = Some(name.to_string());
+                e.reason = Some(DeleteReason::LostRegistration.as_str().into());
+                e.status = Some(r.status.as_str().to_string());
+                true
+            }
+            Err(e) => {
+                self.report.fail(format!(
+                    "deleting registration {} ({name}) failed: {e}",
+                    r.id
+                ));
+                false
+            }
+        }
     }
 
     pub(super) fn register(
