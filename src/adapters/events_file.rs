@@ -127,22 +127,36 @@ impl AuditSink for EventsFile {
 
 /// The last `n` records of the trail (the rotated file too when the current one has fewer),
 /// oldest first. Lines that are not JSON objects (a line cut by a crash) are skipped.
-pub fn tail(dir: &Path, n: usize) -> Result<Vec<Value>, String> {
+/// The last records of the audit trail, and how many lines in the part read were not JSON
+/// objects (a torn write, a corrupt file): skipped, and counted.
+#[derive(Debug)]
+pub struct Tail {
+    pub records: Vec<Value>,
+    pub skipped: usize,
+}
+
+pub fn tail(dir: &Path, n: usize) -> Result<Tail, String> {
     let mut out = tail_of(&dir.join(EVENTS_FILE), n)?;
-    if out.len() < n {
-        let mut older = tail_of(&dir.join(EVENTS_ROTATED), n - out.len())?;
-        older.append(&mut out);
+    if out.records.len() < n {
+        let mut older = tail_of(&dir.join(EVENTS_ROTATED), n - out.records.len())?;
+        older.records.append(&mut out.records);
+        older.skipped += out.skipped;
         out = older;
     }
     Ok(out)
 }
 
 /// Reads at most the last 256 KiB of `path` (records are a few hundred bytes).
-fn tail_of(path: &Path, n: usize) -> Result<Vec<Value>, String> {
+fn tail_of(path: &Path, n: usize) -> Result<Tail, String> {
     const WINDOW: u64 = 256 * 1024;
     let mut f = match crate::adapters::files::open_state_file(path) {
         Ok(f) => f,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            return Ok(Tail {
+                records: Vec::new(),
+                skipped: 0,
+            });
+        }
         Err(e) => return Err(crate::adapters::files::open_error(path, &e).to_string()),
     };
     let mut text = String::new();
@@ -171,7 +185,10 @@ fn tail_of(path: &Path, n: usize) -> Result<Vec<Value>, String> {
         .filter_map(|l| serde_json::from_str::<Value>(l).ok())
         .filter(Value::is_object)
         .collect();
-    Ok(records[records.len().saturating_sub(n)..].to_vec())
+    Ok(Tail {
+        skipped: lines.len() - records.len(),
+        records: records[records.len().saturating_sub(n)..].to_vec(),
+    })
 }
 
 #[cfg(test)]
@@ -231,14 +248,18 @@ mod tests {
         let cur = fs::metadata(dir.path().join(EVENTS_FILE)).unwrap().len();
         let old = fs::metadata(dir.path().join(EVENTS_ROTATED)).unwrap().len();
         assert!(cur <= MIN_MAX_BYTES && old <= MIN_MAX_BYTES, "{cur} {old}");
-        let last = tail(dir.path(), 10).unwrap();
+        let last = tail(dir.path(), 10).unwrap().records;
         let ids: Vec<i64> = last.iter().map(|v| v["i"].as_i64().unwrap()).collect();
         assert_eq!(ids, (390..400).collect::<Vec<_>>());
         // Nothing lost at the rotation: the current file continues where the rotated one ends.
-        let first_current = tail_of(&dir.path().join(EVENTS_FILE), 1000).unwrap()[0]["i"]
+        let first_current = tail_of(&dir.path().join(EVENTS_FILE), 1000)
+            .unwrap()
+            .records[0]["i"]
             .as_i64()
             .unwrap();
-        let last_rotated = tail_of(&dir.path().join(EVENTS_ROTATED), 1).unwrap()[0]["i"]
+        let last_rotated = tail_of(&dir.path().join(EVENTS_ROTATED), 1)
+            .unwrap()
+            .records[0]["i"]
             .as_i64()
             .unwrap();
         assert_eq!(last_rotated + 1, first_current);
@@ -246,15 +267,21 @@ mod tests {
         fs::write(dir.path().join(EVENTS_FILE), "{\"i\": 1000}\n{\"i\": 10").unwrap();
         let rotated: Vec<i64> = tail_of(&dir.path().join(EVENTS_ROTATED), 2)
             .unwrap()
+            .records
             .iter()
             .map(|v| v["i"].as_i64().unwrap())
             .collect();
         let last = tail(dir.path(), 3).unwrap();
-        let ids: Vec<i64> = last.iter().map(|v| v["i"].as_i64().unwrap()).collect();
+        let ids: Vec<i64> = last
+            .records
+            .iter()
+            .map(|v| v["i"].as_i64().unwrap())
+            .collect();
         assert_eq!(
             ids,
             vec![rotated[0], rotated[1], 1000],
             "the cut last line is skipped"
         );
+        assert_eq!(last.skipped, 1, "and counted");
     }
 }

@@ -19,8 +19,8 @@ use target::{encode_query_value, is_loopback_host};
 
 pub const MAX_BODY_BYTES: u64 = 4 * 1024 * 1024;
 
-/// ureq's buffers per connection (its defaults are 128 KiB each, zero-filled on every connect:
-/// 57% of an idle tick's instructions). Bodies stream through them; the input buffer bounds the
+/// ureq's buffers per connection, smaller than its defaults (128 KiB each, zero-filled on every
+/// connect; BENCHMARKS.md has the cost). Bodies stream through them; the input buffer bounds the
 /// response head, which Forgejo keeps to a few KiB.
 const INPUT_BUFFER: usize = 32 * 1024;
 
@@ -32,9 +32,8 @@ const RESOLVE_TTL: Duration = Duration::from_secs(60);
 /// Resolves each `scheme://host:port` once per [`RESOLVE_TTL`] instead of once per request.
 ///
 /// ureq looks the host up before every request, even one that goes out on a pooled keep-alive
-/// connection, and with a timeout set it does so on a new thread: a sweep of 10,000
-/// registrations (200 list pages and 2,000 DELETEs) started 2,200 threads and, for a host name,
-/// made 2,200 DNS queries (musl's resolver has no cache). Failures are not cached.
+/// connection, and with a timeout set it does so on a new thread (musl's resolver has no cache:
+/// one DNS query per request; BENCHMARKS.md has the numbers). Failures are not cached.
 #[derive(Debug)]
 struct CachingResolver<R> {
     inner: R,

@@ -243,7 +243,10 @@ fn announce_run(dir: &Path, metrics: Option<MetricsTarget<'_>>, started: Timesta
     let Some(MetricsTarget { path, pool }) = metrics else {
         return;
     };
-    let counters = crate::adapters::files::load_counters(dir).unwrap_or_default();
+    let counters = crate::adapters::files::load_counters(dir).unwrap_or_else(|e| {
+        log::warn!("{e:#}; the metrics file shows the counters from zero until a run rewrites it");
+        crate::core::metrics::Counters::default()
+    });
     let cycle = read_state_file(&dir.join(crate::core::state::STATE_FILE));
     let text = crate::core::metrics::render(&counters, &cycle_view(&cycle), Some(started), pool);
     if let Err(e) = crate::adapters::files::write_textfile(path, &text) {

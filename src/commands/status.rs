@@ -100,10 +100,11 @@ pub fn gather(dir: &Path, limits: &Limits, now: Timestamp) -> Value {
                 Vec::new()
             }
         };
-    let (events, events_error) = match crate::adapters::events_file::tail(dir, EVENTS_SHOWN) {
-        Ok(e) => (e, None),
-        Err(e) => (Vec::new(), Some(e)),
-    };
+    let (events, events_skipped, events_error) =
+        match crate::adapters::events_file::tail(dir, EVENTS_SHOWN) {
+            Ok(t) => (t.records, t.skipped, None),
+            Err(e) => (Vec::new(), 0, Some(e)),
+        };
     let f = facts(
         counters.as_ref(),
         last_run.as_ref(),
@@ -132,6 +133,7 @@ pub fn gather(dir: &Path, limits: &Limits, now: Timestamp) -> Value {
         "counters_error": counters_error,
         "held_jobs": held,
         "events": events,
+        "events_skipped": events_skipped,
         "events_error": events_error,
     })
 }

@@ -93,9 +93,13 @@ pub fn cmd_sweep(a: SweepArgs) -> Result<u8, Fatal> {
         );
     }
     // No cycle.json: no VM can exist. The last destroy that succeeded is named as well.
-    let last_destroy = crate::adapters::files::load_counters(&dir)
-        .ok()
-        .and_then(|k| k.last_destroy_ok);
+    let last_destroy = match crate::adapters::files::load_counters(&dir) {
+        Ok(k) => k.last_destroy_ok,
+        Err(e) => {
+            log::warn!("{e:#}; the sweep's evidence cannot name the last successful destroy");
+            None
+        }
+    };
     let evidence = match &last_destroy {
         Some(d) => format!(
             "offline, name has our prefix, no cycle in progress (no cycle.json); last successful tofu destroy: cycle {} at {}",

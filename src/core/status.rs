@@ -236,6 +236,11 @@ pub fn text(doc: &Value) -> String {
     if let Some(e) = doc["events_error"].as_str() {
         o.push(format!("events: UNREADABLE: {e}"));
     }
+    if let Some(n) = doc["events_skipped"].as_u64().filter(|n| *n > 0) {
+        o.push(format!(
+            "events: {n} line(s) of events.jsonl are not JSON objects (a torn or corrupt write): skipped"
+        ));
+    }
     let events = doc["events"].as_array().cloned().unwrap_or_default();
     if events.is_empty() {
         o.push("recent events: none".into());
@@ -426,6 +431,14 @@ mod tests {
         assert!(!t.contains(['\x1b', '\r']), "{t:?}");
         assert!(t.lines().all(|l| !l.starts_with("<3>")), "{t}");
         assert!(t.contains("ephemeral-x\\n<3>forged\\u{1b}[2J\\r"), "{t}");
+    }
+
+    #[test]
+    fn the_text_form_counts_skipped_event_lines() {
+        let doc = json!({"state_dir": "/s", "events": [], "events_skipped": 2});
+        assert!(text(&doc).contains("events: 2 line(s) of events.jsonl are not JSON objects"));
+        let none = json!({"state_dir": "/s", "events": [], "events_skipped": 0});
+        assert!(!text(&none).contains("not JSON objects"));
     }
 
     #[test]
