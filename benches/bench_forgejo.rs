@@ -1,4 +1,4 @@
-//! A lean fake Forgejo for the benchmarks in `bench/run`: std only, so it builds with one
+//! A lean fake Forgejo for the benchmarks in `benches/run`: std only, so it builds with one
 //! `rustc -O` call, and O(1) or O(log n) per request, so it is never what is being measured.
 //!
 //! It serves the admin-scope runner API (`/api/v1/admin/actions/runners`: list pages with

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Writes a dry-run fixture for bench/run: fixture.py teardown|busy RUNNERS JOBS > fixture.json
+"""Writes a dry-run fixture for benches/run: fixture.py teardown|busy RUNNERS JOBS > fixture.json
 
 Both: a running cycle whose VM has been free since 15:10 ("now" is 15:30), RUNNERS
 registrations (a fifth of them offline with the prefix, spread evenly; of the rest one in ten a
@@ -57,5 +57,5 @@ cycle = {
     # The jobs' repository: the VM may run them (--reuse-within repo).
     "boundary": {"repo_id": 1, "owner_id": 1},
 }
-json.dump({"_comment": f"bench/fixture.py {kind} {n} {jobs}", "cycle": cycle,
+json.dump({"_comment": f"benches/fixture.py {kind} {n} {jobs}", "cycle": cycle,
            "runners": runners, "jobs": job_list, "now": "2026-10-14T15:30:00Z"}, sys.stdout)

@@ -234,7 +234,7 @@ fn ci_scripts_never_reopen_stderr_by_path() {
     scripts.extend(
         [
             "tests/role/role_e2e.sh",
-            "bench/run",
+            "benches/run",
             "tests/sim/mutations.sh",
         ]
         .iter()
