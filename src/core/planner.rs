@@ -113,7 +113,13 @@ pub struct RunContext {
     pub cleanup_failures: BTreeMap<String, u32>,
     /// Jobs not registered for until their hold ends (`held-jobs.json`, read at the start).
     pub holds: Holds,
+    /// Observation rounds in a row with a failed request (0 after a clean one).
+    pub failed_observations: u32,
 }
+
+/// Observation rounds in a row with a failed request after which a run that would only wait
+/// gives up (the next run resumes).
+pub const MAX_OBSERVATION_FAILURES: u32 = 3;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -335,7 +341,7 @@ pub enum Step {
 
 /// The prefix that marks this cycle's registrations: the one they were created with (recorded in
 /// cycle.json), else the configured one.
-fn cycle_prefix<'a>(state: &'a CycleState, policy: &'a Policy) -> &'a str {
+pub fn cycle_prefix<'a>(state: &'a CycleState, policy: &'a Policy) -> &'a str {
     if state.runner_prefix.is_empty() {
         &policy.runner_prefix
     } else {
@@ -377,11 +383,19 @@ pub fn decide(
             },
         };
     };
-    match state.phase {
+    let step = match state.phase {
         Phase::Applying => Step::Apply,
         Phase::Running => decide_running(state, obs, ctx, policy, now),
         Phase::TearingDown => decide_tearing_down(state, obs, ctx, policy),
         Phase::Destroyed => decide_destroyed(state, obs, ctx, policy, now),
+    };
+    match step {
+        Step::Wait { .. } if ctx.failed_observations >= MAX_OBSERVATION_FAILURES => Step::GiveUp {
+            why: format!(
+                "Forgejo requests failed {MAX_OBSERVATION_FAILURES} times in a row; cycle.json is kept and the next run resumes"
+            ),
+        },
+        step => step,
     }
 }
 

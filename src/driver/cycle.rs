@@ -45,10 +45,6 @@ pub enum End {
     Config(String),
 }
 
-/// Consecutive observation rounds with a failed request after which the run gives up (the next
-/// run resumes).
-const MAX_OBSERVATION_FAILURES: u32 = 3;
-
 /// Steps without a wait or a change to cycle.json after which the driver assumes a bug and stops.
 const MAX_STEPS_WITHOUT_WAIT: u32 = 500;
 
@@ -219,7 +215,6 @@ impl Driver<'_, '_> {
     }
 
     fn drive(&mut self) -> End {
-        let mut observation_failures = 0u32;
         let mut steps = 0u32;
         // A long job means hours of identical waits: log each reason once at info level.
         let mut last_wait = String::new();
@@ -241,20 +236,14 @@ impl Driver<'_, '_> {
                 return End::Done;
             }
             let (obs, failed) = self.observe();
-            observation_failures = if failed { observation_failures + 1 } else { 0 };
+            self.ctx.failed_observations = if failed {
+                self.ctx.failed_observations + 1
+            } else {
+                0
+            };
             let now = self.w.clock.now();
             let step = planner::decide(self.state.as_ref(), &obs, &self.ctx, &self.cfg.policy, now);
             log::debug!("step: {step:?}");
-            if failed
-                && observation_failures >= MAX_OBSERVATION_FAILURES
-                && matches!(step, Step::Wait { .. })
-            {
-                self.report.outcome = "failed".into();
-                self.report.fail(format!(
-                    "Forgejo requests failed {MAX_OBSERVATION_FAILURES} times in a row; cycle.json is kept and the next run resumes"
-                ));
-                return End::Done;
-            }
             match step {
                 Step::Idle => {
                     self.report.outcome = "idle".into();

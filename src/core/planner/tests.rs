@@ -1083,6 +1083,32 @@ fn the_prefix_recorded_in_the_cycle_wins_over_a_changed_configuration() {
 }
 
 #[test]
+fn a_run_that_could_only_wait_on_failing_requests_gives_up_after_three_rounds() {
+    // Offline within its grace: the step is a wait.
+    let st = state_with(
+        Phase::Running,
+        vec![reg(42, Launch::Done, Some(at(REQUESTED)))],
+    );
+    let o = obs(Some(vec![]), vec![seen(ours(42, RunnerStatus::Offline))]);
+    let rounds = |n: u32| RunContext {
+        failed_observations: n,
+        ..ctx()
+    };
+    let now = at(REQUESTED + 1_000);
+    assert!(is_wait(&decide(Some(&st), &o, &rounds(2), &policy(), now)));
+    assert!(matches!(
+        decide(Some(&st), &o, &rounds(MAX_OBSERVATION_FAILURES), &policy(), now),
+        Step::GiveUp { why } if why.contains("failed 3 times in a row")
+    ));
+    // A step that acts is taken however the requests went.
+    let answered_404 = obs(Some(vec![]), vec![gone(42)]);
+    assert_eq!(
+        decide(Some(&st), &answered_404, &rounds(5), &policy(), now),
+        Step::Forget { id: 42 }
+    );
+}
+
+#[test]
 fn free_vm_registers_for_the_lowest_matching_waiting_job() {
     let jobs = vec![
         waiting_debian(9),

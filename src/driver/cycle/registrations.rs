@@ -280,10 +280,11 @@ impl Driver<'_, '_> {
     }
 
     /// The prefix that marks this cycle's registrations (see `CycleState::runner_prefix`).
+    /// The cycle's own prefix (`planner::cycle_prefix`); the configured one before a cycle.
     pub(super) fn cycle_prefix(&self) -> String {
         match &self.state {
-            Some(s) if !s.runner_prefix.is_empty() => s.runner_prefix.clone(),
-            _ => self.cfg.policy.runner_prefix.clone(),
+            Some(s) => planner::cycle_prefix(s, &self.cfg.policy).to_string(),
+            None => self.cfg.policy.runner_prefix.clone(),
         }
     }
 
