@@ -87,7 +87,7 @@ impl ReuseWithin {
     }
 }
 
-/// What the driver learned from Forgejo just before this decision.
+/// What the driver learned from Forgejo (and of the launch command) just before this decision.
 #[derive(Clone, Debug, Default)]
 pub struct Observation {
     /// Waiting and running jobs in scope; `None` when not fetched or the request failed.
@@ -95,6 +95,8 @@ pub struct Observation {
     /// `GET …/runners/{id}` per registration id: `Some(runner)`, or `None` for a 404.
     /// An id without an entry could not be fetched (the request failed).
     pub runners: BTreeMap<i64, Option<Runner>>,
+    /// Why the launch command cannot run now (it went away mid-cycle), when it cannot.
+    pub launch_problem: Option<String>,
 }
 
 /// Facts about this run (not the cycle) that decisions depend on.

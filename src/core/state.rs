@@ -169,6 +169,13 @@ pub struct CycleState {
 }
 
 impl CycleState {
+    /// `tofu apply` failed: the VM (whatever of it exists) goes.
+    pub fn apply_failed(&mut self, error: String, teardown_reason: String) {
+        self.last_error = Some(error);
+        self.phase = Phase::TearingDown;
+        self.teardown_reason = Some(teardown_reason);
+    }
+
     pub fn new(cycle_id: String, now: Timestamp) -> CycleState {
         CycleState {
             version: STATE_VERSION,

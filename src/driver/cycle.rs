@@ -168,6 +168,13 @@ impl Driver<'_, '_> {
 
     fn observe(&mut self) -> (Observation, bool) {
         let mut obs = Observation::default();
+        if self
+            .state
+            .as_ref()
+            .is_some_and(|s| s.phase == Phase::Running)
+        {
+            obs.launch_problem = self.w.launcher.check_config().err();
+        }
         let mut failed = false;
         let (want_jobs, ids): (bool, Vec<i64>) = match &self.state {
             None => (true, vec![]),
@@ -373,20 +380,12 @@ impl Driver<'_, '_> {
                 }
                 self.save().err().map(|_| End::Done)
             }
-            Step::CheckPrevious { id } => match self.w.launcher.check_config() {
-                Ok(()) => self.check_previous(id),
-                Err(e) => self.teardown(TeardownReason::LaunchUnusable { problem: e }),
-            },
+            Step::CheckPrevious { id } => self.check_previous(id),
             Step::Register {
                 job_id,
                 job_handle,
                 boundary,
-            } => match self.w.launcher.check_config() {
-                Ok(()) => self.register(job_id, &job_handle, boundary, now),
-                // The launch command went away mid-cycle: no runner can start, so the VM goes
-                // (a cycle must never outlive its configuration).
-                Err(e) => self.teardown(TeardownReason::LaunchUnusable { problem: e }),
-            },
+            } => self.register(job_id, &job_handle, boundary, now),
             Step::Teardown { reason } => {
                 self.not_served(&reason, now);
                 self.teardown(reason)

@@ -170,6 +170,15 @@ pub(super) fn decide_running(
         let servable = servable_jobs(jobs, policy, ctx, now);
         match servable.iter().find(|j| may_follow(state, policy, j)) {
             Some(job) => {
+                // No runner can start, and no earlier one be checked: the VM goes (a cycle
+                // must never outlive its configuration).
+                if let Some(problem) = &obs.launch_problem {
+                    return Step::Teardown {
+                        reason: TeardownReason::LaunchUnusable {
+                            problem: problem.clone(),
+                        },
+                    };
+                }
                 // A vanished registration is not an exited runner.
                 if let Some(p) = state
                     .previous

@@ -153,6 +153,7 @@ fn obs(jobs: Option<Vec<Job>>, runners: Vec<(i64, Option<Runner>)>) -> Observati
     Observation {
         jobs,
         runners: runners.into_iter().collect(),
+        launch_problem: None,
     }
 }
 
@@ -1109,6 +1110,25 @@ fn a_run_that_could_only_wait_on_failing_requests_gives_up_after_three_rounds() 
 }
 
 #[test]
+fn a_launch_command_gone_mid_cycle_tears_the_vm_down_instead_of_registering() {
+    let st = state_with(Phase::Running, vec![]);
+    let mut o = obs(Some(vec![waiting_debian(3)]), vec![]);
+    assert!(matches!(
+        decide(Some(&st), &o, &ctx(), &policy(), at(HOUR)),
+        Step::Register { job_id: 3, .. }
+    ));
+    o.launch_problem = Some("--launch-command /x: no such file".into());
+    assert_eq!(
+        decide(Some(&st), &o, &ctx(), &policy(), at(HOUR)),
+        Step::Teardown {
+            reason: TeardownReason::LaunchUnusable {
+                problem: "--launch-command /x: no such file".into()
+            }
+        }
+    );
+}
+
+#[test]
 fn free_vm_registers_for_the_lowest_matching_waiting_job() {
     let jobs = vec![
         waiting_debian(9),
@@ -1697,6 +1717,7 @@ fn safety_rules_hold_for_every_combination_of_one_registration() {
                                 let o = Observation {
                                     jobs: jobs.clone(),
                                     runners: runners.clone(),
+                                    launch_problem: None,
                                 };
                                 for destroyed_this_run in [false, true] {
                                     for failed_delete in [false, true] {
@@ -1753,6 +1774,7 @@ fn safety_rules_hold_for_every_combination_of_two_registrations() {
                                     let o = Observation {
                                         jobs: Some(vec![waiting_debian(3)]),
                                         runners,
+                                        launch_problem: None,
                                     };
                                     for destroyed_this_run in [false, true] {
                                         for failed in [false, true] {

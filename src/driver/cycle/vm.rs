@@ -70,10 +70,10 @@ impl Driver<'_, '_> {
                     .duration_ms = sw.ms(&*self.w.clock);
                 self.report
                     .fail(format!("tofu apply failed: {}", e.message));
-                let s = self.state.as_mut()?;
-                s.last_error = Some(format!("tofu apply failed: {}", e.message));
-                s.phase = Phase::TearingDown;
-                s.teardown_reason = Some(planner::TeardownReason::ApplyFailed.describe());
+                self.state.as_mut()?.apply_failed(
+                    format!("tofu apply failed: {}", e.message),
+                    planner::TeardownReason::ApplyFailed.describe(),
+                );
                 if self.save().is_err() {
                     return Some(End::Done);
                 }
