@@ -303,6 +303,25 @@ fn gate(name: Option<&str>, status: &RunnerStatus, prefix: &str) -> bool {
     d.is_some()
 }
 
+/// The gate's cases one by one (the properties below explore the rest).
+#[test]
+fn gate_requires_prefix_and_exactly_offline() {
+    let p = "ephemeral-";
+    assert!(gate(Some("ephemeral-1"), &RunnerStatus::Offline, p));
+    for status in [
+        RunnerStatus::Idle,
+        RunnerStatus::Active,
+        RunnerStatus::Missing,
+        RunnerStatus::Unknown("Offline".into()),
+    ] {
+        assert!(!gate(Some("ephemeral-1"), &status, p), "{status:?}");
+    }
+    for name in [Some("my-ephemeral-1"), Some("static-builder"), None] {
+        assert!(!gate(name, &RunnerStatus::Offline, p), "{name:?}");
+    }
+    assert!(!gate(Some("anything"), &RunnerStatus::Offline, ""));
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
 

@@ -367,35 +367,6 @@ mod tests {
     use serde_json::json;
 
     #[test]
-    fn gate_requires_prefix_and_exactly_offline() {
-        let gate = |name: Option<&str>, status: &RunnerStatus, prefix: &str| {
-            let r = Runner {
-                id: 7,
-                name: name.map(str::to_string),
-                status: status.clone(),
-                labels: None,
-            };
-            let d = may_delete(&r, prefix);
-            assert!(d.as_ref().is_none_or(|d| d.id() == 7));
-            d.is_some()
-        };
-        let p = "ephemeral-";
-        assert!(gate(Some("ephemeral-1"), &RunnerStatus::Offline, p));
-        assert!(!gate(Some("ephemeral-1"), &RunnerStatus::Idle, p));
-        assert!(!gate(Some("ephemeral-1"), &RunnerStatus::Active, p));
-        assert!(!gate(Some("ephemeral-1"), &RunnerStatus::Missing, p));
-        assert!(!gate(
-            Some("ephemeral-1"),
-            &RunnerStatus::Unknown("Offline".into()),
-            p
-        ));
-        assert!(!gate(Some("my-ephemeral-1"), &RunnerStatus::Offline, p));
-        assert!(!gate(Some("static-builder"), &RunnerStatus::Offline, p));
-        assert!(!gate(None, &RunnerStatus::Offline, p));
-        assert!(!gate(Some("anything"), &RunnerStatus::Offline, ""));
-    }
-
-    #[test]
     fn declared_labels_are_read_from_a_fetched_runner_only_when_they_are_names() {
         let labels = |v: Value| Runner::from_json_with_labels(&v).unwrap().labels;
         let row = |l: Value| json!({"id": 1, "name": "x", "status": "idle", "version": "v12.8.2", "labels": l});
