@@ -51,13 +51,14 @@ pub enum Command {
 }
 
 impl Command {
-    /// `-v`, and whether this is a dry-run (which logs warnings only): how to set up logging.
-    pub fn logging(&self) -> (bool, bool) {
+    /// `-v`, whether this is a dry-run (which logs warnings only), and the command's name: how
+    /// to set up logging.
+    pub fn logging(&self) -> (bool, bool, &'static str) {
         match self {
-            Command::Run(a) => (a.common.local.verbose, a.common.dry_run),
-            Command::Sweep(a) => (a.common.local.verbose, a.common.dry_run),
-            Command::Status(a) => (a.local.verbose, false),
-            Command::Check(a) => (a.common.local.verbose, false),
+            Command::Run(a) => (a.common.local.verbose, a.common.dry_run, "run"),
+            Command::Sweep(a) => (a.common.local.verbose, a.common.dry_run, "sweep"),
+            Command::Status(a) => (a.local.verbose, false, "status"),
+            Command::Check(a) => (a.common.local.verbose, false, "check"),
         }
     }
 }

@@ -20,9 +20,12 @@ fn main() -> ExitCode {
         return ExitCode::from(EXIT_FAILED);
     }
     let cli = Cli::parse();
-    let (verbose, dry_run) = cli.command.logging();
+    let (verbose, dry_run, sub) = cli.command.logging();
     logging::init_logging(verbose, dry_run);
-    log::debug!("ci-ephemeral-provisioner {}", env!("CARGO_PKG_VERSION"));
+    log::debug!(
+        "ci-ephemeral-provisioner {} ({sub})",
+        env!("CARGO_PKG_VERSION")
+    );
     let result = match cli.command {
         Command::Run(a) => commands::run::cmd_run(a),
         Command::Sweep(a) => commands::sweep::cmd_sweep(a),

@@ -125,8 +125,6 @@ impl AuditSink for EventsFile {
     }
 }
 
-/// The last `n` records of the trail (the rotated file too when the current one has fewer),
-/// oldest first. Lines that are not JSON objects (a line cut by a crash) are skipped.
 /// The last records of the audit trail, and how many lines in the part read were not JSON
 /// objects (a torn write, a corrupt file): skipped, and counted.
 #[derive(Debug)]
@@ -135,6 +133,8 @@ pub struct Tail {
     pub skipped: usize,
 }
 
+/// The last `n` records of the trail (the rotated file too when the current one has fewer),
+/// oldest first. Lines that are not JSON objects (a line cut by a crash) are skipped.
 pub fn tail(dir: &Path, n: usize) -> Result<Tail, String> {
     let mut out = tail_of(&dir.join(EVENTS_FILE), n)?;
     if out.records.len() < n {

@@ -79,10 +79,8 @@ impl<'a> Seen<'a> {
             }
         }
     }
-}
 
-/// The listing, once every page is in: `complete` as the pages' counts said.
-impl Seen<'_> {
+    /// The listing, once every page is in: `complete` as the pages' counts said.
     pub fn into_listing(self, pages: u32, complete: bool, total: Option<u64>) -> Listing {
         Listing {
             distinct: self.distinct(),

@@ -157,7 +157,7 @@ pub trait Launcher {
     fn stop(&mut self, req: &LaunchRequest<'_>) -> Result<(), StepError>;
 }
 
-/// Where cycle.json (and the held jobs, which outlive a cycle) live. Chosen once in `main`: a
+/// Where cycle.json (and the held jobs, which outlive a cycle) live. Chosen once in `commands`: a
 /// directory on disk, or memory for dry-runs.
 pub trait StateStore {
     fn load(&mut self) -> Result<Option<CycleState>>;
@@ -187,7 +187,7 @@ pub trait Clock {
 }
 
 /// Where side effects and failures are appended as they happen (the audit trail). Chosen once in
-/// `app`: a file for real runs, none for dry-runs.
+/// `commands`: a file for real runs, none for dry-runs.
 pub trait AuditSink {
     /// Appends one record; the error names the file and what failed.
     fn append(&mut self, record: &Value) -> Result<(), String>;

@@ -18,12 +18,16 @@ pub enum LostPost {
     /// Not in a complete list with every name readable: the POST never reached Forgejo, and
     /// the intent may be forgotten.
     NeverCreated,
-    /// Rows carry the name. Those the gate lets go are deleted; any other (not offline, or
-    /// listed twice with different contents) keeps the intent, with the text why.
-    Found {
-        delete: Vec<(Deletable, Runner)>,
-        refused: Vec<String>,
-    },
+    /// Rows carry the name, in the listing's order. Those the gate lets go are deleted; any
+    /// other (not offline, or listed twice with different contents) keeps the intent.
+    Found(Vec<FoundRow>),
+}
+
+#[derive(Debug, PartialEq, Eq)]
+pub enum FoundRow {
+    Delete(Deletable, Runner),
+    /// Not deleted; the text says why.
+    Refused(String),
 }
 
 /// What the listing says of the registration `name` (lost POST), under `prefix`.
@@ -49,19 +53,18 @@ pub fn resolve_lost_post(listing: &Listing, name: &str, prefix: &str) -> LostPos
         }
         return LostPost::NeverCreated;
     }
-    let mut delete = Vec::new();
-    let mut refused = Vec::new();
-    for r in matches {
-        match may_delete(r, prefix).filter(|_| !listing.conflicting.contains(&r.id)) {
-            Some(target) => delete.push((target, r.clone())),
-            None => refused.push(format!(
+    let rows = matches
+        .into_iter()
+        .map(|r| match may_delete(r, prefix).filter(|_| !listing.conflicting.contains(&r.id)) {
+            Some(target) => FoundRow::Delete(target, r.clone()),
+            None => FoundRow::Refused(format!(
                 "registration {} ({name}) exists with status {}; not deleting it while it is not offline",
                 r.id,
                 r.status.as_str()
             )),
-        }
-    }
-    LostPost::Found { delete, refused }
+        })
+        .collect();
+    LostPost::Found(rows)
 }
 
 #[cfg(test)]
@@ -123,15 +126,19 @@ mod tests {
             true,
         );
         l.conflicting = vec![9];
-        let LostPost::Found { delete, refused } = resolve_lost_post(&l, NAME, "ephemeral-") else {
-            panic!("not found");
+        let deleted = |prefix: &str| match resolve_lost_post(&l, NAME, prefix) {
+            LostPost::Found(rows) => rows
+                .iter()
+                .map(|row| match row {
+                    FoundRow::Delete(d, _) => Some(d.id()),
+                    FoundRow::Refused(_) => None,
+                })
+                .collect::<Vec<_>>(),
+            other => panic!("not found: {other:?}"),
         };
-        assert_eq!(delete.iter().map(|(d, _)| d.id()).collect::<Vec<_>>(), [7]);
-        assert_eq!(refused.len(), 2, "{refused:?}");
+        // In the listing's order: 7 deleted, 8 (idle) and 9 (conflicting rows) refused.
+        assert_eq!(deleted("ephemeral-"), [Some(7), None, None]);
         // Not our prefix (a pool renamed under the cycle): nothing is deleted.
-        let LostPost::Found { delete, .. } = resolve_lost_post(&l, NAME, "renamed-") else {
-            panic!("not found");
-        };
-        assert!(delete.is_empty());
+        assert_eq!(deleted("renamed-"), [None, None, None]);
     }
 }

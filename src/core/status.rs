@@ -238,7 +238,7 @@ pub fn text(doc: &Value) -> String {
     }
     if let Some(n) = doc["events_skipped"].as_u64().filter(|n| *n > 0) {
         o.push(format!(
-            "events: {n} line(s) of events.jsonl are not JSON objects (a torn or corrupt write): skipped"
+            "events: {n} line(s) of the audit trail are not JSON objects (a torn or corrupt write): skipped"
         ));
     }
     let events = doc["events"].as_array().cloned().unwrap_or_default();
@@ -436,7 +436,7 @@ mod tests {
     #[test]
     fn the_text_form_counts_skipped_event_lines() {
         let doc = json!({"state_dir": "/s", "events": [], "events_skipped": 2});
-        assert!(text(&doc).contains("events: 2 line(s) of events.jsonl are not JSON objects"));
+        assert!(text(&doc).contains("events: 2 line(s) of the audit trail are not JSON objects"));
         let none = json!({"state_dir": "/s", "events": [], "events_skipped": 0});
         assert!(!text(&none).contains("not JSON objects"));
     }

@@ -4,7 +4,7 @@
 
 use super::*;
 use crate::core::model::Runner;
-use crate::core::resolve::{LostPost, could_be, resolve_lost_post};
+use crate::core::resolve::{FoundRow, LostPost, could_be, resolve_lost_post};
 
 impl Driver<'_, '_> {
     /// Removes a registration from the state once Forgejo confirmed it gone.
@@ -314,13 +314,15 @@ impl Driver<'_, '_> {
                     "registration {name} was never created (its POST did not reach Forgejo)"
                 );
             }
-            LostPost::Found { delete, refused } => {
-                for why in refused {
-                    all_gone = false;
-                    self.report.fail(why);
-                }
-                for (target, r) in delete {
-                    all_gone &= self.delete_lost(&target, &r, name);
+            LostPost::Found(rows) => {
+                for row in rows {
+                    all_gone &= match row {
+                        FoundRow::Delete(target, r) => self.delete_lost(&target, &r, name),
+                        FoundRow::Refused(why) => {
+                            self.report.fail(why);
+                            false
+                        }
+                    };
                 }
             }
         }
