@@ -198,7 +198,10 @@ fn only_delete_runner_sends_a_delete_and_it_takes_the_gates_proof() {
         .filter(|f| code(f).contains("may_delete("))
         .map(|f| f.display().to_string())
         .collect();
-    assert!(gated_in_shell.is_empty(), "may_delete outside src/core: {gated_in_shell:?}");
+    assert!(
+        gated_in_shell.is_empty(),
+        "may_delete outside src/core: {gated_in_shell:?}"
+    );
     let model = code(&root().join("src/core/model.rs"));
     assert!(
         model.contains("pub struct Deletable {\n    id: i64,\n}"),
