@@ -15,6 +15,8 @@ use crate::commands::{
     http_forgejo, read_token, state_dir, usage,
 };
 use crate::commands::{announce_run, events_file, finish, metrics_target, print_plan};
+use crate::core::licence::{SweepLicence, without_cycle};
+use crate::core::metrics::DestroyRecord;
 use crate::core::ports::Clock;
 use crate::core::ports::Forgejo;
 use crate::core::report::Report;
@@ -29,28 +31,35 @@ pub fn cmd_sweep(a: SweepArgs) -> Result<u8, Fatal> {
     if c.dry_run {
         log_config(&a, None, None);
         let plan: Plan = Plan::default();
-        let inner: Box<dyn Forgejo> = match &c.fixture {
+        let (inner, licence): (Box<dyn Forgejo>, _) = match &c.fixture {
             Some(path) => {
                 let fx = Fixture::load(path).map_err(|e| usage(format!("{e:#}")))?;
-                if fx.cycle.is_some() {
-                    return Err(Fatal(EXIT_FAILED, "the fixture has a cycle in progress: a sweep is refused while a VM may exist".into()));
-                }
-                Box::new(FixtureForgejo {
+                let licence = without_cycle(fx.cycle.as_ref(), "fixture", None).map_err(|_| {
+                    Fatal(
+                        EXIT_FAILED,
+                        "the fixture has a cycle in progress: a sweep is refused while a VM may exist".into(),
+                    )
+                })?;
+                let inner = FixtureForgejo {
                     runners: fx.runners,
                     jobs: fx.jobs,
                     label_names: vec![],
-                })
+                };
+                (Box::new(inner), licence)
             }
             None => {
                 let (url, scope) = forgejo_target(c)?;
                 let token = read_token(&c.token_file)?;
-                refuse_if_cycle(&state_dir(&c.local.state_dir))?;
-                Box::new(http_forgejo(c, &url, scope, &token, &[])?)
+                let licence = licence(&state_dir(&c.local.state_dir), None)?;
+                (
+                    Box::new(http_forgejo(c, &url, scope, &token, &[])?),
+                    licence,
+                )
             }
         };
         let mut f = DryForgejo::new(inner, plan.clone());
         let mut report = Report::new("sweep", true, wall_now());
-        let sw = sweep::sweep(&mut f, &c.runner_prefix, c.sweep_max_deletions);
+        let sw = sweep::sweep(&mut f, &licence, &c.runner_prefix, c.sweep_max_deletions);
         for failure in crate::core::listing::sweep_failures(&sw) {
             report.fail(failure);
         }
@@ -76,22 +85,6 @@ pub fn cmd_sweep(a: SweepArgs) -> Result<u8, Fatal> {
     report.set_clock(Box::new(move || clock.now()));
     report.set_audit(events_file(&dir, c));
     announce_run(&dir, metrics_target(c), report.started_at);
-    if let Err(Fatal(_, msg)) = refuse_if_cycle(&dir) {
-        // Past the lock: kept in last-run.json, counted in the metrics, exit 1. The report
-        // names the cycle in progress that is the reason.
-        if let Ok(Some(s)) = read_state_file(&dir.join(crate::core::state::STATE_FILE)) {
-            report.cycle_id = Some(s.cycle_id);
-        }
-        report.fail(msg);
-        report.outcome = "refused".into();
-        return finish(
-            report,
-            End::Done,
-            Some(&dir),
-            c.local.output,
-            metrics_target(c),
-        );
-    }
     // No cycle.json: no VM can exist. The last destroy that succeeded is named as well.
     let last_destroy = match crate::adapters::files::load_counters(&dir) {
         Ok(k) => k.last_destroy_ok,
@@ -100,22 +93,31 @@ pub fn cmd_sweep(a: SweepArgs) -> Result<u8, Fatal> {
             None
         }
     };
-    let evidence = match &last_destroy {
-        Some(d) => format!(
-            "offline, name has our prefix, no cycle in progress (no cycle.json); last successful tofu destroy: cycle {} at {}",
-            d.cycle_id.as_deref().unwrap_or("?"),
-            d.at.map(|t| t.to_string()).unwrap_or_else(|| "?".into())
-        ),
-        None => "offline, name has our prefix, no cycle in progress (no cycle.json)".into(),
+    let licence = match licence(&dir, last_destroy.as_ref()) {
+        Ok(l) => l,
+        Err(Fatal(_, msg)) => {
+            // Past the lock: kept in last-run.json, counted in the metrics, exit 1. The report
+            // names the cycle in progress that is the reason.
+            if let Ok(Some(s)) = read_state_file(&dir.join(crate::core::state::STATE_FILE)) {
+                report.cycle_id = Some(s.cycle_id);
+            }
+            report.fail(msg);
+            report.outcome = "refused".into();
+            return finish(
+                report,
+                End::Done,
+                Some(&dir),
+                c.local.output,
+                metrics_target(c),
+            );
+        }
     };
-    let last_destroyed = last_destroy.and_then(|d| d.cycle_id);
     let sw = sweep::sweep_with(
         &mut forgejo,
+        &licence,
         &c.runner_prefix,
         c.sweep_max_deletions,
-        &mut |r, result| {
-            report.sweep_deletion(r, result, last_destroyed.as_deref(), &evidence);
-        },
+        &mut |r, result| report.sweep_deletion(r, result, &licence),
     );
     for failure in crate::core::listing::sweep_failures(&sw) {
         report.fail(failure);
@@ -131,18 +133,12 @@ pub fn cmd_sweep(a: SweepArgs) -> Result<u8, Fatal> {
     )
 }
 
-fn refuse_if_cycle(dir: &Path) -> Result<(), Fatal> {
+/// The sweep's licence from `dir`'s cycle.json: none may exist (`core::licence::without_cycle`).
+fn licence(dir: &Path, last_destroy: Option<&DestroyRecord>) -> Result<SweepLicence, Fatal> {
     let path = dir.join(crate::core::state::STATE_FILE);
     match read_state_file(&path) {
-        Ok(None) => Ok(()),
-        Ok(Some(s)) => Err(Fatal(
-            EXIT_FAILED,
-            format!(
-                "cycle {} is in progress ({}): a VM may still exist, so the sweep is refused; `run` sweeps after its destroy",
-                s.cycle_id,
-                path.display()
-            ),
-        )),
+        Ok(cycle) => without_cycle(cycle.as_ref(), &path.display().to_string(), last_destroy)
+            .map_err(|msg| Fatal(EXIT_FAILED, msg)),
         Err(e) => Err(Fatal(EXIT_FAILED, format!("{e:#}; the sweep is refused"))),
     }
 }

@@ -5,6 +5,7 @@
 
 pub mod escape;
 pub mod holds;
+pub mod licence;
 pub mod listing;
 pub mod metrics;
 pub mod model;

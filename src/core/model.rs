@@ -114,7 +114,7 @@ pub fn is_ours(name: Option<&str>, prefix: &str) -> bool {
 /// `Forgejo::delete_runner` accepts. Its field is private and `may_delete` is its only
 /// constructor, so no code can send a DELETE for a registration the gate has not passed:
 ///
-/// ```compile_fail
+/// ```compile_fail,E0451
 /// let bypass = ci_ephemeral_provisioner::core::model::Deletable { id: 7 };
 /// ```
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -7,6 +7,7 @@ use std::time::Duration;
 use serde::Serialize;
 
 use crate::core::holds::Holds;
+use crate::core::licence::SweepLicence;
 use crate::core::model::{
     Deletable, Job, Runner, RunnerStatus, job_matches, may_delete, waiting_jobs,
 };
@@ -329,7 +330,8 @@ pub enum Step {
         reason: TeardownReason,
     },
     Destroy,
-    Sweep,
+    /// The sweep, licensed by this run's destroy.
+    Sweep(SweepLicence),
     /// Everything is gone: remove cycle.json.
     Finish,
     Wait {

@@ -6,6 +6,7 @@ use std::fmt;
 use serde::Serialize;
 use serde_json::{Value, json};
 
+use crate::core::licence::SweepLicence;
 use crate::core::ports::{AuditSink, Clock, Deleted};
 use crate::core::time::Timestamp;
 
@@ -391,16 +392,15 @@ impl Report {
         &mut self,
         r: &SweptRunner,
         result: Option<Result<Deleted, String>>,
-        destroyed_cycle_id: Option<&str>,
-        evidence: &str,
+        licence: &SweepLicence,
     ) {
         let fill = |e: &mut Event| {
             e.runner_id = Some(r.runner_id);
             e.runner_name.clone_from(&r.name);
             e.reason = Some("sweep".into());
             e.status = Some(r.status.clone());
-            e.destroyed_cycle_id = destroyed_cycle_id.map(str::to_string);
-            e.evidence = Some(evidence.to_string());
+            e.destroyed_cycle_id = licence.destroyed_cycle_id().map(str::to_string);
+            e.evidence = Some(licence.evidence().to_string());
         };
         let Some(result) = result else {
             let mut intent = self.draft("delete_runner", "");

@@ -391,34 +391,15 @@ impl Driver<'_, '_> {
                 self.teardown(reason)
             }
             Step::Destroy => self.destroy(),
-            Step::Sweep => {
+            Step::Sweep(licence) => {
                 let sw = Stopwatch::start(&*self.w.clock);
-                // The sweep runs only after this run's destroy succeeded: that is its evidence.
-                let destroyed = self.state.as_ref().map(|s| {
-                    (
-                        s.cycle_id.clone(),
-                        s.destroyed_at.map(|t| t.to_string()).unwrap_or_default(),
-                    )
-                });
-                let evidence = match &destroyed {
-                    Some((id, at)) => format!(
-                        "offline, name has our prefix, and tofu destroy of cycle {id} succeeded at {at}"
-                    ),
-                    None => "offline and name has our prefix, after a destroy".into(),
-                };
                 let audit = &mut *self.report;
                 let report = sweep::sweep_with(
                     self.w.forgejo,
+                    &licence,
                     &self.cfg.policy.runner_prefix,
                     self.cfg.sweep_max_deletions,
-                    &mut |r, result| {
-                        audit.sweep_deletion(
-                            r,
-                            result,
-                            destroyed.as_ref().map(|d| d.0.as_str()),
-                            &evidence,
-                        );
-                    },
+                    &mut |r, result| audit.sweep_deletion(r, result, &licence),
                 );
                 let failures = crate::core::listing::sweep_failures(&report);
                 let ok = failures.is_empty();

@@ -1,6 +1,7 @@
 //! The sweep: list every page first, then delete the offline registrations with our prefix.
 //! Any doubt deletes nothing.
 
+use crate::core::licence::SweepLicence;
 use crate::core::listing::{LIST_PASSES, Listing, MAX_PAGES, PAGE_LIMIT, Seen, select};
 use crate::core::model::{Runner, is_ours};
 use crate::core::planner::DeleteReason;
@@ -108,21 +109,29 @@ fn swept(r: &Runner) -> SweptRunner {
 
 /// Runs the sweep. Failures are in the report (`error`, `failed`); the caller decides what they
 /// mean for the exit status.
-pub fn sweep(forgejo: &mut dyn Forgejo, prefix: &str, cap: usize) -> SweepReport {
-    sweep_with(forgejo, prefix, cap, &mut |_, _| {})
+pub fn sweep(
+    forgejo: &mut dyn Forgejo,
+    licence: &SweepLicence,
+    prefix: &str,
+    cap: usize,
+) -> SweepReport {
+    sweep_with(forgejo, licence, prefix, cap, &mut |_, _| {})
 }
 
 /// What one DELETE of the sweep did: gone (204 or 404), or the error.
 pub type DeleteResult = Result<Deleted, String>;
 
 /// `sweep`, telling `on_delete` about each DELETE just before it is sent (`None`) and as soon as
-/// Forgejo answered (the audit trail).
+/// Forgejo answered (the audit trail). No sweep runs without its licence: the proof that no VM
+/// of ours can exist (`core::licence`).
 pub fn sweep_with(
     forgejo: &mut dyn Forgejo,
+    licence: &SweepLicence,
     prefix: &str,
     cap: usize,
     on_delete: &mut dyn FnMut(&SweptRunner, Option<DeleteResult>),
 ) -> SweepReport {
+    log::debug!("sweep licensed: {}", licence.evidence());
     let mut report = SweepReport::default();
     let ours = |r: &Runner| is_ours(r.name.as_deref(), prefix);
     let listing = match list_all(forgejo, &ours) {
@@ -206,6 +215,10 @@ mod tests {
     use crate::core::ports::ApiError;
     use crate::core::ports::NewRunner;
     use crate::core::ports::RunnerPage;
+
+    fn licence() -> SweepLicence {
+        crate::core::licence::without_cycle(None, "cycle.json", None).unwrap()
+    }
 
     type ScriptedPage = Result<(Vec<Runner>, Option<u64>), String>;
 
@@ -320,7 +333,7 @@ mod tests {
             Ok((page(51, 50, "ephemeral"), Some(120))),
             Ok((page(101, 20, "ephemeral"), Some(120))),
         ]);
-        let rep = sweep(&mut f, "ephemeral-", 1000);
+        let rep = sweep(&mut f, &licence(), "ephemeral-", 1000);
         assert_eq!(f.asked, vec![1, 2, 3]);
         assert_eq!(rep.pages, 3);
         assert_eq!(rep.listed, 120);
@@ -335,7 +348,7 @@ mod tests {
             Err("HTTP 500".into()),
             Ok((page(101, 20, "ephemeral"), Some(120))),
         ]);
-        let rep = sweep(&mut f, "ephemeral-", 1000);
+        let rep = sweep(&mut f, &licence(), "ephemeral-", 1000);
         assert!(f.deleted.is_empty());
         assert!(rep.error.as_deref().unwrap().contains("page 2"));
         assert_eq!(sweep_failures(&rep).len(), 1);
@@ -346,7 +359,7 @@ mod tests {
         let mut f = Scripted::new(vec![Ok((page(1, 50, "ephemeral"), None))]);
         f.loop_first = true;
         // Every page repeats the same full page without a total: refused at the first repeat.
-        let rep = sweep(&mut f, "ephemeral-", 1000);
+        let rep = sweep(&mut f, &licence(), "ephemeral-", 1000);
         assert!(f.deleted.is_empty());
         assert_eq!(f.asked.len(), 2);
         assert!(rep.error.as_deref().unwrap().contains("page 2"));
@@ -356,7 +369,7 @@ mod tests {
     fn a_list_that_never_ends_deletes_nothing() {
         let mut f = Scripted::new(vec![]);
         f.endless = true;
-        let rep = sweep(&mut f, "ephemeral-", 1000);
+        let rep = sweep(&mut f, &licence(), "ephemeral-", 1000);
         assert!(f.deleted.is_empty());
         assert_eq!(f.asked.len(), MAX_PAGES as usize);
         assert!(rep.error.as_deref().unwrap().contains("did not end"));
@@ -365,7 +378,7 @@ mod tests {
     #[test]
     fn short_page_without_total_ends_the_listing() {
         let mut f = Scripted::new(vec![Ok((page(1, 7, "ephemeral"), None))]);
-        let rep = sweep(&mut f, "ephemeral-", 1000);
+        let rep = sweep(&mut f, &licence(), "ephemeral-", 1000);
         assert_eq!(f.asked, vec![1]);
         assert_eq!(rep.deleted.len(), 7);
     }
@@ -378,7 +391,7 @@ mod tests {
             Ok((page(31, 30, "ephemeral"), Some(70))),
             Ok((page(61, 10, "ephemeral"), Some(70))),
         ]);
-        let rep = sweep(&mut f, "ephemeral-", 1000);
+        let rep = sweep(&mut f, &licence(), "ephemeral-", 1000);
         assert_eq!(f.asked, vec![1, 2, 3]);
         assert_eq!(rep.deleted.len(), 70);
     }
@@ -399,7 +412,7 @@ mod tests {
     #[test]
     fn a_total_that_lies_high_stops_on_an_empty_page() {
         let mut f = Scripted::new(vec![Ok((page(1, 5, "ephemeral"), Some(5000)))]);
-        let rep = sweep(&mut f, "ephemeral-", 1000);
+        let rep = sweep(&mut f, &licence(), "ephemeral-", 1000);
         assert_eq!(f.asked, vec![1, 2]);
         assert_eq!(rep.deleted.len(), 5);
     }
@@ -424,7 +437,7 @@ mod tests {
             )),
         ]);
         // Page 1 is short, but the total says there is more.
-        let rep = sweep(&mut f, "ephemeral-", 1000);
+        let rep = sweep(&mut f, &licence(), "ephemeral-", 1000);
         assert_eq!(f.deleted, vec![2, 3], "1 was offline, then idle: doubtful");
         assert_eq!(rep.skipped_doubtful.len(), 1);
         assert_eq!(rep.skipped_doubtful[0].runner_id, 1);
@@ -516,7 +529,7 @@ mod tests {
         assert_eq!(l.distinct, 120);
         assert!(l.complete);
         let mut f = Scripted::new(pages());
-        let rep = sweep(&mut f, "ephemeral-", 1000);
+        let rep = sweep(&mut f, &licence(), "ephemeral-", 1000);
         assert_eq!(rep.listed, 120);
         assert_eq!(f.asked, vec![1, 2, 3]);
         assert_eq!(f.deleted, (51..=120).collect::<Vec<_>>());
@@ -542,7 +555,7 @@ mod tests {
                 Some(3),
             )),
         ]);
-        let rep = sweep(&mut f, "ephemeral-", 1000);
+        let rep = sweep(&mut f, &licence(), "ephemeral-", 1000);
         assert_eq!(f.deleted, vec![8]);
         assert_eq!(rep.listed, 3);
         assert_eq!(
@@ -558,7 +571,7 @@ mod tests {
     fn a_failed_delete_is_reported_and_the_rest_go_on() {
         let mut f = Scripted::new(vec![Ok((page(1, 3, "ephemeral"), Some(3)))]);
         f.fail_delete = vec![2];
-        let rep = sweep(&mut f, "ephemeral-", 10);
+        let rep = sweep(&mut f, &licence(), "ephemeral-", 10);
         assert_eq!(f.deleted, vec![1, 3]);
         assert_eq!(rep.failed.len(), 1);
         assert_eq!(

@@ -115,7 +115,7 @@ mutate "apply-before-intent" src/driver/cycle/vm.rs \
 
 mutate "no-sweep" src/core/planner/after.rs \
     '    if !ctx.swept {
-        return Step::Sweep;
+        return Step::Sweep(SweepLicence::after_destroy(state));
     }' \
     ''
 

@@ -121,7 +121,7 @@ pub(super) fn decide_destroyed(
         };
     }
     if !ctx.swept {
-        return Step::Sweep;
+        return Step::Sweep(SweepLicence::after_destroy(state));
     }
     Step::Finish
 }
