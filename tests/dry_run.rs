@@ -420,3 +420,26 @@ fn planned_deletions_keep_every_page_count_equal() {
     assert!(stdout.contains("then: cycle_finished"), "{stdout}");
     assert!(!stdout.contains("error"), "{stdout}");
 }
+
+#[test]
+fn a_dry_sweep_of_a_fixture_with_a_cycle_in_progress_is_refused() {
+    // A VM may exist while a cycle is in progress: no licence, no plan, exit 1.
+    let out = Command::new(BIN)
+        .args([
+            "sweep",
+            "--dry-run",
+            "--fixture",
+            "fixtures/reuse-consumed.json",
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains(
+            "cycle 20261014t150000z-5c1d is in progress (the fixture): a VM may still exist, so the sweep is refused"
+        ),
+        "{err}"
+    );
+    assert!(out.stdout.is_empty(), "no plan is printed");
+}

@@ -1,7 +1,7 @@
 //! Dry-run implementations: the real cycle code runs against these and the side effects it
 //! would have become the plan. Reads come from live Forgejo GETs or from a fixture file.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::{BTreeMap, BTreeSet};
 use std::rc::Rc;
 use std::time::Duration;
@@ -21,6 +21,9 @@ use crate::core::time::Timestamp;
 
 /// The plan: every side effect the cycle would have performed, in order.
 pub type Plan = Rc<RefCell<Vec<Value>>>;
+
+/// How many reads of a dry-run's world failed.
+pub type ReadErrors = Rc<Cell<u32>>;
 
 /// A world read from a fixture file: `{"cycle", "runners", "jobs", "now"}`.
 pub struct Fixture {
@@ -270,7 +273,7 @@ impl Forgejo for FixtureForgejo {
 pub struct DryForgejo {
     pub inner: Box<dyn Forgejo>,
     /// Reads that failed: then the plan is incomplete and the dry-run fails.
-    pub read_errors: u32,
+    read_errors: ReadErrors,
     pub plan: Plan,
     created: BTreeMap<i64, String>,
     deleted: BTreeSet<i64>,
@@ -283,7 +286,7 @@ impl DryForgejo {
     pub fn new(inner: Box<dyn Forgejo>, plan: Plan) -> DryForgejo {
         DryForgejo {
             inner,
-            read_errors: 0,
+            read_errors: ReadErrors::default(),
             plan,
             created: BTreeMap::new(),
             deleted: BTreeSet::new(),
@@ -294,9 +297,14 @@ impl DryForgejo {
 }
 
 impl DryForgejo {
+    /// The count of failed reads, shared: it still counts once this Forgejo is boxed away.
+    pub fn read_errors(&self) -> ReadErrors {
+        self.read_errors.clone()
+    }
+
     fn count<T>(&mut self, r: Result<T, ApiError>) -> Result<T, ApiError> {
         if r.is_err() {
-            self.read_errors += 1;
+            self.read_errors.set(self.read_errors.get() + 1);
         }
         r
     }

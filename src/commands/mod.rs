@@ -1,10 +1,12 @@
 //! One file per command (`run`, `sweep`, `status`, `check`) and what they share: exit codes,
-//! the configuration checks and the choice of implementations for live runs and dry-runs.
+//! the configuration checks and (`wiring`) the one choice of implementations for live runs and
+//! dry-runs.
 
 pub mod check;
 pub mod run;
 pub mod status;
 pub mod sweep;
+pub mod wiring;
 
 use std::path::{Path, PathBuf};
 
@@ -98,7 +100,7 @@ pub(crate) fn read_token(arg: &Option<PathBuf>) -> Result<Secret, Fatal> {
 
 /// `--fixture` only makes sense for a dry-run (clap's `requires` is satisfied by a
 /// `…_DRY_RUN=false` variable, so this checks the value).
-fn check_fixture(common: &ForgejoArgs) -> Result<(), Fatal> {
+pub(crate) fn check_fixture(common: &ForgejoArgs) -> Result<(), Fatal> {
     if common.fixture.is_some() && !common.dry_run {
         return Err(usage(
             "--fixture needs --dry-run: a fixture world can only be planned against, never acted on",
@@ -173,7 +175,12 @@ pub(crate) fn policy(a: &RunArgs, labels: &str) -> Policy {
     }
 }
 
-fn cycle_config(a: &RunArgs, policy: Policy, labels: String, forgejo_url: String) -> CycleConfig {
+pub(crate) fn cycle_config(
+    a: &RunArgs,
+    policy: Policy,
+    labels: String,
+    forgejo_url: String,
+) -> CycleConfig {
     CycleConfig {
         policy,
         poll_interval: a.poll_interval,
@@ -216,7 +223,10 @@ pub(crate) fn validate_run_args(a: &RunArgs) -> Result<String, Fatal> {
     Ok(labels)
 }
 
-fn events_file(dir: &Path, common: &ForgejoArgs) -> Box<crate::adapters::events_file::EventsFile> {
+pub(crate) fn events_file(
+    dir: &Path,
+    common: &ForgejoArgs,
+) -> Box<crate::adapters::events_file::EventsFile> {
     Box::new(crate::adapters::events_file::EventsFile::new(
         dir,
         common.events_max_bytes,
@@ -227,19 +237,19 @@ fn events_file(dir: &Path, common: &ForgejoArgs) -> Box<crate::adapters::events_
 /// A failure here is only logged: the write at the end of the run reports it.
 /// Where the metrics go, and the `pool` label they carry.
 #[derive(Clone, Copy)]
-struct MetricsTarget<'a> {
+pub(crate) struct MetricsTarget<'a> {
     path: &'a Path,
     pool: Option<&'a str>,
 }
 
-fn metrics_target(common: &ForgejoArgs) -> Option<MetricsTarget<'_>> {
+pub(crate) fn metrics_target(common: &ForgejoArgs) -> Option<MetricsTarget<'_>> {
     common.metrics_file.as_deref().map(|path| MetricsTarget {
         path,
         pool: common.metrics_pool.as_deref(),
     })
 }
 
-fn announce_run(dir: &Path, metrics: Option<MetricsTarget<'_>>, started: Timestamp) {
+pub(crate) fn announce_run(dir: &Path, metrics: Option<MetricsTarget<'_>>, started: Timestamp) {
     let Some(MetricsTarget { path, pool }) = metrics else {
         return;
     };
@@ -294,7 +304,7 @@ fn record_run(dir: &Path, metrics: Option<MetricsTarget<'_>>, report: &mut Repor
 
 /// Sets the exit status, records the run (counters, metrics file), keeps the report as
 /// last-run.json, prints it.
-fn finish(
+pub(crate) fn finish(
     mut report: Report,
     end: End,
     dir: Option<&Path>,
@@ -342,7 +352,7 @@ fn finish(
     Ok(report.exit_code as u8)
 }
 
-fn print_plan(actions: &[Value], report: &Report, output: OutputFormat) {
+pub(crate) fn print_plan(actions: &[Value], report: &Report, output: OutputFormat) {
     match output {
         OutputFormat::Json => {
             // Exactly the plan; how it ends is on stderr.

@@ -1,0 +1,301 @@
+//! The one place that picks the ports' implementations: a live run, or a dry-run against a
+//! fixture or against Forgejo itself. `run` and `sweep` then drive whatever this returns the same
+//! way; only where the result goes ([`Outlet`]) differs.
+
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+
+use crate::adapters::clock::{RealClock, wall_now};
+use crate::adapters::dry::{
+    DryClock, DryForgejo, DryLauncher, DryTofu, Fixture, FixtureForgejo, MemoryStore, Plan,
+    ReadErrors,
+};
+use crate::adapters::files::{FileStore, Lock, read_holds_file, read_state_file, take_lock};
+use crate::adapters::launch_cmd::CommandLauncher;
+use crate::adapters::logging::log_config;
+use crate::adapters::signals::StopFlag;
+use crate::adapters::tofu_cli::CliTofu;
+use crate::cli::{ForgejoArgs, RunArgs, SweepArgs};
+use crate::commands::{
+    EXIT_FAILED, EXIT_OK, Fatal, announce_run, events_file, finish, forgejo_target, http_forgejo,
+    metrics_target, print_plan, read_token, state_dir, usage,
+};
+use crate::core::holds::{HOLDS_FILE, Holds};
+use crate::core::metrics::DestroyRecord;
+use crate::core::ports::{Clock, Forgejo, Launcher, StateStore, Tofu};
+use crate::core::report::Report;
+use crate::core::state::{CycleState, STATE_FILE};
+use crate::driver::cycle::{End, World};
+
+/// Where Forgejo is said to be in a fixture dry-run's plan and report.
+const FIXTURE_URL: &str = "https://forgejo.invalid";
+
+/// The ports a cycle runs on.
+pub(crate) struct Ports {
+    pub forgejo: Box<dyn Forgejo>,
+    pub tofu: Box<dyn Tofu>,
+    pub launcher: Box<dyn Launcher>,
+    pub store: Box<dyn StateStore>,
+    pub clock: Box<dyn Clock>,
+}
+
+impl Ports {
+    pub fn world(&mut self) -> World<'_> {
+        World {
+            forgejo: &mut *self.forgejo,
+            tofu: &mut *self.tofu,
+            launcher: &mut *self.launcher,
+            store: &mut *self.store,
+            clock: &mut *self.clock,
+        }
+    }
+}
+
+/// Where a command's result goes.
+pub(crate) enum Outlet {
+    /// Kept in `dir` (last-run.json, the counters, the metrics file), added to the audit trail
+    /// and printed. The state directory's lock is held until the outlet is dropped.
+    Live { dir: PathBuf, _lock: Lock },
+    /// Only the plan is printed: what a live run would do. The dry-run fails when a read of the
+    /// world failed (the plan is then incomplete).
+    Dry { plan: Plan, read_errors: ReadErrors },
+}
+
+impl Outlet {
+    /// Ends the command with `report`: kept and printed (live), or the plan printed (dry-run).
+    pub fn close(self, report: Report, end: End, common: &ForgejoArgs) -> Result<u8, Fatal> {
+        match self {
+            Outlet::Live { dir, _lock } => finish(
+                report,
+                end,
+                Some(&dir),
+                common.local.output,
+                metrics_target(common),
+            ),
+            Outlet::Dry { plan, read_errors } => {
+                if let End::Config(msg) = end {
+                    return Err(usage(msg));
+                }
+                let actions: Vec<Value> = plan.borrow().clone();
+                print_plan(&actions, &report, common.local.output);
+                // The plan's own failures (a hard-deadline teardown, say) are what the run
+                // would report; the dry-run itself failed only when it could not read the world.
+                Ok(if read_errors.get() == 0 {
+                    EXIT_OK
+                } else {
+                    EXIT_FAILED
+                })
+            }
+        }
+    }
+
+    /// The last `tofu destroy` that succeeded, for the sweep's evidence (a dry-run names none).
+    pub fn last_destroy(&self) -> Option<DestroyRecord> {
+        let Outlet::Live { dir, .. } = self else {
+            return None;
+        };
+        match crate::adapters::files::load_counters(dir) {
+            Ok(k) => k.last_destroy_ok,
+            Err(e) => {
+                log::warn!("{e:#}; the sweep's evidence cannot name the last successful destroy");
+                None
+            }
+        }
+    }
+}
+
+/// A provisioner cycle, ready to run.
+pub(crate) struct CycleRun {
+    pub ports: Ports,
+    pub report: Report,
+    pub outlet: Outlet,
+    /// The Forgejo the cycle talks to, for its runners' configuration.
+    pub forgejo_url: String,
+}
+
+/// The implementations for `run` (`label_names`: the labels the pool serves, for the HTTP client).
+pub(crate) fn cycle(a: &RunArgs, label_names: &[String]) -> Result<CycleRun, Fatal> {
+    let c = &a.common;
+    if c.dry_run {
+        log_config(a, None, None);
+        return dry_cycle(c, label_names);
+    }
+    let (url, scope) = forgejo_target(c)?;
+    let token = read_token(&c.token_file)?;
+    let dir = state_dir(&c.local.state_dir);
+    log_config(a, Some(&token), Some(&dir));
+    let forgejo = http_forgejo(c, &url, scope, &token, label_names)?;
+    drop(token);
+    let lock = take_lock(&dir)?;
+    let stop = StopFlag::install().map_err(|e| Fatal(EXIT_FAILED, format!("{e:#}")))?;
+    let clock = RealClock::new(stop.clone());
+    let report = live_report("run", &clock, &dir, c);
+    Ok(CycleRun {
+        ports: Ports {
+            forgejo: Box::new(forgejo),
+            tofu: Box::new(CliTofu {
+                bin: a.tofu_bin.clone(),
+                dir: a.tofu_dir.clone(),
+                stop: stop.clone(),
+            }),
+            launcher: Box::new(CommandLauncher {
+                command: a.launch_command.clone(),
+                timeout: a.launch_timeout,
+                stop,
+            }),
+            store: Box::new(FileStore::new(&dir)),
+            clock: Box::new(clock),
+        },
+        report,
+        outlet: Outlet::Live { dir, _lock: lock },
+        forgejo_url: url,
+    })
+}
+
+/// A dry-run cycle: the world read from the fixture, or from Forgejo and the state directory;
+/// every write recorded in the plan instead.
+fn dry_cycle(c: &ForgejoArgs, label_names: &[String]) -> Result<CycleRun, Fatal> {
+    let (world, cycle, holds, now, url) = match &c.fixture {
+        Some(path) => {
+            let fx = load_fixture(path, label_names)?;
+            let now = fx.now.unwrap_or_else(wall_now);
+            (
+                fx.forgejo,
+                fx.cycle,
+                Holds::default(),
+                now,
+                FIXTURE_URL.into(),
+            )
+        }
+        None => {
+            let (url, scope) = forgejo_target(c)?;
+            let token = read_token(&c.token_file)?;
+            let dir = state_dir(&c.local.state_dir);
+            let cycle = read_state_file(&dir.join(STATE_FILE))
+                .map_err(|e| Fatal(EXIT_FAILED, format!("{e:#}")))?;
+            let holds = read_holds_file(&dir.join(HOLDS_FILE))
+                .map_err(|e| Fatal(EXIT_FAILED, format!("{e:#}")))?;
+            let forgejo: Box<dyn Forgejo> =
+                Box::new(http_forgejo(c, &url, scope, &token, label_names)?);
+            (forgejo, cycle, holds, wall_now(), url)
+        }
+    };
+    let plan = Plan::default();
+    let forgejo = DryForgejo::new(world, plan.clone());
+    let read_errors = forgejo.read_errors();
+    Ok(CycleRun {
+        ports: Ports {
+            forgejo: Box::new(forgejo),
+            tofu: Box::new(DryTofu { plan: plan.clone() }),
+            launcher: Box::new(DryLauncher { plan: plan.clone() }),
+            store: Box::new(MemoryStore {
+                state: cycle,
+                holds,
+            }),
+            clock: Box::new(DryClock { now }),
+        },
+        report: Report::new("run", true, now),
+        outlet: Outlet::Dry { plan, read_errors },
+        forgejo_url: url,
+    })
+}
+
+/// A sweep, ready to run once it has its licence.
+pub(crate) struct SweepRun {
+    pub forgejo: Box<dyn Forgejo>,
+    pub report: Report,
+    pub outlet: Outlet,
+    /// What cycle.json holds (read under the lock, for a live sweep), or why it could not be read.
+    pub cycle: Result<Option<CycleState>, String>,
+    /// Where that was read from, for the refusal's message.
+    pub cycle_source: String,
+}
+
+/// The implementations for `sweep`.
+pub(crate) fn sweep(a: &SweepArgs) -> Result<SweepRun, Fatal> {
+    let c = &a.common;
+    if c.dry_run {
+        log_config(a, None, None);
+        let (world, cycle, cycle_source) = match &c.fixture {
+            Some(path) => {
+                let fx = load_fixture(path, &[])?;
+                (fx.forgejo, Ok(fx.cycle), "the fixture".to_string())
+            }
+            None => {
+                let (url, scope) = forgejo_target(c)?;
+                let token = read_token(&c.token_file)?;
+                let (cycle, source) = read_cycle(&state_dir(&c.local.state_dir));
+                let forgejo: Box<dyn Forgejo> =
+                    Box::new(http_forgejo(c, &url, scope, &token, &[])?);
+                (forgejo, cycle, source)
+            }
+        };
+        let plan = Plan::default();
+        let forgejo = DryForgejo::new(world, plan.clone());
+        let read_errors = forgejo.read_errors();
+        return Ok(SweepRun {
+            forgejo: Box::new(forgejo),
+            report: Report::new("sweep", true, wall_now()),
+            outlet: Outlet::Dry { plan, read_errors },
+            cycle,
+            cycle_source,
+        });
+    }
+    let (url, scope) = forgejo_target(c)?;
+    let token = read_token(&c.token_file)?;
+    let dir = state_dir(&c.local.state_dir);
+    log_config(a, Some(&token), Some(&dir));
+    let forgejo = http_forgejo(c, &url, scope, &token, &[])?;
+    drop(token);
+    let lock = take_lock(&dir)?;
+    let clock = RealClock::new(StopFlag::default());
+    let report = live_report("sweep", &clock, &dir, c);
+    let (cycle, cycle_source) = read_cycle(&dir);
+    Ok(SweepRun {
+        forgejo: Box::new(forgejo),
+        report,
+        outlet: Outlet::Live { dir, _lock: lock },
+        cycle,
+        cycle_source,
+    })
+}
+
+/// A live run's report: on the run's clock, written to the audit trail as it goes, and announced
+/// in the metrics file.
+fn live_report(command: &str, clock: &RealClock, dir: &Path, c: &ForgejoArgs) -> Report {
+    let mut report = Report::new(command, false, clock.now());
+    let report_clock = clock.clone();
+    report.set_clock(Box::new(move || report_clock.now()));
+    report.set_audit(events_file(dir, c));
+    announce_run(dir, metrics_target(c), report.started_at);
+    report
+}
+
+/// A fixture's world as a read-only Forgejo, its cycle and its `now`.
+struct FixtureWorld {
+    forgejo: Box<dyn Forgejo>,
+    cycle: Option<CycleState>,
+    now: Option<crate::core::time::Timestamp>,
+}
+
+fn load_fixture(path: &Path, label_names: &[String]) -> Result<FixtureWorld, Fatal> {
+    let fx = Fixture::load(path).map_err(|e| usage(format!("{e:#}")))?;
+    Ok(FixtureWorld {
+        forgejo: Box::new(FixtureForgejo {
+            runners: fx.runners,
+            jobs: fx.jobs,
+            label_names: label_names.to_vec(),
+        }),
+        cycle: fx.cycle,
+        now: fx.now,
+    })
+}
+
+fn read_cycle(dir: &Path) -> (Result<Option<CycleState>, String>, String) {
+    let path = dir.join(STATE_FILE);
+    (
+        read_state_file(&path).map_err(|e| format!("{e:#}")),
+        path.display().to_string(),
+    )
+}
