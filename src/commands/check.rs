@@ -8,13 +8,12 @@ use serde_json::json;
 
 use crate::adapters::files::{StateDir, inspect_state_dir, read_state_file};
 use crate::adapters::forgejo_http::major_version;
-use crate::adapters::launch_cmd::CommandLauncher;
 use crate::adapters::process::{ChildSpec, find_executable, run_child};
 use crate::adapters::signals::StopFlag;
 use crate::cli::{OutputFormat, RunArgs};
 use crate::commands::{
-    EXIT_FAILED, EXIT_OK, Fatal, forgejo_target, http_forgejo, read_token, state_dir, usage,
-    validate_run_args,
+    EXIT_FAILED, EXIT_OK, Fatal, forgejo_target, read_token, state_dir, usage, validate_run_args,
+    wiring,
 };
 use crate::core::model::label_names;
 use crate::core::ports::{Forgejo, Launcher};
@@ -138,7 +137,7 @@ fn check_forgejo(a: &RunArgs, labels: Option<&str>) -> Vec<Line> {
         }
     };
     let names = labels.map(label_names).unwrap_or_default();
-    let mut forgejo = match http_forgejo(&a.common, &url, scope.clone(), &token, &names) {
+    let mut forgejo = match wiring::http_forgejo(&a.common, &url, scope.clone(), &token, &names) {
         Ok(f) => f,
         Err(Fatal(_, msg)) => {
             lines.push(Line {
@@ -198,11 +197,7 @@ fn check_forgejo(a: &RunArgs, labels: Option<&str>) -> Vec<Line> {
 }
 
 fn check_launch(a: &RunArgs) -> Result<String, String> {
-    let launcher = CommandLauncher {
-        command: a.launch_command.clone(),
-        timeout: a.launch_timeout,
-        stop: StopFlag::new(),
-    };
+    let launcher = wiring::launcher(a, StopFlag::new());
     launcher.check_config()?;
     let shown = a
         .launch_command

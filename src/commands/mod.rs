@@ -11,9 +11,7 @@ pub mod wiring;
 use std::path::{Path, PathBuf};
 
 use crate::adapters::files::{read_state_file, write_atomic};
-use crate::adapters::forgejo_http::HttpForgejo;
 use crate::adapters::forgejo_http::Scope;
-use crate::adapters::forgejo_http::load_ca_file;
 use crate::adapters::forgejo_http::validate_url;
 use crate::cli::ForgejoArgs;
 use crate::cli::OutputFormat;
@@ -126,28 +124,6 @@ pub(crate) fn check_prefix(prefix: &str) -> Result<(), Fatal> {
         )));
     }
     Ok(())
-}
-
-/// The Forgejo client of a live run or a live dry-run.
-pub(crate) fn http_forgejo(
-    common: &ForgejoArgs,
-    url: &str,
-    scope: Scope,
-    token: &Secret,
-    label_names: &[String],
-) -> Result<HttpForgejo, Fatal> {
-    let ca = match &common.ca_file {
-        Some(path) => Some(load_ca_file(path).map_err(|e| usage(format!("--ca-file: {e}")))?),
-        None => None,
-    };
-    Ok(HttpForgejo::new(
-        url,
-        scope,
-        token,
-        label_names,
-        common.http_timeout,
-        ca.as_deref(),
-    ))
 }
 
 pub(crate) fn forgejo_target(common: &ForgejoArgs) -> Result<(String, Scope), Fatal> {

@@ -12,19 +12,21 @@ use crate::adapters::dry::{
     ReadErrors,
 };
 use crate::adapters::files::{FileStore, Lock, read_holds_file, read_state_file, take_lock};
+use crate::adapters::forgejo_http::{HttpForgejo, Scope, load_ca_file};
 use crate::adapters::launch_cmd::CommandLauncher;
 use crate::adapters::logging::log_config;
 use crate::adapters::signals::StopFlag;
 use crate::adapters::tofu_cli::CliTofu;
 use crate::cli::{ForgejoArgs, RunArgs, SweepArgs};
 use crate::commands::{
-    EXIT_FAILED, EXIT_OK, Fatal, announce_run, events_file, finish, forgejo_target, http_forgejo,
-    metrics_target, print_plan, read_token, state_dir, usage,
+    EXIT_FAILED, EXIT_OK, Fatal, announce_run, events_file, finish, forgejo_target, metrics_target,
+    print_plan, read_token, state_dir, usage,
 };
 use crate::core::holds::{HOLDS_FILE, Holds};
 use crate::core::metrics::DestroyRecord;
 use crate::core::ports::{Clock, Forgejo, Launcher, StateStore, Tofu};
 use crate::core::report::Report;
+use crate::core::secret::Secret;
 use crate::core::state::{CycleState, STATE_FILE};
 use crate::driver::cycle::{End, World};
 
@@ -139,11 +141,7 @@ pub(crate) fn cycle(a: &RunArgs, label_names: &[String]) -> Result<CycleRun, Fat
                 dir: a.tofu_dir.clone(),
                 stop: stop.clone(),
             }),
-            launcher: Box::new(CommandLauncher {
-                command: a.launch_command.clone(),
-                timeout: a.launch_timeout,
-                stop,
-            }),
+            launcher: Box::new(launcher(a, stop)),
             store: Box::new(FileStore::new(&dir)),
             clock: Box::new(clock),
         },
@@ -259,6 +257,37 @@ pub(crate) fn sweep(a: &SweepArgs) -> Result<SweepRun, Fatal> {
         cycle,
         cycle_source,
     })
+}
+
+/// The Forgejo client of a live run or a live dry-run.
+pub(crate) fn http_forgejo(
+    common: &ForgejoArgs,
+    url: &str,
+    scope: Scope,
+    token: &Secret,
+    label_names: &[String],
+) -> Result<HttpForgejo, Fatal> {
+    let ca = match &common.ca_file {
+        Some(path) => Some(load_ca_file(path).map_err(|e| usage(format!("--ca-file: {e}")))?),
+        None => None,
+    };
+    Ok(HttpForgejo::new(
+        url,
+        scope,
+        token,
+        label_names,
+        common.http_timeout,
+        ca.as_deref(),
+    ))
+}
+
+/// The launch command of a live run (and of `check`'s probe of it).
+pub(crate) fn launcher(a: &RunArgs, stop: StopFlag) -> CommandLauncher {
+    CommandLauncher {
+        command: a.launch_command.clone(),
+        timeout: a.launch_timeout,
+        stop,
+    }
 }
 
 /// A live run's report: on the run's clock, written to the audit trail as it goes, and announced
