@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use anyhow::{anyhow, bail};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::adapters::events_file::MIN_MAX_BYTES;
@@ -312,21 +313,21 @@ pub struct LocalArgs {
 
 /// A pool name for the `pool` label: 1–64 of letters, digits, `-`, `_`, `.` (what a systemd
 /// instance name and an Ansible pool name comfortably hold).
-fn parse_pool_name(s: &str) -> Result<String, String> {
+fn parse_pool_name(s: &str) -> anyhow::Result<String> {
     let ok = (1..=64).contains(&s.len())
         && s.bytes()
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
     if ok {
         Ok(s.to_string())
     } else {
-        Err(format!(
+        Err(anyhow!(
             "{s:?} is not a pool name: use 1 to 64 letters, digits, '-', '_' or '.'"
         ))
     }
 }
 
 /// Parses `--events-max-bytes`: `10MiB`, `512KiB`, `1GiB` or plain bytes.
-pub fn parse_bytes(s: &str) -> Result<u64, String> {
+pub fn parse_bytes(s: &str) -> anyhow::Result<u64> {
     let t = s.trim();
     let (digits, unit) = t.split_at(t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len()));
     let mult: u64 = match unit.trim() {
@@ -334,19 +335,16 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
         "K" | "KiB" => 1024,
         "M" | "MiB" => 1024 * 1024,
         "G" | "GiB" => 1024 * 1024 * 1024,
-        _ => return Err(format!("{s:?} is not a size like 10MiB, 512KiB or 1048576")),
+        _ => return Err(anyhow!("{s:?} is not a size like 10MiB, 512KiB or 1048576")),
     };
     let n: u64 = digits
         .parse()
-        .map_err(|_| format!("{s:?} is not a size like 10MiB, 512KiB or 1048576"))?;
+        .map_err(|_| anyhow!("{s:?} is not a size like 10MiB, 512KiB or 1048576"))?;
     let bytes = n
         .checked_mul(mult)
-        .ok_or_else(|| format!("{s:?} is too large"))?;
+        .ok_or_else(|| anyhow!("{s:?} is too large"))?;
     if bytes < MIN_MAX_BYTES {
-        return Err(format!(
-            "{s:?} is below the minimum of {} KiB",
-            MIN_MAX_BYTES / 1024
-        ));
+        bail!("{s:?} is below the minimum of {} KiB", MIN_MAX_BYTES / 1024);
     }
     Ok(bytes)
 }

@@ -1,5 +1,6 @@
 //! The architecture, held to by tests: `src/core/` does no I/O and knows nothing of the shell,
-//! and no code sends a DELETE but `delete_runner`, which takes a `Deletable` (the gate's proof).
+//! the shell's layers point inward (adapters and the driver know nothing of the commands), and
+//! no code sends a DELETE but `delete_runner`, which takes a `Deletable` (the gate's proof).
 //! Each rule is also run against a planted violation, so the check is seen to bite.
 
 use std::fs;
@@ -73,11 +74,31 @@ fn code(path: &Path) -> String {
         .join("\n")
 }
 
+/// What the shell's inner layers must not use: they are picked and driven by the commands, and
+/// know only the core (adapters) or the core's ports (the driver).
+const FORBIDDEN_IN_ADAPTERS: &[(&str, &str)] = &[
+    ("crate::commands", "the commands (exit codes, wiring)"),
+    ("crate::driver", "the driver"),
+    ("crate::cli", "the command line"),
+];
+const FORBIDDEN_IN_DRIVER: &[(&str, &str)] = &[
+    ("crate::commands", "the commands (exit codes, wiring)"),
+    ("crate::adapters", "an implementation of a port"),
+    ("crate::cli", "the command line"),
+];
+
 /// Each use of something forbidden in `code`: (line, what, why).
 fn violations(code: &str) -> Vec<(usize, &'static str, &'static str)> {
+    violations_of(code, FORBIDDEN_IN_CORE)
+}
+
+fn violations_of(
+    code: &str,
+    forbidden: &[(&'static str, &'static str)],
+) -> Vec<(usize, &'static str, &'static str)> {
     let mut found = Vec::new();
     for (n, line) in code.lines().enumerate() {
-        for (what, why) in FORBIDDEN_IN_CORE {
+        for (what, why) in forbidden {
             let mut rest = line;
             while let Some(i) = rest.find(what) {
                 let before = rest[..i].chars().next_back();
@@ -139,6 +160,41 @@ fn the_core_check_catches_a_planted_violation() {
     )
     .unwrap();
     assert!(violations(&code(&f)).is_empty(), "{}", code(&f));
+}
+
+#[test]
+fn adapters_and_the_driver_know_nothing_of_the_commands() {
+    let mut bad = Vec::new();
+    for (dir, forbidden) in [
+        ("src/adapters", FORBIDDEN_IN_ADAPTERS),
+        ("src/driver", FORBIDDEN_IN_DRIVER),
+    ] {
+        let mut files = Vec::new();
+        rust_files(&root().join(dir), &mut files);
+        assert!(files.len() > 1, "{dir} has only {} files", files.len());
+        for f in &files {
+            for (line, what, why) in violations_of(&code(f), forbidden) {
+                bad.push(format!(
+                    "{}:{line}: uses {what} ({why})",
+                    f.strip_prefix(root()).unwrap().display()
+                ));
+            }
+        }
+    }
+    assert!(
+        bad.is_empty(),
+        "the commands pick and drive the adapters and the driver, not the other way round; \
+         return a typed error and let `commands` turn it into an exit status:\n{}",
+        bad.join("\n")
+    );
+    // The check bites: the import this rule was written against.
+    let planted =
+        "use crate::commands::{EXIT_FAILED, Fatal};\nuse crate::adapters::dry::MemoryStore;\n";
+    let found: Vec<&str> = violations_of(planted, FORBIDDEN_IN_DRIVER)
+        .iter()
+        .map(|v| v.1)
+        .collect();
+    assert_eq!(found, ["crate::commands", "crate::adapters"]);
 }
 
 /// Where a DELETE request is made: the text `"DELETE"` in the code outside tests, with the

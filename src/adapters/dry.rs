@@ -202,11 +202,11 @@ pub struct FixtureForgejo {
     pub label_names: Vec<String>,
 }
 
-fn fixture_error(what: &str, detail: String) -> ApiError {
+fn fixture_error(what: &str, e: anyhow::Error) -> ApiError {
     ApiError {
         status: None,
         request: format!("fixture {what}"),
-        detail,
+        detail: format!("{e:#}"),
     }
 }
 
@@ -239,14 +239,14 @@ impl Forgejo for FixtureForgejo {
     fn delete_runner(&mut self, target: &Deletable, _reason: &str) -> Result<Deleted, ApiError> {
         Err(fixture_error(
             "delete",
-            format!("a fixture is read-only (runner {})", target.id()),
+            anyhow!("a fixture is read-only (runner {})", target.id()),
         ))
     }
 
     fn register_runner(&mut self, name: &str) -> Result<NewRunner, ApiError> {
         Err(fixture_error(
             "register",
-            format!("a fixture is read-only ({name})"),
+            anyhow!("a fixture is read-only ({name})"),
         ))
     }
 
@@ -384,7 +384,7 @@ pub struct DryTofu {
 }
 
 impl Tofu for DryTofu {
-    fn check_config(&self) -> Result<(), String> {
+    fn check_config(&self) -> anyhow::Result<()> {
         Ok(())
     }
 
@@ -411,7 +411,7 @@ pub struct DryLauncher {
 }
 
 impl Launcher for DryLauncher {
-    fn check_config(&self) -> Result<(), String> {
+    fn check_config(&self) -> anyhow::Result<()> {
         Ok(())
     }
 

@@ -8,6 +8,7 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::{fs, io};
 
+use anyhow::anyhow;
 use serde_json::Value;
 
 use crate::core::ports::AuditSink;
@@ -93,17 +94,17 @@ impl EventsFile {
 }
 
 impl AuditSink for EventsFile {
-    fn append(&mut self, record: &Value) -> Result<(), String> {
-        let mut line = serde_json::to_vec(record).map_err(|e| format!("cannot encode: {e}"))?;
+    fn append(&mut self, record: &Value) -> anyhow::Result<()> {
+        let mut line = serde_json::to_vec(record).map_err(|e| anyhow!("cannot encode: {e}"))?;
         line.push(b'\n');
         self.try_append(&line).map_err(|e| {
             if e.raw_os_error() == Some(libc::ELOOP) {
-                return format!(
+                return anyhow!(
                     "cannot append to the audit trail: {}",
                     crate::adapters::files::open_error(&self.path(), &e)
                 );
             }
-            format!(
+            anyhow!(
                 "cannot append to {} (rotated to {} past --events-max-bytes {}): {e}",
                 self.path().display(),
                 EVENTS_ROTATED,
@@ -112,13 +113,13 @@ impl AuditSink for EventsFile {
         })
     }
 
-    fn sync(&mut self) -> Result<(), String> {
+    fn sync(&mut self) -> anyhow::Result<()> {
         if !self.unsynced {
             return Ok(());
         }
         if let Some((f, _)) = &self.open {
             f.sync_data()
-                .map_err(|e| format!("cannot fsync {}: {e}", self.path().display()))?;
+                .map_err(|e| anyhow!("cannot fsync {}: {e}", self.path().display()))?;
         }
         self.unsynced = false;
         Ok(())
@@ -135,7 +136,7 @@ pub struct Tail {
 
 /// The last `n` records of the trail (the rotated file too when the current one has fewer),
 /// oldest first. Lines that are not JSON objects (a line cut by a crash) are skipped.
-pub fn tail(dir: &Path, n: usize) -> Result<Tail, String> {
+pub fn tail(dir: &Path, n: usize) -> anyhow::Result<Tail> {
     let mut out = tail_of(&dir.join(EVENTS_FILE), n)?;
     if out.records.len() < n {
         let mut older = tail_of(&dir.join(EVENTS_ROTATED), n - out.records.len())?;
@@ -147,7 +148,7 @@ pub fn tail(dir: &Path, n: usize) -> Result<Tail, String> {
 }
 
 /// Reads at most the last 256 KiB of `path` (records are a few hundred bytes).
-fn tail_of(path: &Path, n: usize) -> Result<Tail, String> {
+fn tail_of(path: &Path, n: usize) -> anyhow::Result<Tail> {
     const WINDOW: u64 = 256 * 1024;
     let mut f = match crate::adapters::files::open_state_file(path) {
         Ok(f) => f,
@@ -157,7 +158,7 @@ fn tail_of(path: &Path, n: usize) -> Result<Tail, String> {
                 skipped: 0,
             });
         }
-        Err(e) => return Err(crate::adapters::files::open_error(path, &e).to_string()),
+        Err(e) => return Err(anyhow!("{}", crate::adapters::files::open_error(path, &e))),
     };
     let mut text = String::new();
     let read = f
@@ -175,7 +176,7 @@ fn tail_of(path: &Path, n: usize) -> Result<Tail, String> {
             text = String::from_utf8_lossy(&bytes).into_owned();
             Ok(start)
         })
-        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+        .map_err(|e| anyhow!("cannot read {}: {e}", path.display()))?;
     let mut lines: Vec<&str> = text.lines().collect();
     if read > 0 && !lines.is_empty() {
         lines.remove(0); // began mid-line
@@ -225,16 +226,16 @@ mod tests {
         fs::create_dir(&state).unwrap();
         std::os::unix::fs::symlink(&outside, state.join(EVENTS_FILE)).unwrap();
         let mut f = EventsFile::new(&state, MIN_MAX_BYTES);
-        let e = f.append(&json!({"i": 2})).unwrap_err();
+        let e = f.append(&json!({"i": 2})).unwrap_err().to_string();
         let path = state.join(EVENTS_FILE).display().to_string();
         assert!(e.contains(&path) && e.contains("symlink"), "{e}");
         assert_eq!(fs::read_to_string(&outside).unwrap(), "{\"i\": 1}\n");
-        let e = tail(&state, 10).unwrap_err();
+        let e = tail(&state, 10).unwrap_err().to_string();
         assert!(e.contains(&path) && e.contains("symlink"), "{e}");
         // The rotated file too.
         fs::remove_file(state.join(EVENTS_FILE)).unwrap();
         std::os::unix::fs::symlink(&outside, state.join(EVENTS_ROTATED)).unwrap();
-        let e = tail(&state, 10).unwrap_err();
+        let e = tail(&state, 10).unwrap_err().to_string();
         assert!(e.contains(EVENTS_ROTATED) && e.contains("symlink"), "{e}");
     }
 

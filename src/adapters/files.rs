@@ -8,7 +8,6 @@ use std::{fs, io};
 
 use anyhow::{Context, Result, anyhow};
 
-use crate::commands::{EXIT_FAILED, EXIT_LOCKED, Fatal, LOCK_FILE, usage};
 use crate::core::holds::{HOLDS_FILE, Holds, HoldsError, parse_holds};
 use crate::core::metrics::{COUNTERS_FILE, COUNTERS_VERSION, Counters};
 use crate::core::ports::StateStore;
@@ -17,6 +16,32 @@ use crate::core::state::{CycleState, MAX_STATE_BYTES, STATE_FILE, parse_state};
 pub(crate) struct Lock {
     _file: fs::File,
 }
+
+/// The lock file in the state directory: one run at a time.
+pub const LOCK_FILE: &str = "cycle.lock";
+
+/// Why the state directory cannot be used; `commands` turns each kind into its exit status.
+#[derive(Debug)]
+pub enum StateDirError {
+    /// Unsafe or not a directory: the operator must fix it (exit 2). The message says how.
+    Unsafe(String),
+    /// Another run holds the lock (exit 75: try again later).
+    Locked(String),
+    /// The directory or its lock could not be created, opened or inspected (exit 1).
+    Failed(String),
+}
+
+impl std::fmt::Display for StateDirError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            StateDirError::Unsafe(m) | StateDirError::Locked(m) | StateDirError::Failed(m) => {
+                f.write_str(m)
+            }
+        }
+    }
+}
+
+impl std::error::Error for StateDirError {}
 
 /// What is at the state directory's path, and whether this user may keep its state there.
 pub(crate) enum StateDir {
@@ -27,19 +52,19 @@ pub(crate) enum StateDir {
 
 /// Refuses a state directory that is not a directory, or that someone else could change under
 /// us: owned by another user, or writable by group or others (exit 2, with what to fix).
-pub(crate) fn inspect_state_dir(dir: &Path) -> Result<StateDir, Fatal> {
+pub(crate) fn inspect_state_dir(dir: &Path) -> Result<StateDir, StateDirError> {
     let meta = match fs::metadata(dir) {
         Ok(m) => m,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(StateDir::Missing),
         Err(e) => {
-            return Err(Fatal(
-                EXIT_FAILED,
-                format!("cannot inspect state directory {}: {e}", dir.display()),
-            ));
+            return Err(StateDirError::Failed(format!(
+                "cannot inspect state directory {}: {e}",
+                dir.display()
+            )));
         }
     };
     if !meta.is_dir() {
-        return Err(usage(format!(
+        return Err(StateDirError::Unsafe(format!(
             "state directory {} is not a directory; point --state-dir (or $STATE_DIRECTORY) at a directory, or move what is there",
             dir.display()
         )));
@@ -47,7 +72,7 @@ pub(crate) fn inspect_state_dir(dir: &Path) -> Result<StateDir, Fatal> {
     // SAFETY: geteuid has no preconditions and cannot fail.
     let me = unsafe { libc::geteuid() };
     if meta.uid() != me {
-        return Err(usage(format!(
+        return Err(StateDirError::Unsafe(format!(
             "state directory {} is owned by uid {}, not by this user (uid {me}): another user could change the cycle state under us; `chown` it to the service's user or point --state-dir elsewhere",
             dir.display(),
             meta.uid()
@@ -55,7 +80,7 @@ pub(crate) fn inspect_state_dir(dir: &Path) -> Result<StateDir, Fatal> {
     }
     let mode = meta.mode() & 0o7777;
     if mode & 0o022 != 0 {
-        return Err(usage(format!(
+        return Err(StateDirError::Unsafe(format!(
             "state directory {} is writable by group or others (mode {mode:04o}): anyone in them could replace the cycle state; run `chmod go-w {}`",
             dir.display(),
             dir.display()
@@ -64,17 +89,17 @@ pub(crate) fn inspect_state_dir(dir: &Path) -> Result<StateDir, Fatal> {
     Ok(StateDir::Usable)
 }
 
-pub(crate) fn take_lock(dir: &Path) -> Result<Lock, Fatal> {
+pub(crate) fn take_lock(dir: &Path) -> Result<Lock, StateDirError> {
     if let StateDir::Missing = inspect_state_dir(dir)? {
         fs::DirBuilder::new()
             .recursive(true)
             .mode(0o700)
             .create(dir)
             .map_err(|e| {
-                Fatal(
-                    EXIT_FAILED,
-                    format!("cannot create state directory {}: {e}", dir.display()),
-                )
+                StateDirError::Failed(format!(
+                    "cannot create state directory {}: {e}",
+                    dir.display()
+                ))
             })?;
     }
     let path = dir.join(LOCK_FILE);
@@ -86,28 +111,25 @@ pub(crate) fn take_lock(dir: &Path) -> Result<Lock, Fatal> {
         .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
         .open(&path)
         .map_err(|e| {
-            Fatal(
-                EXIT_FAILED,
-                format!("cannot open lock file {}: {e}", path.display()),
-            )
+            StateDirError::Failed(format!("cannot open lock file {}: {e}", path.display()))
         })?;
     match file.try_lock() {
         Ok(()) => Ok(Lock { _file: file }),
-        Err(fs::TryLockError::WouldBlock) => Err(Fatal(
-            EXIT_LOCKED,
-            format!("another run holds {}; nothing was done", path.display()),
-        )),
-        Err(fs::TryLockError::Error(e)) => Err(Fatal(
-            EXIT_FAILED,
-            format!("cannot lock {}: {e}", path.display()),
-        )),
+        Err(fs::TryLockError::WouldBlock) => Err(StateDirError::Locked(format!(
+            "another run holds {}; nothing was done",
+            path.display()
+        ))),
+        Err(fs::TryLockError::Error(e)) => Err(StateDirError::Failed(format!(
+            "cannot lock {}: {e}",
+            path.display()
+        ))),
     }
 }
 
 /// Takes `<dir>/cycle.lock` exactly as `run` and `sweep` do, for tests that model a second
-/// invocation racing the first. `Err((exit status, message))` when another holder has it.
-pub fn lock_state_dir(dir: &Path) -> Result<impl Sized + use<>, (u8, String)> {
-    take_lock(dir).map_err(|Fatal(code, message)| (code, message))
+/// invocation racing the first. `Err` says why not (`StateDirError::Locked`: another holder has it).
+pub fn lock_state_dir(dir: &Path) -> Result<impl Sized + use<>, StateDirError> {
+    take_lock(dir)
 }
 
 /// Reads `counters.json`; missing is a fresh start. A broken file is an error naming it.

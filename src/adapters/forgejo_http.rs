@@ -396,7 +396,7 @@ impl Forgejo for HttpForgejo {
         let jobs = parse_jobs(&body).map_err(|e| ApiError {
             status: None,
             request: format!("GET {url}"),
-            detail: e,
+            detail: format!("{e:#}"),
         })?;
         // Forgejo filters by labels already; filter again so an older server's answer cannot
         // hand us jobs we cannot run.
@@ -419,7 +419,7 @@ impl Forgejo for HttpForgejo {
                 let r = Runner::from_json_with_labels(&v).map_err(|e| ApiError {
                     status: None,
                     request: format!("GET {url}"),
-                    detail: e,
+                    detail: format!("{e:#}"),
                 })?;
                 if r.id != id {
                     return Err(ApiError {
@@ -503,7 +503,7 @@ impl Forgejo for HttpForgejo {
         let rows = parse_runner_page(&body).map_err(|e| ApiError {
             status: None,
             request: format!("GET {url}"),
-            detail: e,
+            detail: format!("{e:#}"),
         })?;
         Ok(RunnerPage { rows, total })
     }
@@ -542,14 +542,16 @@ mod tests {
             "https://hunter2@forgejo.example.org/sub",
             "http://u:hunter2@127.0.0.1:3000",
         ] {
-            let e = validate_url(url).unwrap_err();
+            let e = validate_url(url).unwrap_err().to_string();
             assert!(e.contains("user name or password"), "{url}: {e}");
             assert!(
                 !e.contains("hunter2"),
                 "{url}: the error repeats the secret: {e}"
             );
         }
-        let e = validate_url("https://forgejo.example.org/#frag").unwrap_err();
+        let e = validate_url("https://forgejo.example.org/#frag")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("#fragment"), "{e}");
         // An `@` in the path is not userinfo.
         assert!(validate_url("https://forgejo.example.org/@sub").is_ok());

@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use anyhow::anyhow;
 use serde_json::Value;
 
 use crate::adapters::process::{ChildSpec, run_child};
@@ -56,13 +57,12 @@ pub struct CommandLauncher {
 }
 
 impl Launcher for CommandLauncher {
-    fn check_config(&self) -> Result<(), String> {
+    fn check_config(&self) -> anyhow::Result<()> {
         match &self.command {
-            None => Err(
+            None => Err(anyhow!(
                 "--launch-command is not set; it names the program that starts a runner on the VM"
-                    .into(),
-            ),
-            Some(p) if crate::adapters::process::find_executable(p).is_none() => Err(format!(
+            )),
+            Some(p) if crate::adapters::process::find_executable(p).is_none() => Err(anyhow!(
                 "--launch-command {} is not an executable file (missing, or `chmod +x` it)",
                 p.display()
             )),

@@ -2,19 +2,20 @@
 
 use std::path::{Path, PathBuf};
 
+use anyhow::{anyhow, bail};
 use serde_json::Value;
 
 use crate::adapters::process::{ChildSpec, run_child};
 use crate::adapters::signals::StopFlag;
 use crate::core::ports::{Output, Outputs, StepError, Tofu};
 
-pub fn parse_outputs(stdout: &[u8]) -> Result<Outputs, String> {
+pub fn parse_outputs(stdout: &[u8]) -> anyhow::Result<Outputs> {
     // Never quote the text: sensitive outputs are printed in plain text by tofu.
     let v: Value = serde_json::from_slice(stdout)
-        .map_err(|e| format!("`output -json` did not print JSON ({e})"))?;
+        .map_err(|e| anyhow!("`output -json` did not print JSON ({e})"))?;
     let obj = v
         .as_object()
-        .ok_or("`output -json` did not print a JSON object")?;
+        .ok_or_else(|| anyhow!("`output -json` did not print a JSON object"))?;
     let mut outputs = Outputs::new();
     for (name, entry) in obj {
         let sensitive = entry
@@ -108,16 +109,18 @@ impl CliTofu {
 }
 
 impl Tofu for CliTofu {
-    fn check_config(&self) -> Result<(), String> {
+    fn check_config(&self) -> anyhow::Result<()> {
         if crate::adapters::process::find_executable(&self.bin).is_none() {
-            return Err(format!(
+            bail!(
                 "--tofu-bin {} is not an executable (nor found on PATH); install OpenTofu or point --tofu-bin at it (terraform works too)",
                 self.bin.display()
-            ));
+            );
         }
         match &self.dir {
-            None => Err("--tofu-dir is not set; it names the directory of the VM module".into()),
-            Some(d) if !d.is_dir() => Err(format!(
+            None => Err(anyhow!(
+                "--tofu-dir is not set; it names the directory of the VM module"
+            )),
+            Some(d) if !d.is_dir() => Err(anyhow!(
                 "--tofu-dir {} is not a directory; point it at the VM module",
                 d.display()
             )),
@@ -131,7 +134,7 @@ impl Tofu for CliTofu {
 
     fn outputs(&mut self, cycle_id: &str) -> Result<Outputs, StepError> {
         let stdout = self.run(cycle_id, &["output", "-json", "-no-color"])?;
-        parse_outputs(&stdout).map_err(StepError::failed)
+        parse_outputs(&stdout).map_err(|e| StepError::failed(format!("{e:#}")))
     }
 
     fn destroy(&mut self, cycle_id: &str, reason: &str) -> Result<(), StepError> {
@@ -154,7 +157,7 @@ mod tests {
         assert_eq!(o["address"].value, Value::String("10.0.0.1".into()));
         assert!(o["key"].sensitive);
         assert!(parse_outputs(b"{}").unwrap().is_empty());
-        let e = parse_outputs(b"{\"key\": s3cr3t").unwrap_err();
+        let e = parse_outputs(b"{\"key\": s3cr3t").unwrap_err().to_string();
         assert!(!e.contains("s3cr3t"));
     }
 }

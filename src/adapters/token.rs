@@ -7,18 +7,20 @@ use std::os::fd::{AsRawFd, FromRawFd};
 use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::path::Path;
 
+use anyhow::{anyhow, bail};
+
 use crate::core::secret::{MAX_TOKEN_FILE_BYTES, Secret, judge};
 
-pub fn forbid_dumping() -> Result<(), String> {
+pub fn forbid_dumping() -> anyhow::Result<()> {
     // SAFETY: PR_SET_DUMPABLE takes an integer argument and touches no memory of ours.
     let rc = unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0 as libc::c_ulong, 0, 0, 0) };
     if rc != 0 {
-        return Err(std::io::Error::last_os_error().to_string());
+        bail!("{}", std::io::Error::last_os_error());
     }
     // SAFETY: as above; PR_GET_DUMPABLE returns the flag.
     match unsafe { libc::prctl(libc::PR_GET_DUMPABLE, 0, 0, 0, 0) } {
         0 => Ok(()),
-        n => Err(format!("the flag still reads {n} after setting it to 0")),
+        n => Err(anyhow!("the flag still reads {n} after setting it to 0")),
     }
 }
 
@@ -27,7 +29,7 @@ pub fn forbid_dumping() -> Result<(), String> {
 /// blocking on a FIFO (`O_NONBLOCK`), not inherited by a child (`O_CLOEXEC`). The file must be a
 /// regular file, owned by the effective uid, with no bits for group or others; it must hold the
 /// token alone (surrounding whitespace is dropped). Errors say what to fix.
-pub fn read_token_file(path: &Path) -> Result<Secret, String> {
+pub fn read_token_file(path: &Path) -> anyhow::Result<Secret> {
     let shown = path.display();
     let file = fs::OpenOptions::new()
         .read(true)
@@ -36,17 +38,17 @@ pub fn read_token_file(path: &Path) -> Result<Secret, String> {
         .map_err(|e| {
             let is_link = fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_symlink());
             if e.raw_os_error() == Some(libc::ELOOP) && is_link {
-                format!(
+                anyhow!(
                     "token file {shown} is a symlink: point --token-file at the file itself \
                      (`readlink -f {shown}`)"
                 )
             } else {
-                format!("cannot read token file {shown}: {e}")
+                anyhow!("cannot read token file {shown}: {e}")
             }
         })?;
     let meta = file
         .metadata()
-        .map_err(|e| format!("cannot read token file {shown}: {e}"))?;
+        .map_err(|e| anyhow!("cannot read token file {shown}: {e}"))?;
     let ft = meta.file_type();
     if !ft.is_file() {
         let what = if ft.is_dir() {
@@ -60,30 +62,30 @@ pub fn read_token_file(path: &Path) -> Result<Secret, String> {
         } else {
             "not a regular file"
         };
-        return Err(format!(
+        bail!(
             "token file {shown} is {what}: point --token-file at a regular file holding the token"
-        ));
+        );
     }
     // SAFETY: geteuid(2) cannot fail and touches no memory.
     let euid = unsafe { libc::geteuid() };
     if meta.uid() != euid {
-        return Err(format!(
+        bail!(
             "token file {shown} is owned by uid {}, not by the uid this runs as ({euid}); \
              run `chown {euid} {shown}`",
             meta.uid()
-        ));
+        );
     }
     let mode = meta.mode();
     if mode & 0o077 != 0 {
-        return Err(format!(
+        bail!(
             "token file {shown} is readable by group or others (mode {:04o}); run `chmod 600 {shown}`",
             mode & 0o7777
-        ));
+        );
     }
     let mut bytes = Vec::new();
     file.take(MAX_TOKEN_FILE_BYTES)
         .read_to_end(&mut bytes)
-        .map_err(|e| format!("cannot read token file {shown}: {e}"))?;
+        .map_err(|e| anyhow!("cannot read token file {shown}: {e}"))?;
     judge(bytes, &format!("token file {shown}"))
 }
 
@@ -94,21 +96,20 @@ pub fn read_token_file(path: &Path) -> Result<Secret, String> {
 /// Refused when standard input is a terminal (nothing to wait for there). Under systemd,
 /// `StandardInput=file:PATH` opens PATH with the service manager's privileges, so a root-only file
 /// can feed a service that could never open it itself.
-pub fn read_token_stdin() -> Result<Secret, String> {
+pub fn read_token_stdin() -> anyhow::Result<Secret> {
     // SAFETY: isatty(3) on fd 0 touches no memory of ours.
     if unsafe { libc::isatty(0) } == 1 {
-        return Err(
+        bail!(
             "--token-file - reads the token from standard input, which is a terminal here: \
                     redirect it from the file (`--token-file - < FILE`) or a pipe, or give \
                     --token-file PATH"
-                .into(),
         );
     }
     let read = read_fd0();
     let replaced = stdin_to_dev_null();
-    let bytes = read.map_err(|e| format!("cannot read the token from standard input: {e}"))?;
+    let bytes = read.map_err(|e| anyhow!("cannot read the token from standard input: {e}"))?;
     replaced.map_err(|e| {
-        format!("cannot replace standard input with /dev/null after reading the token: {e}")
+        anyhow!("cannot replace standard input with /dev/null after reading the token: {e}")
     })?;
     judge(bytes, "the token on standard input (--token-file -)")
 }
@@ -189,7 +190,9 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         for mode in [0o640, 0o620, 0o610, 0o604, 0o602, 0o601, 0o644, 0o660] {
             let p = token_file(dir.path(), &format!("t{mode:o}"), "cac45fa0123", mode);
-            let e = read_token_file(&p).expect_err(&format!("mode {mode:o} must be refused"));
+            let e = read_token_file(&p)
+                .expect_err(&format!("mode {mode:o} must be refused"))
+                .to_string();
             assert!(
                 e.contains(&format!("mode {mode:04o}")) && e.contains("chmod 600"),
                 "{mode:o}: {e}"
@@ -204,7 +207,7 @@ mod tests {
         let target = token_file(dir.path(), "real", "cac45fa0123", 0o600);
         let link = dir.path().join("link");
         std::os::unix::fs::symlink(&target, &link).unwrap();
-        let e = read_token_file(&link).unwrap_err();
+        let e = read_token_file(&link).unwrap_err().to_string();
         assert!(
             e.contains("is a symlink") && e.contains("point --token-file at the file itself"),
             "{e}"
@@ -223,7 +226,7 @@ mod tests {
             // Not root: a file of root's that anyone may open.
             std::path::PathBuf::from("/etc/passwd")
         };
-        let e = read_token_file(&p).unwrap_err();
+        let e = read_token_file(&p).unwrap_err().to_string();
         assert!(e.contains("is owned by uid") && e.contains("chown"), "{e}");
     }
 
@@ -245,7 +248,7 @@ mod tests {
             let got = rx
                 .recv_timeout(std::time::Duration::from_secs(10))
                 .unwrap_or_else(|_| panic!("reading {what} blocked"));
-            let e = got.expect_err(what);
+            let e = got.expect_err(what).to_string();
             assert!(e.contains(what), "{what}: {e}");
         }
     }
@@ -254,13 +257,24 @@ mod tests {
     fn empty_or_more_than_the_token_is_refused() {
         let dir = tempfile::tempdir().unwrap();
         let p = token_file(dir.path(), "e", " \n\t", 0o600);
-        assert!(read_token_file(&p).unwrap_err().contains("is empty"));
+        assert!(
+            read_token_file(&p)
+                .unwrap_err()
+                .to_string()
+                .contains("is empty")
+        );
         let p = token_file(dir.path(), "two", "abc def\n", 0o600);
-        assert!(read_token_file(&p).unwrap_err().contains("only the token"));
+        assert!(
+            read_token_file(&p)
+                .unwrap_err()
+                .to_string()
+                .contains("only the token")
+        );
         let missing = dir.path().join("missing");
         assert!(
             read_token_file(&missing)
                 .unwrap_err()
+                .to_string()
                 .contains("cannot read token file")
         );
     }
@@ -270,12 +284,12 @@ mod tests {
         let ok = |b: &str| judge(b.as_bytes().to_vec(), "x").map(|s| s.expose().to_string());
         assert_eq!(ok(" cac45fa0123\n").unwrap(), "cac45fa0123");
         assert_eq!(ok("cac45fa0123").unwrap(), "cac45fa0123");
-        assert_eq!(ok("\n \t").unwrap_err(), "x is empty");
+        assert_eq!(ok("\n \t").unwrap_err().to_string(), "x is empty");
         for two in ["abc def", "abc\ndef\n", "abc\u{7}def"] {
-            let e = ok(two).unwrap_err();
+            let e = ok(two).unwrap_err().to_string();
             assert_eq!(e, "x must hold only the token (one line, no spaces)");
         }
-        let e = judge(vec![0xff, 0xfe, b'a'], "x").unwrap_err();
+        let e = judge(vec![0xff, 0xfe, b'a'], "x").unwrap_err().to_string();
         assert_eq!(e, "x is not UTF-8 text");
     }
 

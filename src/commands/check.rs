@@ -4,6 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use anyhow::{anyhow, bail};
 use serde_json::json;
 
 use crate::adapters::files::{StateDir, inspect_state_dir, read_state_file};
@@ -25,7 +26,7 @@ pub const MIN_FORGEJO_MAJOR: u64 = 15;
 /// How long `tofu init` (which may download providers) and `validate` may take.
 const TOFU_CHECK_TIMEOUT: Duration = Duration::from_secs(300);
 
-/// One check: what was checked, and what was found (`Ok`) or what to do (`Err`).
+/// One check: what was checked, and what was found (`Ok`) or what to do (`Err`), as printed.
 struct Line {
     name: &'static str,
     result: Result<String, String>,
@@ -52,20 +53,20 @@ pub fn cmd_check(a: RunArgs) -> Result<u8, Fatal> {
     lines.extend(check_forgejo(&a, labels.as_deref()));
     lines.push(Line {
         name: "tofu",
-        result: check_tofu(&a.tofu_bin, a.tofu_dir.as_deref()),
+        result: shown(check_tofu(&a.tofu_bin, a.tofu_dir.as_deref())),
     });
     lines.push(Line {
         name: "launch command",
-        result: check_launch(&a),
+        result: shown(check_launch(&a)),
     });
     lines.push(Line {
         name: "state directory",
-        result: check_state_dir(&state_dir(&a.common.local.state_dir)),
+        result: shown(check_state_dir(&state_dir(&a.common.local.state_dir))),
     });
     if let Some(path) = &a.common.metrics_file {
         lines.push(Line {
             name: "metrics file",
-            result: check_metrics_dir(path),
+            result: shown(check_metrics_dir(path)),
         });
     }
     let failed = lines.iter().filter(|l| l.result.is_err()).count();
@@ -96,6 +97,11 @@ pub fn cmd_check(a: RunArgs) -> Result<u8, Fatal> {
         }
     }
     Ok(if failed == 0 { EXIT_OK } else { EXIT_FAILED })
+}
+
+/// A check's error as its line shows it: the message and its causes.
+fn shown(result: anyhow::Result<String>) -> Result<String, String> {
+    result.map_err(|e| format!("{e:#}"))
 }
 
 /// Where the token came from, once it was read (and found not empty).
@@ -196,7 +202,7 @@ fn check_forgejo(a: &RunArgs, labels: Option<&str>) -> Vec<Line> {
     lines
 }
 
-fn check_launch(a: &RunArgs) -> Result<String, String> {
+fn check_launch(a: &RunArgs) -> anyhow::Result<String> {
     let launcher = wiring::launcher(a, StopFlag::new());
     launcher.check_config()?;
     let shown = a
@@ -209,34 +215,35 @@ fn check_launch(a: &RunArgs) -> Result<String, String> {
 
 /// The tofu binary runs, and the module initializes and validates in a temporary copy with
 /// its own `TF_DATA_DIR`: the module directory, its state and its backend stay untouched.
-fn check_tofu(bin: &Path, dir: Option<&Path>) -> Result<String, String> {
+fn check_tofu(bin: &Path, dir: Option<&Path>) -> anyhow::Result<String> {
     let program = find_executable(bin).ok_or_else(|| {
-        format!(
+        anyhow!(
             "--tofu-bin {} is not an executable (nor found on PATH); install OpenTofu or point --tofu-bin at it (terraform works too)",
             bin.display()
         )
     })?;
-    let dir = dir.ok_or("--tofu-dir is not set; it names the directory of the VM module")?;
+    let dir = dir
+        .ok_or_else(|| anyhow!("--tofu-dir is not set; it names the directory of the VM module"))?;
     if !dir.is_dir() {
-        return Err(format!(
+        bail!(
             "--tofu-dir {} is not a directory; point it at the VM module",
             dir.display()
-        ));
+        );
     }
     let tmp = tempfile::Builder::new()
         .prefix("ci-ephemeral-provisioner-check-")
         .tempdir()
-        .map_err(|e| format!("cannot create a temporary directory: {e}"))?;
+        .map_err(|e| anyhow!("cannot create a temporary directory: {e}"))?;
     let copy = tmp.path().join("module");
     copy_module(dir, &copy, 0).map_err(|e| {
-        format!(
+        anyhow!(
             "cannot copy the module {} to {}: {e}",
             dir.display(),
             copy.display()
         )
     })?;
     let data = tmp.path().join("data");
-    let run = |args: &[&str]| -> Result<Vec<u8>, String> {
+    let run = |args: &[&str]| -> anyhow::Result<Vec<u8>> {
         let mut all = vec![format!("-chdir={}", copy.display())];
         all.extend(args.iter().map(|a| a.to_string()));
         let shown = format!("{} {}", program.display(), args.join(" "));
@@ -253,11 +260,11 @@ fn check_tofu(bin: &Path, dir: Option<&Path>) -> Result<String, String> {
             timeout: Some(TOFU_CHECK_TIMEOUT),
         };
         let r = run_child(&spec, &StopFlag::new())
-            .map_err(|e| format!("cannot run {}: {e}", program.display()))?;
+            .map_err(|e| anyhow!("cannot run {}: {e}", program.display()))?;
         if r.success() {
             Ok(r.stdout)
         } else {
-            Err(format!("`{shown}` {}", r.describe()))
+            Err(anyhow!("`{shown}` {}", r.describe()))
         }
     };
     let version = run(&["version"])?;
@@ -268,9 +275,9 @@ fn check_tofu(bin: &Path, dir: Option<&Path>) -> Result<String, String> {
         .trim()
         .to_string();
     run(&["init", "-backend=false", "-input=false", "-no-color"])
-        .map_err(|e| format!("{e}; the module {} does not initialize", dir.display()))?;
+        .map_err(|e| anyhow!("{e}; the module {} does not initialize", dir.display()))?;
     run(&["validate", "-no-color"])
-        .map_err(|e| format!("{e}; the module {} is not valid", dir.display()))?;
+        .map_err(|e| anyhow!("{e}; the module {} is not valid", dir.display()))?;
     Ok(format!(
         "{version}; the module {} initializes and validates (in a temporary copy)",
         dir.display()
@@ -312,21 +319,21 @@ fn copy_module(from: &Path, to: &Path, depth: usize) -> std::io::Result<()> {
 
 /// A directory this user owns, may write and can lock, or one it can create; and a cycle.json
 /// that reads (a cycle in progress is fine: the next run carries it on).
-fn check_state_dir(dir: &Path) -> Result<String, String> {
-    match inspect_state_dir(dir).map_err(|Fatal(_, msg)| msg)? {
+fn check_state_dir(dir: &Path) -> anyhow::Result<String> {
+    match inspect_state_dir(dir)? {
         StateDir::Missing => {
             let parent = nearest_existing(dir).ok_or_else(|| {
-                format!(
+                anyhow!(
                     "state directory {} does not exist, and no parent of it does",
                     dir.display()
                 )
             })?;
             if !parent.is_dir() || !writable(&parent) {
-                return Err(format!(
+                bail!(
                     "state directory {} does not exist, and this user cannot create it in {}: create it (owned by the service's user, mode 0700) or point --state-dir elsewhere",
                     dir.display(),
                     parent.display()
-                ));
+                );
             }
             Ok(format!(
                 "{} does not exist yet; the first run creates it in {}",
@@ -339,7 +346,7 @@ fn check_state_dir(dir: &Path) -> Result<String, String> {
                 .prefix(".check-")
                 .tempfile_in(dir)
                 .map_err(|e| {
-                    format!(
+                    anyhow!(
                         "cannot write in state directory {}: {e}; make it writable by the service's user",
                         dir.display()
                     )
@@ -348,7 +355,7 @@ fn check_state_dir(dir: &Path) -> Result<String, String> {
             let cycle = match read_state_file(&dir.join(STATE_FILE)) {
                 Ok(None) => "no cycle in progress".to_string(),
                 Ok(Some(s)) => format!("cycle {} in progress", s.cycle_id),
-                Err(e) => return Err(format!("{e:#}")),
+                Err(e) => return Err(anyhow!("{e:#}")),
             };
             Ok(format!("{} is writable{lock}; {cycle}", dir.display()))
         }
@@ -356,39 +363,39 @@ fn check_state_dir(dir: &Path) -> Result<String, String> {
 }
 
 /// Tries `cycle.lock` if it exists (never creates it). A lock held by a run in progress is fine.
-fn lock_state(dir: &Path) -> Result<&'static str, String> {
-    let path = dir.join(crate::commands::LOCK_FILE);
+fn lock_state(dir: &Path) -> anyhow::Result<&'static str> {
+    let path = dir.join(crate::adapters::files::LOCK_FILE);
     let file = match std::fs::OpenOptions::new().write(true).open(&path) {
         Ok(f) => f,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(""),
-        Err(e) => return Err(format!("cannot open lock file {}: {e}", path.display())),
+        Err(e) => return Err(anyhow!("cannot open lock file {}: {e}", path.display())),
     };
     match file.try_lock() {
         Ok(()) => Ok(" and lockable"),
         Err(std::fs::TryLockError::WouldBlock) => Ok(" (a run in progress holds its lock)"),
-        Err(std::fs::TryLockError::Error(e)) => Err(format!("cannot lock {}: {e}", path.display())),
+        Err(std::fs::TryLockError::Error(e)) => Err(anyhow!("cannot lock {}: {e}", path.display())),
     }
 }
 
 /// The directory node_exporter reads must take our temporary file and rename.
-fn check_metrics_dir(path: &Path) -> Result<String, String> {
+fn check_metrics_dir(path: &Path) -> anyhow::Result<String> {
     let parent = path
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
         .unwrap_or(Path::new("."));
     if !parent.is_dir() {
-        return Err(format!(
+        bail!(
             "--metrics-file {}: directory {} does not exist (is node_exporter's textfile directory created?)",
             path.display(),
             parent.display()
-        ));
+        );
     }
     if !writable(parent) {
-        return Err(format!(
+        bail!(
             "--metrics-file {}: this user cannot write in {}; grant it write access (the role uses a POSIX ACL)",
             path.display(),
             parent.display()
-        ));
+        );
     }
     Ok(format!("{} can be written", path.display()))
 }

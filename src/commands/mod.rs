@@ -37,13 +37,22 @@ pub const EXIT_LOCKED: u8 = 75;
 
 pub const LAST_RUN_FILE: &str = "last-run.json";
 
-pub const LOCK_FILE: &str = "cycle.lock";
-
 /// A reason to stop before doing anything, with its exit status.
 pub struct Fatal(pub u8, pub String);
 
 pub(crate) fn usage(msg: impl Into<String>) -> Fatal {
     Fatal(EXIT_USAGE, msg.into())
+}
+
+impl From<crate::adapters::files::StateDirError> for Fatal {
+    fn from(e: crate::adapters::files::StateDirError) -> Fatal {
+        use crate::adapters::files::StateDirError::*;
+        match e {
+            Unsafe(m) => Fatal(EXIT_USAGE, m),
+            Locked(m) => Fatal(EXIT_LOCKED, m),
+            Failed(m) => Fatal(EXIT_FAILED, m),
+        }
+    }
 }
 
 /// `--metrics-file` must be a `.prom` file: node_exporter's textfile collector reads no other.
@@ -81,7 +90,7 @@ pub(crate) fn state_dir(arg: &Option<PathBuf>) -> PathBuf {
 pub(crate) fn read_token(arg: &Option<PathBuf>) -> Result<Secret, Fatal> {
     let path = match arg {
         Some(p) if p.as_os_str() == crate::core::secret::STDIN_PATH => {
-            return crate::adapters::token::read_token_stdin().map_err(usage);
+            return crate::adapters::token::read_token_stdin().map_err(|e| usage(format!("{e:#}")));
         }
         Some(p) => p.clone(),
         None => match std::env::var_os("CREDENTIALS_DIRECTORY") {
@@ -93,7 +102,7 @@ pub(crate) fn read_token(arg: &Option<PathBuf>) -> Result<Secret, Fatal> {
             }
         },
     };
-    crate::adapters::token::read_token_file(&path).map_err(usage)
+    crate::adapters::token::read_token_file(&path).map_err(|e| usage(format!("{e:#}")))
 }
 
 /// `--fixture` only makes sense for a dry-run (clap's `requires` is satisfied by a

@@ -103,7 +103,7 @@ pub fn gather(dir: &Path, limits: &Limits, now: Timestamp) -> Value {
     let (events, events_skipped, events_error) =
         match crate::adapters::events_file::tail(dir, EVENTS_SHOWN) {
             Ok(t) => (t.records, t.skipped, None),
-            Err(e) => (Vec::new(), 0, Some(e)),
+            Err(e) => (Vec::new(), 0, Some(format!("{e:#}"))),
         };
     let f = facts(
         counters.as_ref(),

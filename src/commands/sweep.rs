@@ -23,7 +23,8 @@ pub fn cmd_sweep(a: SweepArgs) -> Result<u8, Fatal> {
     // No cycle.json: no VM can exist. The last destroy that succeeded is named as well.
     let last_destroy = outlet.last_destroy();
     let licence = match &cycle {
-        Ok(cycle) => without_cycle(cycle.as_ref(), &cycle_source, last_destroy.as_ref()),
+        Ok(cycle) => without_cycle(cycle.as_ref(), &cycle_source, last_destroy.as_ref())
+            .map_err(|e| format!("{e:#}")),
         Err(e) => Err(format!("{e}; the sweep is refused")),
     };
     let licence = match licence {

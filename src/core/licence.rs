@@ -14,6 +14,8 @@
 //! };
 //! ```
 
+use anyhow::bail;
+
 use crate::core::metrics::DestroyRecord;
 use crate::core::state::CycleState;
 
@@ -59,12 +61,12 @@ pub fn without_cycle(
     cycle: Option<&CycleState>,
     path: &str,
     last_destroy: Option<&DestroyRecord>,
-) -> Result<SweepLicence, String> {
+) -> anyhow::Result<SweepLicence> {
     if let Some(s) = cycle {
-        return Err(format!(
+        bail!(
             "cycle {} is in progress ({path}): a VM may still exist, so the sweep is refused; `run` sweeps after its destroy",
             s.cycle_id
-        ));
+        );
     }
     const NO_CYCLE: &str = "offline, name has our prefix, no cycle in progress (no cycle.json)";
     Ok(match last_destroy {
@@ -91,7 +93,9 @@ mod tests {
     #[test]
     fn a_cycle_in_progress_refuses_the_sweep() {
         let state = CycleState::new("c1".into(), Timestamp(0));
-        let e = without_cycle(Some(&state), "/s/cycle.json", None).unwrap_err();
+        let e = without_cycle(Some(&state), "/s/cycle.json", None)
+            .unwrap_err()
+            .to_string();
         assert!(
             e.starts_with("cycle c1 is in progress (/s/cycle.json)"),
             "{e}"

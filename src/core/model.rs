@@ -1,5 +1,6 @@
 //! What Forgejo tells us about runners and jobs, parsed defensively, and the one deletion gate.
 
+use anyhow::anyhow;
 use serde::Serialize;
 use serde_json::Value;
 
@@ -59,14 +60,14 @@ pub struct Runner {
 impl Runner {
     /// Parses one runner object. A row without an integer `id` cannot be addressed, so it is an
     /// error; every other oddity (missing name, odd status) is kept and later refused by the gate.
-    pub fn from_json(v: &Value) -> Result<Runner, String> {
+    pub fn from_json(v: &Value) -> anyhow::Result<Runner> {
         let obj = v
             .as_object()
-            .ok_or_else(|| format!("runner entry is not a JSON object: {}", short(v)))?;
+            .ok_or_else(|| anyhow!("runner entry is not a JSON object: {}", short(v)))?;
         let id = obj
             .get("id")
             .and_then(Value::as_i64)
-            .ok_or_else(|| format!("runner entry has no integer \"id\": {}", short(v)))?;
+            .ok_or_else(|| anyhow!("runner entry has no integer \"id\": {}", short(v)))?;
         let name = obj.get("name").and_then(Value::as_str).map(str::to_string);
         Ok(Runner {
             id,
@@ -79,7 +80,7 @@ impl Runner {
     /// [`Runner::from_json`] of one fetched runner, with the labels it declared — once it has
     /// declared itself: Forgejo shows a `version` (forgejo-runner always sends one, `dev` at
     /// least) from the same Declare that stores its labels (routers/api/actions/runner/runner.go).
-    pub fn from_json_with_labels(v: &Value) -> Result<Runner, String> {
+    pub fn from_json_with_labels(v: &Value) -> anyhow::Result<Runner> {
         let mut r = Runner::from_json(v)?;
         let declared = v
             .get("version")
@@ -168,23 +169,23 @@ impl Job {
         self.status == "waiting" || self.status == "running"
     }
 
-    pub fn from_json(v: &Value) -> Result<Job, String> {
+    pub fn from_json(v: &Value) -> anyhow::Result<Job> {
         let obj = v
             .as_object()
-            .ok_or_else(|| format!("job entry is not a JSON object: {}", short(v)))?;
+            .ok_or_else(|| anyhow!("job entry is not a JSON object: {}", short(v)))?;
         let id = obj
             .get("id")
             .and_then(Value::as_i64)
-            .ok_or_else(|| format!("job entry has no integer \"id\": {}", short(v)))?;
+            .ok_or_else(|| anyhow!("job entry has no integer \"id\": {}", short(v)))?;
         let handle = match obj.get("handle") {
             Some(Value::String(s)) => s.clone(),
             None | Some(Value::Null) => String::new(),
-            Some(other) => return Err(format!("job {id} has a non-string \"handle\": {other}")),
+            Some(other) => return Err(anyhow!("job {id} has a non-string \"handle\": {other}")),
         };
         let status = obj
             .get("status")
             .and_then(Value::as_str)
-            .ok_or_else(|| format!("job {id} has no string \"status\""))?
+            .ok_or_else(|| anyhow!("job {id} has no string \"status\""))?
             .to_string();
         let runs_on = match obj.get("runs_on") {
             None | Some(Value::Null) => Vec::new(),
@@ -193,10 +194,10 @@ impl Job {
                 .map(|i| {
                     i.as_str()
                         .map(str::to_string)
-                        .ok_or_else(|| format!("job {id} has a non-string entry in \"runs_on\""))
+                        .ok_or_else(|| anyhow!("job {id} has a non-string entry in \"runs_on\""))
                 })
                 .collect::<Result<_, _>>()?,
-            Some(other) => return Err(format!("job {id} has a non-array \"runs_on\": {other}")),
+            Some(other) => return Err(anyhow!("job {id} has a non-array \"runs_on\": {other}")),
         };
         // Only a positive id names a repository or owner; anything else proves nothing.
         let positive = |key: &str| obj.get(key).and_then(Value::as_i64).filter(|n| *n > 0);
@@ -212,12 +213,12 @@ impl Job {
 }
 
 /// Parses a jobs response: a JSON array, or `null` (Forgejo's encoding of "no jobs").
-pub fn parse_jobs(body: &str) -> Result<Vec<Job>, String> {
-    let v: Value = serde_json::from_str(body).map_err(|e| format!("jobs list is not JSON: {e}"))?;
+pub fn parse_jobs(body: &str) -> anyhow::Result<Vec<Job>> {
+    let v: Value = serde_json::from_str(body).map_err(|e| anyhow!("jobs list is not JSON: {e}"))?;
     match v {
         Value::Null => Ok(Vec::new()),
         Value::Array(items) => items.iter().map(Job::from_json).collect(),
-        other => Err(format!("jobs list is not a JSON array: {}", short(&other))),
+        other => Err(anyhow!("jobs list is not a JSON array: {}", short(&other))),
     }
 }
 
@@ -302,7 +303,7 @@ impl<'de, const LABELS: bool> serde::Deserialize<'de> for SlimRow<LABELS> {
 }
 
 /// Parses a runner list page: a bare JSON array.
-pub fn parse_runner_page(body: &str) -> Result<Vec<Runner>, String> {
+pub fn parse_runner_page(body: &str) -> anyhow::Result<Vec<Runner>> {
     // Quick reading first; anything it does not take is read again below for the precise error.
     if body.trim_start().starts_with('[')
         && let Ok(rows) = serde_json::from_str::<Vec<SlimRunner>>(body)
@@ -310,10 +311,10 @@ pub fn parse_runner_page(body: &str) -> Result<Vec<Runner>, String> {
         return rows.iter().map(|r| Runner::from_json(&r.0)).collect();
     }
     let v: Value =
-        serde_json::from_str(body).map_err(|e| format!("runner list is not JSON: {e}"))?;
+        serde_json::from_str(body).map_err(|e| anyhow!("runner list is not JSON: {e}"))?;
     match v {
         Value::Array(items) => items.iter().map(Runner::from_json).collect(),
-        other => Err(format!(
+        other => Err(anyhow!(
             "runner list is not a JSON array: {}",
             short(&other)
         )),
@@ -425,7 +426,10 @@ mod tests {
     fn a_page_reads_the_same_as_through_full_json_values() {
         let full = |body: &str| -> Result<Vec<Runner>, String> {
             match serde_json::from_str::<Value>(body).map_err(|e| e.to_string())? {
-                Value::Array(items) => items.iter().map(Runner::from_json).collect(),
+                Value::Array(items) => items
+                    .iter()
+                    .map(|v| Runner::from_json(v).map_err(|e| e.to_string()))
+                    .collect(),
                 _ => Err("not an array".into()),
             }
         };

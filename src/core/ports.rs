@@ -113,7 +113,7 @@ pub type Outputs = BTreeMap<String, Output>;
 
 pub trait Tofu {
     /// `Err` with a message saying what to configure when this cannot run at all.
-    fn check_config(&self) -> Result<(), String>;
+    fn check_config(&self) -> anyhow::Result<()>;
     /// `init`, then `apply`.
     fn apply(&mut self, cycle_id: &str) -> Result<(), StepError>;
     fn outputs(&mut self, cycle_id: &str) -> Result<Outputs, StepError>;
@@ -148,7 +148,7 @@ pub enum ProcessCheck {
 pub const CHECK_GONE: i32 = 3;
 
 pub trait Launcher {
-    fn check_config(&self) -> Result<(), String>;
+    fn check_config(&self) -> anyhow::Result<()>;
     /// `RUNNER_ACTION=start`: starts the runner on the VM, the token on stdin.
     fn launch(&mut self, req: &LaunchRequest<'_>, token: &Secret) -> Result<(), StepError>;
     /// `RUNNER_ACTION=check`: whether that runner's process still runs on the VM.
@@ -190,10 +190,10 @@ pub trait Clock {
 /// `commands`: a file for real runs, none for dry-runs.
 pub trait AuditSink {
     /// Appends one record; the error names the file and what failed.
-    fn append(&mut self, record: &Value) -> Result<(), String>;
+    fn append(&mut self, record: &Value) -> anyhow::Result<()>;
     /// Makes what was appended durable (fsync); called at the points that matter (before each
     /// cycle.json write, at the end of the run), not after every record.
-    fn sync(&mut self) -> Result<(), String> {
+    fn sync(&mut self) -> anyhow::Result<()> {
         Ok(())
     }
 }

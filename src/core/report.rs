@@ -584,9 +584,9 @@ mod tests {
     }
 
     impl AuditSink for Sink {
-        fn append(&mut self, record: &Value) -> Result<(), String> {
+        fn append(&mut self, record: &Value) -> anyhow::Result<()> {
             if self.broken {
-                return Err("disk full".into());
+                return Err(anyhow::anyhow!("disk full"));
             }
             self.records.borrow_mut().push(record.clone());
             Ok(())

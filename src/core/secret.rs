@@ -3,6 +3,8 @@
 
 use std::fmt;
 
+use anyhow::{anyhow, bail};
+
 /// The token file is read up to this many bytes (a token is 40 hex digits).
 pub const MAX_TOKEN_FILE_BYTES: u64 = 64 * 1024;
 
@@ -45,22 +47,20 @@ impl Drop for Secret {
 
 /// The token in `bytes` (`what` names where they came from): UTF-8, surrounding whitespace
 /// dropped, not empty, one word. The bytes are zeroed on every path.
-pub(crate) fn judge(bytes: Vec<u8>, what: &str) -> Result<Secret, String> {
+pub(crate) fn judge(bytes: Vec<u8>, what: &str) -> anyhow::Result<Secret> {
     let text = String::from_utf8(bytes).map_err(|e| {
         // Not shown: the bytes may be the token.
         let mut b = e.into_bytes();
         b.fill(0);
-        format!("{what} is not UTF-8 text")
+        anyhow!("{what} is not UTF-8 text")
     })?;
     let text = Secret::new(text);
     let token = text.expose().trim();
     if token.is_empty() {
-        return Err(format!("{what} is empty"));
+        bail!("{what} is empty");
     }
     if token.chars().any(|c| c.is_whitespace() || c.is_control()) {
-        return Err(format!(
-            "{what} must hold only the token (one line, no spaces)"
-        ));
+        bail!("{what} must hold only the token (one line, no spaces)");
     }
     Ok(Secret::new(token.to_string()))
 }

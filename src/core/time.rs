@@ -3,6 +3,7 @@
 use std::fmt;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use anyhow::{anyhow, bail};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 /// Milliseconds since the Unix epoch, UTC. Serialized as RFC 3339 (`2026-10-14T15:07:57.000Z`).
@@ -26,11 +27,11 @@ impl Timestamp {
     }
 
     /// Parses RFC 3339 in UTC (`2026-10-14T15:00:00Z`, fractional seconds allowed).
-    pub fn parse_rfc3339(s: &str) -> Result<Timestamp, String> {
+    pub fn parse_rfc3339(s: &str) -> anyhow::Result<Timestamp> {
         humantime::parse_rfc3339(s.trim())
             .map(Timestamp::from_system)
             .map_err(|e| {
-                format!("{s:?} is not an RFC 3339 UTC timestamp like 2026-10-14T15:00:00Z: {e}")
+                anyhow!("{s:?} is not an RFC 3339 UTC timestamp like 2026-10-14T15:00:00Z: {e}")
             })
     }
 
@@ -81,13 +82,13 @@ impl<'de> Deserialize<'de> for Timestamp {
 }
 
 /// Parses `500ms`, `2s`, `5m`, `1h` (and combinations such as `1h 30m`).
-pub fn parse_duration(s: &str) -> Result<Duration, String> {
+pub fn parse_duration(s: &str) -> anyhow::Result<Duration> {
     let t = s.trim();
     if t.is_empty() {
-        return Err("empty duration; write it like 500ms, 2s, 5m or 1h".into());
+        bail!("empty duration; write it like 500ms, 2s, 5m or 1h");
     }
     humantime::parse_duration(t)
-        .map_err(|e| format!("{s:?} is not a duration like 500ms, 2s, 5m or 1h: {e}"))
+        .map_err(|e| anyhow!("{s:?} is not a duration like 500ms, 2s, 5m or 1h: {e}"))
 }
 
 /// Formats a duration the way it is written on the command line (`5m`, `1h 30m`, `200ms`).

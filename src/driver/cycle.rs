@@ -173,7 +173,12 @@ impl Driver<'_, '_> {
             .as_ref()
             .is_some_and(|s| s.phase == Phase::Running)
         {
-            obs.launch_problem = self.w.launcher.check_config().err();
+            obs.launch_problem = self
+                .w
+                .launcher
+                .check_config()
+                .err()
+                .map(|e| format!("{e:#}"));
         }
         let mut failed = false;
         let (want_jobs, ids): (bool, Vec<i64>) = match &self.state {
@@ -587,7 +592,7 @@ mod tests {
     }
 
     impl Launcher for Shared {
-        fn check_config(&self) -> Result<(), String> {
+        fn check_config(&self) -> anyhow::Result<()> {
             Ok(())
         }
         /// The runner asks for its job with the launch's labels and handle; Forgejo's rule
@@ -636,7 +641,7 @@ mod tests {
     struct NoopTofu;
 
     impl Tofu for NoopTofu {
-        fn check_config(&self) -> Result<(), String> {
+        fn check_config(&self) -> anyhow::Result<()> {
             Ok(())
         }
         fn apply(&mut self, _: &str) -> Result<(), StepError> {

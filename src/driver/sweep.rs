@@ -1,6 +1,8 @@
 //! The sweep: list every page first, then delete the offline registrations with our prefix.
 //! Any doubt deletes nothing.
 
+use anyhow::{anyhow, bail};
+
 use crate::core::licence::SweepLicence;
 use crate::core::listing::{LIST_PASSES, Listing, MAX_PAGES, PAGE_LIMIT, Seen, select};
 use crate::core::model::{Runner, is_ours};
@@ -11,7 +13,7 @@ use crate::core::report::{SweepReport, SweptRunner};
 pub fn list_all(
     forgejo: &mut dyn Forgejo,
     keep: &dyn Fn(&Runner) -> bool,
-) -> Result<Listing, String> {
+) -> anyhow::Result<Listing> {
     let mut seen = Seen::new(keep);
     let mut page = 0u32;
     let mut last_total = None;
@@ -21,13 +23,13 @@ pub fn list_all(
     loop {
         page += 1;
         if page > MAX_PAGES {
-            return Err(format!(
+            bail!(
                 "the runner list did not end within {MAX_PAGES} pages of {PAGE_LIMIT}; deleting nothing"
-            ));
+            );
         }
         let p = forgejo
             .list_runners_page(page, PAGE_LIMIT)
-            .map_err(|e| format!("listing runners failed on page {page}: {e}"))?;
+            .map_err(|e| anyhow!("listing runners failed on page {page}: {e}"))?;
         let n = p.rows.len();
         let distinct_before = seen.distinct();
         returned += n as u64;
@@ -55,9 +57,9 @@ pub fn list_all(
             }
             // More to come, yet this full page held only ids already listed: the server ignores
             // `page` (or every row moved back a page while we read). Going on would repeat it.
-            return Err(format!(
+            bail!(
                 "page {page} of the runner list held only runners already listed (does the server honour `page`?); deleting nothing"
-            ));
+            );
         }
     }
     // Rows that tie on Forgejo's sort key (`last_online`: 0 for every registration that never
@@ -76,7 +78,7 @@ pub fn list_all(
         for again in 1..pages {
             let p = forgejo
                 .list_runners_page(again, PAGE_LIMIT)
-                .map_err(|e| format!("listing runners failed on page {again}: {e}"))?;
+                .map_err(|e| anyhow!("listing runners failed on page {again}: {e}"))?;
             if p.total.is_some_and(|pt| pt != t) {
                 totals.push(p.total.unwrap_or(t));
                 break;
@@ -137,7 +139,7 @@ pub fn sweep_with(
     let listing = match list_all(forgejo, &ours) {
         Ok(l) => l,
         Err(e) => {
-            report.error = Some(e);
+            report.error = Some(format!("{e:#}"));
             return report;
         }
     };

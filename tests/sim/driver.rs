@@ -102,15 +102,13 @@ pub fn invoke(sim: &Shared, nested: bool) {
     }
     let lock = match lock {
         Ok(l) => l,
-        Err((code, msg)) => {
+        Err(e) => {
             let mut s = sim.borrow_mut();
             if nested {
                 s.stats.races_refused += 1;
-                s.log(format!(
-                    "second invocation refused by cycle.lock (exit {code})"
-                ));
+                s.log(format!("second invocation refused by cycle.lock ({e:?})"));
             } else {
-                s.violate(format!("a timer run could not take cycle.lock: {msg}"));
+                s.violate(format!("a timer run could not take cycle.lock: {e}"));
             }
             return;
         }

@@ -6,6 +6,7 @@ use std::cell::RefCell;
 use std::rc::Rc;
 use std::time::Duration;
 
+use anyhow::bail;
 use ci_ephemeral_provisioner::core::holds::Holds;
 use ci_ephemeral_provisioner::core::holds::HoldsError;
 use ci_ephemeral_provisioner::core::holds::parse_holds;
@@ -360,7 +361,7 @@ impl SimTofu {
 }
 
 impl Tofu for SimTofu {
-    fn check_config(&self) -> Result<(), String> {
+    fn check_config(&self) -> anyhow::Result<()> {
         Ok(())
     }
 
@@ -480,7 +481,7 @@ impl Tofu for SimTofu {
 pub struct SimLauncher(pub Port);
 
 impl Launcher for SimLauncher {
-    fn check_config(&self) -> Result<(), String> {
+    fn check_config(&self) -> anyhow::Result<()> {
         Ok(())
     }
 
@@ -632,7 +633,7 @@ impl StateStore for SimStore {
         self.0.boundary("before", "load");
         if self.disk_fault("cycle.json read fails") {
             self.0.sim.borrow_mut().log("load -> err");
-            return Err(anyhow::anyhow!("cannot read sim/cycle.json: I/O error"));
+            bail!("cannot read sim/cycle.json: I/O error");
         }
         let s = self.0.sim.borrow();
         let text = s
@@ -664,9 +665,7 @@ impl StateStore for SimStore {
             s.starts_uncertain();
             s.log(format!("{what} -> err"));
             drop(s);
-            return Err(anyhow::anyhow!(
-                "cannot write sim/cycle.json: No space left on device"
-            ));
+            bail!("cannot write sim/cycle.json: No space left on device");
         }
         {
             let mut s = self.0.sim.borrow_mut();
@@ -692,7 +691,7 @@ impl StateStore for SimStore {
         self.0.boundary("before", "remove");
         if self.disk_fault("cycle.json remove fails") {
             self.0.sim.borrow_mut().log("remove -> err");
-            return Err(anyhow::anyhow!("cannot remove sim/cycle.json: I/O error"));
+            bail!("cannot remove sim/cycle.json: I/O error");
         }
         {
             let mut s = self.0.sim.borrow_mut();
@@ -738,9 +737,7 @@ impl StateStore for SimStore {
             let mut s = self.0.sim.borrow_mut();
             s.holds_lost = true;
             s.log("save(holds) -> err");
-            return Err(anyhow::anyhow!(
-                "cannot write sim/held-jobs.json: No space left on device"
-            ));
+            bail!("cannot write sim/held-jobs.json: No space left on device");
         }
         {
             let mut s = self.0.sim.borrow_mut();

@@ -1,6 +1,8 @@
 //! Where the API is: `--forgejo-url` checked (https, no userinfo, no fragment; plain http only to
 //! loopback), `--scope` and the routes it gives, and the version Forgejo reports.
 
+use anyhow::{anyhow, bail};
+
 /// `--scope`: which runner API the registrations live in.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Scope {
@@ -11,7 +13,7 @@ pub enum Scope {
 }
 
 impl Scope {
-    pub fn parse(s: &str) -> Result<Scope, String> {
+    pub fn parse(s: &str) -> anyhow::Result<Scope> {
         let segment_ok = |p: &str| {
             !p.is_empty()
                 && p.chars()
@@ -26,9 +28,7 @@ impl Scope {
                 Scope::Repo(owner.to_string(), name.to_string())
             }
             _ => {
-                return Err(format!(
-                    "{s:?} is not a scope; use admin, user, org/NAME or repo/OWNER/NAME"
-                ));
+                bail!("{s:?} is not a scope; use admin, user, org/NAME or repo/OWNER/NAME");
             }
         };
         Ok(scope)
@@ -57,38 +57,38 @@ impl Scope {
 
 /// Checks `--forgejo-url`: https, or plain http only to a loopback host. Returns it without a
 /// trailing slash.
-pub fn validate_url(url: &str) -> Result<String, String> {
+pub fn validate_url(url: &str) -> anyhow::Result<String> {
     let trimmed = url.trim().trim_end_matches('/');
     // Checked before anything quotes the URL: it is copied into every error message.
     if let Some(at) = userinfo_end(trimmed) {
         let scheme_end = trimmed.find("://").map_or(0, |i| i + 3);
-        return Err(format!(
+        bail!(
             "\"{}…@{}\" holds a user name or password; remove it (Forgejo is authenticated by the token in --token-file alone, and a URL is copied into every log line and report)",
             &trimmed[..scheme_end],
             &trimmed[at + 1..]
-        ));
+        );
     }
     if trimmed.contains('#') {
-        return Err(format!(
+        bail!(
             "{url:?} must not have a #fragment; write the base URL only, like https://forgejo.example.org"
-        ));
+        );
     }
     let uri: ureq::http::Uri = trimmed
         .parse()
-        .map_err(|e| format!("{url:?} is not a URL: {e}"))?;
+        .map_err(|e| anyhow!("{url:?} is not a URL: {e}"))?;
     let host = uri
         .host()
-        .ok_or_else(|| format!("{url:?} has no host; write it like https://forgejo.example.org"))?;
+        .ok_or_else(|| anyhow!("{url:?} has no host; write it like https://forgejo.example.org"))?;
     if uri.query().is_some() {
-        return Err(format!("{url:?} must not have a query string"));
+        bail!("{url:?} must not have a query string");
     }
     match uri.scheme_str() {
         Some("https") => Ok(trimmed.to_string()),
         Some("http") if is_loopback_host(host) => Ok(trimmed.to_string()),
-        Some("http") => Err(format!(
+        Some("http") => Err(anyhow!(
             "{url:?} uses plain http to a host that is not loopback; the token would cross the network in clear text. Use https://"
         )),
-        _ => Err(format!("{url:?} must start with https://")),
+        _ => Err(anyhow!("{url:?} must start with https://")),
     }
 }
 
