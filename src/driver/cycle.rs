@@ -159,6 +159,14 @@ impl Driver<'_, '_> {
         }
     }
 
+    /// Writes cycle.json on a path that ends the run either way: a failure is in the report
+    /// already (`save` logged it at error level; the exit status is 1), nothing is left to stop.
+    fn save_before_ending(&mut self) {
+        if self.save().is_err() {
+            log::debug!("the run ends without its last cycle.json write (reported above)");
+        }
+    }
+
     /// Writes the held jobs; a failure is a failure of the run, not a reason to stop it.
     fn save_holds(&mut self) {
         if let Err(e) = self.w.store.save_holds(&self.ctx.holds) {
@@ -313,7 +321,7 @@ impl Driver<'_, '_> {
     }
 
     fn interrupted(&mut self, during: &str) -> End {
-        let _ = self.save();
+        self.save_before_ending();
         self.report.fail(format!(
             "stopped by a signal {during}; cycle.json is kept and the next run resumes"
         ));

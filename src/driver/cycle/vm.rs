@@ -136,7 +136,7 @@ impl Driver<'_, '_> {
                 }
                 let s = self.state.as_mut()?;
                 s.last_error = Some(format!("tofu destroy failed: {}", e.message));
-                let _ = self.save();
+                self.save_before_ending();
                 self.report.fail(format!(
                     "tofu destroy failed: {}; no sweep; cycle.json is kept and the next run retries the destroy first",
                     e.message
