@@ -615,7 +615,7 @@ impl World {
         let q = parse_query(&inc.query);
         let visible = go_parse_bool(first(&q, "visible"));
         let page = go_atoi(first(&q, "page"));
-        let limit = model::page_size(go_atoi(first(&q, "limit")));
+        let limit = self.forgejo.page_size(go_atoi(first(&q, "limit")));
         // `ToOrders` is only `last_online DESC` (models/actions/runner.go): rows that tie (every
         // never-connected one has 0) come in no promised order. Here their order is a hash of
         // the row and of the table's version: the same while nothing is added or deleted (as one
