@@ -34,11 +34,16 @@ pub struct Server {
     /// `tie(n, id, rows_version)`. By default a hash of the id and the table's version, as in
     /// the HTTP fake: the same order while no row is added or deleted.
     pub tie: fn(u32, i64, u64) -> u64,
+    /// Another client's change to the rows (at `now`), made just before the n-th list request.
+    pub meanwhile: Option<(u32, Change)>,
     /// The list pages asked for, in order.
     pub asked: Vec<u32>,
     /// Every DELETE sent, by runner id, in order.
     pub deletes: Vec<i64>,
 }
+
+/// A change to Forgejo's rows by someone else, at this instant (Unix ms).
+pub type Change = fn(&mut forgejo_model::Forgejo<()>, i64);
 
 /// The admin scope's runner API on the model, and the launch command of runners that run
 /// their job at once. Clones share one server.
@@ -74,6 +79,7 @@ impl ModelForgejo {
             now: 1_760_000_000_000,
             labels: forgejo_rules::declared_names(labels),
             tie: hashed_tie,
+            meanwhile: None,
             asked: Vec::new(),
             deletes: Vec::new(),
         })))
@@ -84,8 +90,9 @@ impl ModelForgejo {
     }
 }
 
-/// `POST …/actions/runners` of the admin scope: an ephemeral instance runner; its id.
-fn add_runner(f: &mut forgejo_model::Forgejo<()>, id: Option<i64>, name: &str) -> i64 {
+/// `POST …/actions/runners` of the admin scope: an ephemeral instance runner (id `None`: the
+/// next one) that never connected, so offline; its id.
+pub fn add_runner(f: &mut forgejo_model::Forgejo<()>, id: Option<i64>, name: &str) -> i64 {
     let uuid = format!("uuid-{}", id.unwrap_or(f.next_runner_id()));
     f.register(forgejo_model::NewRunner {
         id,
@@ -148,6 +155,11 @@ impl Forgejo for ModelForgejo {
         let mut s = self.server();
         s.asked.push(page);
         let (n, now, tie) = (s.asked.len() as u32, s.now, s.tie);
+        if let Some((at, change)) = s.meanwhile
+            && at == n
+        {
+            change(&mut s.forgejo, now);
+        }
         let (rows, total) = s.forgejo.list_runners(
             now,
             &Scope::ADMIN,
