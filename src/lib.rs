@@ -30,3 +30,5 @@ pub mod core;
 #[cfg(debug_assertions)]
 pub mod crashpoint;
 pub mod driver;
+#[cfg(test)]
+mod test_forgejo;

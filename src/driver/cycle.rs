@@ -513,138 +513,14 @@ impl Driver<'_, '_> {
     }
 }
 
-/// Forgejo's assignment rule, shared with every model of Forgejo in the tests.
-#[cfg(test)]
-#[path = "../../tests/support/forgejo_rules.rs"]
-mod forgejo_rules_for_tests;
-
 #[cfg(test)]
 mod tests {
-    //! The driver against small in-memory stand-ins (the end-to-end tests use the real binary).
-    use std::cell::RefCell;
-    use std::collections::BTreeMap;
-    use std::rc::Rc;
-
-    use super::forgejo_rules_for_tests as forgejo_rules;
+    //! The driver against the tests' model of Forgejo (`crate::test_forgejo`) and a tofu that
+    //! always works (the end-to-end tests use the real binary).
     use super::*;
     use crate::adapters::dry::MemoryStore;
-    use crate::core::model::Job;
-    use crate::core::model::Runner;
-    use crate::core::model::RunnerStatus;
-    use crate::core::ports::ApiError;
-    use crate::core::ports::LaunchRequest;
-    use crate::core::ports::NewRunner;
-    use crate::core::ports::RunnerPage;
     use crate::core::ports::StepError;
-    use crate::core::secret::Secret;
-
-    /// Forgejo where a launched runner runs its job at once: the job ends, the registration goes.
-    #[derive(Default)]
-    struct World {
-        runners: BTreeMap<i64, String>,
-        jobs: Vec<Job>,
-        next_id: i64,
-    }
-
-    #[derive(Clone, Default)]
-    struct Shared(Rc<RefCell<World>>);
-
-    impl Forgejo for Shared {
-        fn list_jobs(&mut self) -> Result<Vec<Job>, ApiError> {
-            Ok(self.0.borrow().jobs.clone())
-        }
-        fn get_runner(&mut self, id: i64) -> Result<Option<Runner>, ApiError> {
-            Ok(self.0.borrow().runners.get(&id).map(|n| Runner {
-                id,
-                name: Some(n.clone()),
-                status: RunnerStatus::Offline,
-                labels: None,
-            }))
-        }
-        fn delete_runner(&mut self, target: &Deletable, _: &str) -> Result<Deleted, ApiError> {
-            Ok(match self.0.borrow_mut().runners.remove(&target.id()) {
-                Some(_) => Deleted::Now,
-                None => Deleted::AlreadyGone,
-            })
-        }
-        fn register_runner(&mut self, name: &str) -> Result<NewRunner, ApiError> {
-            let mut w = self.0.borrow_mut();
-            w.next_id += 1;
-            let id = w.next_id;
-            w.runners.insert(id, name.to_string());
-            Ok(NewRunner {
-                id,
-                uuid: format!("uuid-{id}"),
-                token: Secret::new("t".into()),
-            })
-        }
-        fn list_runners_page(&mut self, page: u32, limit: u32) -> Result<RunnerPage, ApiError> {
-            let w = self.0.borrow();
-            let rows: Vec<Runner> = w
-                .runners
-                .iter()
-                .skip(((page - 1) * limit) as usize)
-                .take(limit as usize)
-                .map(|(id, n)| Runner {
-                    id: *id,
-                    name: Some(n.clone()),
-                    status: RunnerStatus::Offline,
-                    labels: None,
-                })
-                .collect();
-            Ok(RunnerPage {
-                rows,
-                total: Some(w.runners.len() as u64),
-            })
-        }
-    }
-
-    impl Launcher for Shared {
-        fn check_config(&self) -> anyhow::Result<()> {
-            Ok(())
-        }
-        /// The runner asks for its job with the launch's labels and handle; Forgejo's rule
-        /// decides, and a job it is given runs at once (the job ends, the registration goes).
-        fn launch(&mut self, req: &LaunchRequest<'_>, _: &Secret) -> Result<(), StepError> {
-            let mut w = self.0.borrow_mut();
-            let labels = forgejo_rules::declared_names(req.labels);
-            let runner = forgejo_rules::RunnerView {
-                owner_id: 0,
-                repo_id: 0,
-                labels: &labels,
-                ephemeral: true,
-                has_task: false,
-                handle: Some(req.job_handle),
-            };
-            let taken = forgejo_rules::pick(
-                &runner,
-                w.jobs.iter().map(|j| {
-                    let view = forgejo_rules::JobView {
-                        status: &j.status,
-                        task_id: 0,
-                        handle: &j.handle,
-                        runs_on: &j.runs_on,
-                        owner_id: 0,
-                        repo_id: 0,
-                        queued_behind: false,
-                    };
-                    (j.id, view)
-                }),
-            );
-            if let Some(id) = taken {
-                w.jobs.retain(|j| j.id != id);
-                w.runners.remove(&req.runner_id);
-            }
-            Ok(())
-        }
-        /// A runner that ran its job exited.
-        fn check(&mut self, _: &LaunchRequest<'_>) -> ProcessCheck {
-            ProcessCheck::Gone
-        }
-        fn stop(&mut self, _: &LaunchRequest<'_>) -> Result<(), StepError> {
-            Ok(())
-        }
-    }
+    use crate::test_forgejo::ModelForgejo;
 
     struct NoopTofu;
 
@@ -663,44 +539,24 @@ mod tests {
         }
     }
 
-    /// Each sleep advances time by the slept duration.
-    struct StepClock(Timestamp);
-
-    impl Clock for StepClock {
-        fn now(&self) -> Timestamp {
-            self.0
-        }
-        fn sleep(&mut self, d: Duration) -> Sleep {
-            self.0 = self.0.plus(d);
-            Sleep::Slept
-        }
-        fn stop_requested(&self) -> bool {
-            false
-        }
-        fn new_cycle_id(&mut self, now: Timestamp) -> String {
-            now.compact()
-        }
-    }
-
     #[test]
     fn a_long_busy_queue_is_progress_not_a_runaway() {
-        let shared = Shared::default();
-        for i in 0..(MAX_STEPS_WITHOUT_WAIT as i64 * 2) {
-            shared.0.borrow_mut().jobs.push(Job {
-                id: i,
-                handle: format!("h{i}"),
-                status: "waiting".into(),
-                runs_on: vec!["debian".into()],
-                repo_id: Some(1),
-                owner_id: Some(1),
-            });
+        // Each launched runner is given its job by Forgejo's rule and runs it at once: the job
+        // ends and Forgejo deletes the registration, one step after another without a wait.
+        let shared = ModelForgejo::new("debian");
+        let jobs = MAX_STEPS_WITHOUT_WAIT as usize * 2;
+        for i in 0..jobs {
+            let runs_on = vec!["debian".to_string()];
+            shared
+                .server()
+                .forgejo
+                .add_job(format!("h{i}"), runs_on, 1, 1);
         }
-        let jobs = shared.0.borrow().jobs.len();
         let mut forgejo = shared.clone();
         let mut launcher = shared.clone();
         let mut tofu = NoopTofu;
         let mut store = MemoryStore::default();
-        let mut clock = StepClock(Timestamp(1_760_000_000_000));
+        let mut clock = shared.clone();
         let cfg = CycleConfig {
             policy: Policy {
                 runner_prefix: "ephemeral-".into(),
@@ -737,5 +593,8 @@ mod tests {
             .count();
         assert_eq!(launched, jobs);
         assert!(store.state.is_none());
+        let s = shared.server();
+        assert!(s.forgejo.jobs.values().all(|j| j.status == "success"));
+        assert!(s.forgejo.runners.values().all(|r| r.deleted));
     }
 }

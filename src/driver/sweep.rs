@@ -210,6 +210,8 @@ pub fn sweep_with(
 
 #[cfg(test)]
 mod tests {
+    //! The sweep against the tests' model of Forgejo (what Forgejo does) and against a scripted
+    //! adversary (what it does not).
     use super::*;
     use crate::core::listing::sweep_failures;
     use crate::core::model::Job;
@@ -217,6 +219,195 @@ mod tests {
     use crate::core::ports::ApiError;
     use crate::core::ports::NewRunner;
     use crate::core::ports::RunnerPage;
+    use crate::test_forgejo::{ModelForgejo, add_runner};
+
+    // -- Forgejo, as the tests' model of it says -------------------------------------------------
+
+    /// Forgejo (the model) with registrations that never connected (offline): each range of
+    /// ids named `{name}-{id}`.
+    fn forgejo_with(rows: &[(std::ops::RangeInclusive<i64>, &str)]) -> ModelForgejo {
+        let f = ModelForgejo::new("");
+        for (ids, name) in rows {
+            for id in ids.clone() {
+                add_runner(&mut f.server().forgejo, Some(id), &format!("{name}-{id}"));
+            }
+        }
+        f
+    }
+
+    #[test]
+    fn all_pages_are_listed_before_any_delete() {
+        let f = forgejo_with(&[(1..=50, "static"), (51..=120, "ephemeral")]);
+        let rep = sweep(&mut f.clone(), &licence(), "ephemeral-", 1000);
+        let s = f.server();
+        assert_eq!(s.asked, vec![1, 2, 3]);
+        assert_eq!(rep.pages, 3);
+        assert_eq!(rep.listed, 120);
+        assert_eq!(s.deletes, (51..=120).collect::<Vec<_>>());
+        assert_eq!(rep.deleted.len(), 70);
+    }
+
+    #[test]
+    fn a_lower_server_limit_is_followed_by_the_total() {
+        // The instance sets `[api] MAX_RESPONSE_ITEMS = 30`: 30 rows a page; the count says 70.
+        let f = forgejo_with(&[(1..=70, "ephemeral")]);
+        f.server().forgejo.max_response_items = 30;
+        let rep = sweep(&mut f.clone(), &licence(), "ephemeral-", 1000);
+        assert_eq!(f.server().asked, vec![1, 2, 3]);
+        assert_eq!(rep.deleted.len(), 70);
+    }
+
+    #[test]
+    fn only_offline_rows_with_the_prefix_are_deleted_and_the_cap_holds() {
+        let f = ModelForgejo::new("");
+        {
+            let mut s = f.server();
+            let now = s.now;
+            for (id, name) in [
+                (514, "ephemeral-1"),
+                (516, "ephemeral-2"),
+                (518, "ephemeral-3"),
+                (600, "ephemeral-live"),
+                (601, "ephemeral-busy"),
+                (602, "static-builder"),
+                (603, "my-ephemeral-1"),
+            ] {
+                add_runner(&mut s.forgejo, Some(id), name);
+            }
+            // 600 connected and polls (idle); 601 runs a task (active).
+            for id in [600, 601] {
+                let r = s.forgejo.live_mut(id).unwrap();
+                r.declare(Some(vec!["debian".into()]), now);
+            }
+            let job = s.forgejo.add_job("h".into(), vec!["debian".into()], 1, 1);
+            s.forgejo.start_task(job, 601, now);
+        }
+        let rep = sweep(&mut f.clone(), &licence(), "", 100);
+        assert!(
+            f.server().deletes.is_empty(),
+            "an empty prefix owns nothing"
+        );
+        assert_eq!(rep.found, 0);
+        let rep = sweep(&mut f.clone(), &licence(), "ephemeral-", 2);
+        assert_eq!(f.server().deletes, vec![514, 516]);
+        assert_eq!(rep.deleted.len(), 2);
+        assert_eq!(rep.found, 3);
+        assert_eq!(rep.left_over_cap, 1);
+        assert!(rep.skipped_doubtful.is_empty());
+    }
+
+    #[test]
+    fn a_count_that_changes_while_paging_makes_the_listing_incomplete() {
+        // Someone deleted a runner while we paged: the total dropped from 51 to 50 and the row
+        // that was 51st slid onto page 1, which we had already read.
+        let f = forgejo_with(&[(1..=51, "ephemeral")]);
+        f.server().tie = |_, id, _| id as u64;
+        f.server().meanwhile = Some((2, |f, now| f.delete(1, now)));
+        let l = list_all(&mut f.clone(), &|_| true).unwrap();
+        assert_eq!(f.server().asked, vec![1, 2]);
+        assert_eq!(l.rows.len(), 50);
+        assert!(!l.complete);
+        let f = forgejo_with(&[(1..=60, "ephemeral")]);
+        assert!(list_all(&mut f.clone(), &|_| true).unwrap().complete);
+    }
+
+    #[test]
+    fn only_our_rows_are_kept_but_every_row_is_counted() {
+        // 120 registrations, 70 of them ours: the listing keeps the 70, counts all 120.
+        let rows = [(1..=50, "static"), (51..=120, "ephemeral")];
+        let ours = |r: &Runner| {
+            r.name
+                .as_deref()
+                .is_some_and(|n| n.starts_with("ephemeral-"))
+        };
+        let l = list_all(&mut forgejo_with(&rows), &ours).unwrap();
+        assert_eq!(l.rows.len(), 70, "memory holds the candidates only");
+        assert_eq!(l.distinct, 120);
+        assert!(l.complete);
+        let f = forgejo_with(&rows);
+        let rep = sweep(&mut f.clone(), &licence(), "ephemeral-", 1000);
+        assert_eq!(rep.listed, 120);
+        assert_eq!(f.server().asked, vec![1, 2, 3]);
+        assert_eq!(f.server().deletes, (51..=120).collect::<Vec<_>>());
+    }
+
+    /// Rows that tie on `last_online` by id, starting from another id on each request: Forgejo
+    /// sorts by `last_online DESC` alone (`models/actions/runner.go` `ToOrders`), so the
+    /// database may break ties differently for each LIMIT/OFFSET. 1… on the first request,
+    /// 51… on the second, 11… on the third.
+    fn ties_from_another_row_each_time(request: u32, id: i64, _: u64) -> u64 {
+        let first = match request {
+            2 => 51,
+            3 => 11,
+            _ => 1,
+        };
+        (u64::from(id < first) << 32) | id as u64
+    }
+
+    #[test]
+    fn pages_that_overlapped_while_the_count_held_are_read_again() {
+        // 60 rows that tie on the sort key: page 2 repeats ten rows of page 1 and ten are
+        // never shown; the second read of page 1 shows them.
+        let f = forgejo_with(&[(1..=60, "ephemeral")]);
+        f.server().tie = ties_from_another_row_each_time;
+        let l = list_all(&mut f.clone(), &|_| true).unwrap();
+        // Page 2 is short and brought nothing new: the end of this read; page 1 again.
+        assert_eq!(f.server().asked, vec![1, 2, 1]);
+        assert!(l.complete);
+        assert_eq!(l.rows.len(), 60);
+        // A count that changes on the second read (a registration meanwhile) ends it: incomplete.
+        let f = forgejo_with(&[(1..=60, "ephemeral")]);
+        f.server().tie = ties_from_another_row_each_time;
+        f.server().meanwhile = Some((3, |f, _| {
+            add_runner(f, None, "ephemeral-61");
+        }));
+        assert!(!list_all(&mut f.clone(), &|_| true).unwrap().complete);
+        assert_eq!(f.server().asked, vec![1, 2, 1]);
+    }
+
+    // -- What Forgejo never sends -----------------------------------------------------------------
+
+    #[test]
+    fn rows_forgejo_never_sends_are_kept() {
+        // A status in another casing, none at all, no name: kept (next to one that goes).
+        let rows = vec![
+            r(514, "ephemeral-1", RunnerStatus::Offline),
+            r(
+                604,
+                "ephemeral-odd",
+                RunnerStatus::Unknown("Offline".into()),
+            ),
+            r(605, "ephemeral-nostatus", RunnerStatus::Missing),
+            Runner {
+                id: 606,
+                name: None,
+                status: RunnerStatus::Offline,
+                labels: None,
+            },
+        ];
+        let listing = Listing {
+            rows,
+            conflicting: vec![],
+            pages: 1,
+            complete: true,
+            total: None,
+            distinct: 4,
+        };
+        let sel = select(&listing, "ephemeral-", 2);
+        assert_eq!(
+            sel.delete.iter().map(|(d, _)| d.id()).collect::<Vec<_>>(),
+            vec![514]
+        );
+        assert_eq!(sel.found, 1);
+        assert_eq!(
+            sel.doubtful.iter().map(|r| r.id).collect::<Vec<_>>(),
+            vec![604, 605]
+        );
+        assert!(
+            select(&listing, "", 100).delete.is_empty(),
+            "an empty prefix owns nothing"
+        );
+    }
 
     fn licence() -> SweepLicence {
         crate::core::licence::without_cycle(None, "cycle.json", None).unwrap()
@@ -224,7 +415,12 @@ mod tests {
 
     type ScriptedPage = Result<(Vec<Runner>, Option<u64>), String>;
 
-    /// Serves scripted list pages and records deletions.
+    /// A scripted adversary of the paging and deletion code, not a model of Forgejo: it serves
+    /// pages Forgejo does not (a server that ignores `page`, a list without end, pages without
+    /// a total, totals that lie, a page short of the limit while the count says more rows
+    /// follow, then rows that differ on the next page), fails pages and deletes on cue, and
+    /// records the deletions. Tests of Forgejo's own behaviour run on the tests' model of it
+    /// (`crate::test_forgejo`).
     struct Scripted {
         pages: Vec<ScriptedPage>,
         asked: Vec<u32>,
@@ -329,21 +525,6 @@ mod tests {
     }
 
     #[test]
-    fn all_pages_are_listed_before_any_delete() {
-        let mut f = Scripted::new(vec![
-            Ok((page(1, 50, "static"), Some(120))),
-            Ok((page(51, 50, "ephemeral"), Some(120))),
-            Ok((page(101, 20, "ephemeral"), Some(120))),
-        ]);
-        let rep = sweep(&mut f, &licence(), "ephemeral-", 1000);
-        assert_eq!(f.asked, vec![1, 2, 3]);
-        assert_eq!(rep.pages, 3);
-        assert_eq!(rep.listed, 120);
-        assert_eq!(f.deleted, (51..=120).collect::<Vec<_>>());
-        assert_eq!(rep.deleted.len(), 70);
-    }
-
-    #[test]
     fn a_failed_page_deletes_nothing() {
         let mut f = Scripted::new(vec![
             Ok((page(1, 50, "ephemeral"), Some(120))),
@@ -383,19 +564,6 @@ mod tests {
         let rep = sweep(&mut f, &licence(), "ephemeral-", 1000);
         assert_eq!(f.asked, vec![1]);
         assert_eq!(rep.deleted.len(), 7);
-    }
-
-    #[test]
-    fn a_lower_server_limit_is_followed_by_the_total() {
-        // The server clamps to 30 rows per page; X-Total-Count says 70.
-        let mut f = Scripted::new(vec![
-            Ok((page(1, 30, "ephemeral"), Some(70))),
-            Ok((page(31, 30, "ephemeral"), Some(70))),
-            Ok((page(61, 10, "ephemeral"), Some(70))),
-        ]);
-        let rep = sweep(&mut f, &licence(), "ephemeral-", 1000);
-        assert_eq!(f.asked, vec![1, 2, 3]);
-        assert_eq!(rep.deleted.len(), 70);
     }
 
     #[test]
@@ -446,98 +614,6 @@ mod tests {
     }
 
     #[test]
-    fn only_offline_rows_with_the_prefix_are_deleted_and_the_cap_holds() {
-        let rows = vec![
-            r(514, "ephemeral-1", RunnerStatus::Offline),
-            r(516, "ephemeral-2", RunnerStatus::Offline),
-            r(518, "ephemeral-3", RunnerStatus::Offline),
-            r(600, "ephemeral-live", RunnerStatus::Idle),
-            r(601, "ephemeral-busy", RunnerStatus::Active),
-            r(602, "static-builder", RunnerStatus::Offline),
-            r(603, "my-ephemeral-1", RunnerStatus::Offline),
-            r(
-                604,
-                "ephemeral-odd",
-                RunnerStatus::Unknown("Offline".into()),
-            ),
-            r(605, "ephemeral-nostatus", RunnerStatus::Missing),
-            Runner {
-                id: 606,
-                name: None,
-                status: RunnerStatus::Offline,
-                labels: None,
-            },
-        ];
-        let listing = Listing {
-            rows,
-            conflicting: vec![],
-            pages: 1,
-            complete: true,
-            total: None,
-            distinct: 10,
-        };
-        let sel = select(&listing, "ephemeral-", 2);
-        assert_eq!(
-            sel.delete.iter().map(|(d, _)| d.id()).collect::<Vec<_>>(),
-            vec![514, 516]
-        );
-        assert_eq!(sel.found, 3);
-        assert_eq!(sel.left_over_cap, 1);
-        assert_eq!(
-            sel.doubtful.iter().map(|r| r.id).collect::<Vec<_>>(),
-            vec![604, 605]
-        );
-        assert!(
-            select(&listing, "", 100).delete.is_empty(),
-            "an empty prefix owns nothing"
-        );
-    }
-
-    #[test]
-    fn a_count_that_changes_while_paging_makes_the_listing_incomplete() {
-        // Someone deleted a runner while we paged: the total dropped from 51 to 50 and the row
-        // that was 51st slid onto page 1, which we had already read.
-        let mut f = Scripted::new(vec![
-            Ok((page(1, 50, "ephemeral"), Some(51))),
-            Ok((vec![], Some(50))),
-        ]);
-        let l = list_all(&mut f, &|_| true).unwrap();
-        assert_eq!(l.rows.len(), 50);
-        assert!(!l.complete);
-        let mut f = Scripted::new(vec![
-            Ok((page(1, 50, "ephemeral"), Some(60))),
-            Ok((page(51, 10, "ephemeral"), Some(60))),
-        ]);
-        assert!(list_all(&mut f, &|_| true).unwrap().complete);
-    }
-
-    #[test]
-    fn only_our_rows_are_kept_but_every_row_is_counted() {
-        // 120 registrations, 70 of them ours: the listing keeps the 70, counts all 120.
-        let pages = || {
-            vec![
-                Ok((page(1, 50, "static"), Some(120))),
-                Ok((page(51, 50, "ephemeral"), Some(120))),
-                Ok((page(101, 20, "ephemeral"), Some(120))),
-            ]
-        };
-        let ours = |r: &Runner| {
-            r.name
-                .as_deref()
-                .is_some_and(|n| n.starts_with("ephemeral-"))
-        };
-        let l = list_all(&mut Scripted::new(pages()), &ours).unwrap();
-        assert_eq!(l.rows.len(), 70, "memory holds the candidates only");
-        assert_eq!(l.distinct, 120);
-        assert!(l.complete);
-        let mut f = Scripted::new(pages());
-        let rep = sweep(&mut f, &licence(), "ephemeral-", 1000);
-        assert_eq!(rep.listed, 120);
-        assert_eq!(f.asked, vec![1, 2, 3]);
-        assert_eq!(f.deleted, (51..=120).collect::<Vec<_>>());
-    }
-
-    #[test]
     fn a_row_whose_name_changes_between_pages_is_never_deleted() {
         // Id 7 is another pool's on page 1 and ours (offline) on page 2; id 9 the other way round.
         let mut f = Scripted::new(vec![
@@ -581,63 +657,5 @@ mod tests {
             1,
             "a failed delete fails the run"
         );
-    }
-
-    /// Answers list requests in order, whatever page is asked for.
-    struct InOrder {
-        answers: Vec<(Vec<Runner>, Option<u64>)>,
-        asked: Vec<u32>,
-    }
-
-    impl Forgejo for InOrder {
-        fn list_jobs(&mut self) -> Result<Vec<Job>, ApiError> {
-            Err(err("not used"))
-        }
-        fn get_runner(&mut self, _id: i64) -> Result<Option<Runner>, ApiError> {
-            Err(err("not used"))
-        }
-        fn delete_runner(&mut self, _: &Deletable, _reason: &str) -> Result<Deleted, ApiError> {
-            Err(err("not used"))
-        }
-        fn register_runner(&mut self, _name: &str) -> Result<NewRunner, ApiError> {
-            Err(err("not used"))
-        }
-        fn list_runners_page(&mut self, page: u32, _limit: u32) -> Result<RunnerPage, ApiError> {
-            self.asked.push(page);
-            let (rows, total) = match self.answers.get(self.asked.len() - 1) {
-                Some(a) => a.clone(),
-                None => (vec![], None),
-            };
-            Ok(RunnerPage { rows, total })
-        }
-    }
-
-    #[test]
-    fn pages_that_overlapped_while_the_count_held_are_read_again() {
-        // 60 rows that tie on the sort key: page 2 repeats ten rows of page 1 and ten are
-        // never shown; the second read of page 1 shows them.
-        let mut f = InOrder {
-            answers: vec![
-                (page(1, 50, "ephemeral"), Some(60)),
-                (page(41, 10, "ephemeral"), Some(60)),
-                (page(11, 50, "ephemeral"), Some(60)),
-            ],
-            asked: vec![],
-        };
-        let l = list_all(&mut f, &|_| true).unwrap();
-        // Page 2 is short and brought nothing new: the end of this read; page 1 again.
-        assert_eq!(f.asked, vec![1, 2, 1]);
-        assert!(l.complete);
-        assert_eq!(l.rows.len(), 60);
-        // A count that changes on the second read ends it: incomplete.
-        let mut f = InOrder {
-            answers: vec![
-                (page(1, 50, "ephemeral"), Some(60)),
-                (page(41, 10, "ephemeral"), Some(60)),
-                (page(11, 50, "ephemeral"), Some(61)),
-            ],
-            asked: vec![],
-        };
-        assert!(!list_all(&mut f, &|_| true).unwrap().complete);
     }
 }

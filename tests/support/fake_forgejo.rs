@@ -615,7 +615,7 @@ impl World {
         let q = parse_query(&inc.query);
         let visible = go_parse_bool(first(&q, "visible"));
         let page = go_atoi(first(&q, "page"));
-        let limit = model::page_size(go_atoi(first(&q, "limit")));
+        let limit = self.forgejo.page_size(go_atoi(first(&q, "limit")));
         // `ToOrders` is only `last_online DESC` (models/actions/runner.go): rows that tie (every
         // never-connected one has 0) come in no promised order. Here their order is a hash of
         // the row and of the table's version: the same while nothing is added or deleted (as one
@@ -625,7 +625,7 @@ impl World {
         let (rows, total) =
             self.forgejo
                 .list_runners(now, &scope, visible, page, limit, |id, version| {
-                    mix(id as u64 ^ tie_seed ^ version.wrapping_mul(0x9E37_79B9_7F4A_7C15))
+                    model::tie_key(id, version, tie_seed)
                 });
         let total = total as i64;
         let shown: Vec<Value> = rows.iter().map(|r| runner_json(r, now)).collect();
@@ -1476,13 +1476,6 @@ fn now_ms() -> i64 {
 
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-/// SplitMix64's finaliser: a well-spread hash of one number.
-fn mix(mut x: u64) -> u64 {
-    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    x ^ (x >> 31)
 }
 
 /// `Authorization: token T` (exact scheme) or `Bearer T` (any case), as Forgejo accepts.

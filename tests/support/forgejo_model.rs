@@ -142,12 +142,12 @@ pub fn is_done(status: &str) -> bool {
     matches!(status, "success" | "failure" | "cancelled" | "skipped")
 }
 
-/// `convert.ToCorrectPageSize` (`[api]` `DEFAULT_PAGING_NUM`, `MAX_RESPONSE_ITEMS`): `limit` ≤ 0
-/// is the default, above the maximum the maximum.
-pub fn page_size(limit: i64) -> i64 {
+/// `convert.ToCorrectPageSize` (`services/convert/utils.go`): `limit` ≤ 0 is
+/// `[api] DEFAULT_PAGING_NUM`, above `max` (`[api] MAX_RESPONSE_ITEMS`) it is `max`.
+pub fn page_size_within(limit: i64, max: i64) -> i64 {
     match limit {
         l if l <= 0 => rules::DEFAULT_PAGING_NUM,
-        l if l > rules::MAX_RESPONSE_ITEMS => rules::MAX_RESPONSE_ITEMS,
+        l if l > max => max,
         l => l,
     }
 }
@@ -227,6 +227,17 @@ impl Scope {
     }
 }
 
+/// A key for rows that tie in the runner list (`ToOrders` sorts by `last_online` alone): the
+/// same while no row is added or deleted (as one database plan would give), shuffled by every
+/// insert and delete (`rows_version`), so pages read across a change overlap or skip rows as they
+/// can on Forgejo. `seed` varies the order between worlds (splitmix64's finalizer).
+pub fn tie_key(id: i64, rows_version: u64, seed: u64) -> u64 {
+    let mut x = id as u64 ^ seed ^ rows_version.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^ (x >> 31)
+}
+
 /// Forgejo's runner and job tables.
 #[derive(Clone, Debug)]
 pub struct Forgejo<X> {
@@ -238,6 +249,9 @@ pub struct Forgejo<X> {
     /// Bumped whenever a runner row is added or deleted: rows that tie on `last_online` are
     /// listed in an order that may depend on it (see `list_runners`).
     rows_version: u64,
+    /// `[api] MAX_RESPONSE_ITEMS` of this instance: 50 unless its app.ini says otherwise
+    /// (`modules/setting/api.go` maps the whole `[api]` section).
+    pub max_response_items: i64,
 }
 
 impl<X> Default for Forgejo<X> {
@@ -249,6 +263,7 @@ impl<X> Default for Forgejo<X> {
             next_job_id: 1,
             next_task_id: 1,
             rows_version: 0,
+            max_response_items: rules::MAX_RESPONSE_ITEMS,
         }
     }
 }
@@ -278,6 +293,11 @@ impl<X> Forgejo<X> {
 
     pub fn rows_version(&self) -> u64 {
         self.rows_version
+    }
+
+    /// The page size a `limit` gets here (`page_size_within` this instance's maximum).
+    pub fn page_size(&self, limit: i64) -> i64 {
+        page_size_within(limit, self.max_response_items)
     }
 
     pub fn live(&self, id: i64) -> Option<&RunnerRow<X>> {
@@ -357,7 +377,7 @@ impl<X> Forgejo<X> {
         limit: i64,
         mut tie: impl FnMut(i64, u64) -> u64,
     ) -> (Vec<&RunnerRow<X>>, usize) {
-        let limit = page_size(limit) as usize;
+        let limit = self.page_size(limit) as usize;
         let mut rows: Vec<(i64, u64, &RunnerRow<X>)> = self
             .runners
             .values()
