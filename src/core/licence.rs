@@ -15,9 +15,18 @@
 //! ```
 
 use anyhow::bail;
+use serde::{Deserialize, Serialize};
 
-use crate::core::metrics::DestroyRecord;
 use crate::core::state::CycleState;
+use crate::core::time::Timestamp;
+
+/// The last successful `tofu destroy` (kept in the counters): the evidence a standalone sweep
+/// names.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DestroyRecord {
+    pub cycle_id: Option<String>,
+    pub at: Option<Timestamp>,
+}
 
 /// Why this sweep may run, and the words its deletions are recorded with.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -88,7 +97,6 @@ pub fn without_cycle(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::core::time::Timestamp;
 
     #[test]
     fn a_cycle_in_progress_refuses_the_sweep() {

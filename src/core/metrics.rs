@@ -7,6 +7,7 @@ use std::fmt::Write as _;
 
 use serde::{Deserialize, Serialize};
 
+pub use crate::core::licence::DestroyRecord;
 use crate::core::planner::DeleteReason;
 use crate::core::report::Report;
 use crate::core::state::CycleState;
@@ -30,13 +31,6 @@ const DELETE_REASONS: [DeleteReason; 10] = [
     DeleteReason::LostRegistration,
     DeleteReason::Sweep,
 ];
-
-/// The last successful `tofu destroy`: the evidence a standalone sweep names.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct DestroyRecord {
-    pub cycle_id: Option<String>,
-    pub at: Option<Timestamp>,
-}
 
 /// Everything the metrics and `status --check` need from past runs.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
