@@ -443,3 +443,38 @@ fn a_dry_sweep_of_a_fixture_with_a_cycle_in_progress_is_refused() {
     );
     assert!(out.stdout.is_empty(), "no plan is printed");
 }
+
+#[test]
+fn a_dry_sweep_is_refused_by_a_cycle_in_progress_before_forgejo_is_asked() {
+    // The state directory holds a cycle in progress: the refusal comes first, before the HTTP
+    // client is built (its --ca-file does not even exist) or Forgejo is asked anything.
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    std::fs::create_dir(&state).unwrap();
+    let fixture: Value =
+        serde_json::from_str(&std::fs::read_to_string("fixtures/reuse-consumed.json").unwrap())
+            .unwrap();
+    std::fs::write(state.join("cycle.json"), fixture["cycle"].to_string()).unwrap();
+    let token = tmp.path().join("token");
+    std::fs::write(&token, "t0k3n\n").unwrap();
+    std::fs::set_permissions(&token, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+    let out = Command::new(BIN)
+        .args(["sweep", "--dry-run", "--forgejo-url", "http://127.0.0.1:9"])
+        .arg("--token-file")
+        .arg(&token)
+        .arg("--state-dir")
+        .arg(&state)
+        .arg("--ca-file")
+        .arg(tmp.path().join("no-such-ca.pem"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("cycle 20261014t150000z-5c1d is in progress")
+            && err.contains("so the sweep is refused"),
+        "{err}"
+    );
+    assert!(!err.contains("--ca-file"), "{err}");
+    assert!(out.stdout.is_empty(), "no plan is printed");
+}

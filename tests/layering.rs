@@ -266,6 +266,40 @@ fn only_delete_runner_sends_a_delete_and_it_takes_the_gates_proof() {
     assert_eq!(model.matches("Deletable { id").count(), 1, "{model}");
 }
 
+/// The files outside `src/core/` whose code (tests aside) calls `call`.
+fn callers_outside_core(call: &str) -> Vec<String> {
+    let mut files = Vec::new();
+    rust_files(&root().join("src"), &mut files);
+    files
+        .iter()
+        .filter(|f| !f.starts_with(root().join("src/core")))
+        .filter(|f| code(f).contains(call))
+        .map(|f| f.strip_prefix(root()).unwrap().display().to_string())
+        .collect()
+}
+
+#[test]
+fn only_the_sweep_command_licenses_a_sweep_from_cycle_json() {
+    // A `SweepLicence` cannot be built by hand (private fields: the compile_fail doctest on
+    // `core::licence`), and the planner's `after_destroy` is private to the core. The other
+    // way to one, `without_cycle`, states that cycle.json holds no cycle: only the `sweep`
+    // command's wiring may say so, from the file it read under the lock.
+    assert_eq!(
+        callers_outside_core("without_cycle("),
+        ["src/commands/wiring.rs"],
+        "a licence made elsewhere sweeps without having read cycle.json"
+    );
+    let licence = code(&root().join("src/core/licence.rs"));
+    assert!(
+        licence.contains("pub struct SweepLicence {\n    evidence: String,\n    destroyed_cycle_id: Option<String>,\n}"),
+        "{licence}"
+    );
+    assert!(
+        licence.contains("pub(in crate::core) fn after_destroy("),
+        "{licence}"
+    );
+}
+
 #[test]
 fn the_delete_check_catches_a_planted_bypass() {
     let dir = tempfile::tempdir().unwrap();

@@ -282,18 +282,19 @@ impl HttpForgejo {
 /// Reads the CA certificates of `--ca-file` (PEM, one or more certificates).
 pub fn load_ca_file(
     path: &std::path::Path,
-) -> Result<Vec<ureq::tls::Certificate<'static>>, String> {
-    let pem = std::fs::read(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+) -> anyhow::Result<Vec<ureq::tls::Certificate<'static>>> {
+    let pem =
+        std::fs::read(path).map_err(|e| anyhow::anyhow!("cannot read {}: {e}", path.display()))?;
     let mut certs = Vec::new();
     for item in ureq::tls::parse_pem(&pem) {
         match item {
             Ok(ureq::tls::PemItem::Certificate(c)) => certs.push(c),
             Ok(_) => {}
-            Err(e) => return Err(format!("{} is not valid PEM: {e}", path.display())),
+            Err(e) => anyhow::bail!("{} is not valid PEM: {e}", path.display()),
         }
     }
     if certs.is_empty() {
-        return Err(format!("{} holds no PEM certificate", path.display()));
+        anyhow::bail!("{} holds no PEM certificate", path.display());
     }
     Ok(certs)
 }

@@ -249,8 +249,11 @@ pub fn run_child(spec: &ChildSpec, stop: &StopFlag) -> std::io::Result<ChildResu
     }
 
     let (Some(out), Some(err)) = (child.stdout.take(), child.stderr.take()) else {
-        if let Err(e) = child.kill().and_then(|()| child.wait().map(drop)) {
-            log::warn!("cannot stop the child whose pipes were not set up: {e}");
+        if let Err(e) = child.kill() {
+            log::warn!("cannot kill the child whose pipes were not set up: {e}");
+        }
+        if let Err(e) = child.wait() {
+            log::warn!("cannot reap the child whose pipes were not set up: {e}");
         }
         return Err(std::io::Error::other(
             "the child's output pipes were not set up",

@@ -17,7 +17,7 @@ use crate::commands::{
     wiring,
 };
 use crate::core::model::label_names;
-use crate::core::ports::{Forgejo, Launcher};
+use crate::core::ports::{Forgejo, Launcher, Tofu};
 use crate::core::state::STATE_FILE;
 
 /// The oldest Forgejo whose runner API (`/actions/runners`, `…/jobs`) this tool speaks.
@@ -53,7 +53,7 @@ pub fn cmd_check(a: RunArgs) -> Result<u8, Fatal> {
     lines.extend(check_forgejo(&a, labels.as_deref()));
     lines.push(Line {
         name: "tofu",
-        result: shown(check_tofu(&a.tofu_bin, a.tofu_dir.as_deref())),
+        result: shown(check_tofu(&a)),
     });
     lines.push(Line {
         name: "launch command",
@@ -215,21 +215,13 @@ fn check_launch(a: &RunArgs) -> anyhow::Result<String> {
 
 /// The tofu binary runs, and the module initializes and validates in a temporary copy with
 /// its own `TF_DATA_DIR`: the module directory, its state and its backend stay untouched.
-fn check_tofu(bin: &Path, dir: Option<&Path>) -> anyhow::Result<String> {
-    let program = find_executable(bin).ok_or_else(|| {
-        anyhow!(
-            "--tofu-bin {} is not an executable (nor found on PATH); install OpenTofu or point --tofu-bin at it (terraform works too)",
-            bin.display()
-        )
-    })?;
-    let dir = dir
-        .ok_or_else(|| anyhow!("--tofu-dir is not set; it names the directory of the VM module"))?;
-    if !dir.is_dir() {
-        bail!(
-            "--tofu-dir {} is not a directory; point it at the VM module",
-            dir.display()
-        );
-    }
+fn check_tofu(a: &RunArgs) -> anyhow::Result<String> {
+    // What a run checks first (the binary, the module directory), in the run's words.
+    wiring::tofu(a, StopFlag::new()).check_config()?;
+    let (program, dir) = match (find_executable(&a.tofu_bin), a.tofu_dir.as_deref()) {
+        (Some(program), Some(dir)) => (program, dir),
+        _ => bail!("--tofu-bin or --tofu-dir changed while they were checked"),
+    };
     let tmp = tempfile::Builder::new()
         .prefix("ci-ephemeral-provisioner-check-")
         .tempdir()

@@ -139,8 +139,8 @@ pub(crate) fn forgejo_target(common: &ForgejoArgs) -> Result<(String, Scope), Fa
     let url = common.forgejo_url.as_deref().ok_or_else(|| {
         usage("--forgejo-url is required (or CI_EPHEMERAL_PROVISIONER_FORGEJO_URL)")
     })?;
-    let url = validate_url(url).map_err(|e| usage(format!("--forgejo-url: {e}")))?;
-    let scope = Scope::parse(&common.scope).map_err(|e| usage(format!("--scope: {e}")))?;
+    let url = validate_url(url).map_err(|e| usage(format!("--forgejo-url: {e:#}")))?;
+    let scope = Scope::parse(&common.scope).map_err(|e| usage(format!("--scope: {e:#}")))?;
     Ok((url, scope))
 }
 

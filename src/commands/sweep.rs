@@ -1,10 +1,7 @@
 //! `sweep`: the offline registrations with our prefix, deleted when no cycle is in progress.
 
 use crate::cli::SweepArgs;
-use crate::commands::{
-    EXIT_FAILED, Fatal, check_fixture, check_metrics_file, check_prefix, wiring,
-};
-use crate::core::licence::without_cycle;
+use crate::commands::{Fatal, check_fixture, check_metrics_file, check_prefix, wiring};
 use crate::driver::cycle::End;
 use crate::driver::sweep;
 
@@ -17,28 +14,15 @@ pub fn cmd_sweep(a: SweepArgs) -> Result<u8, Fatal> {
         mut forgejo,
         mut report,
         outlet,
-        cycle,
-        cycle_source,
+        licence,
     } = wiring::sweep(&a)?;
-    // No cycle.json: no VM can exist. The last destroy that succeeded is named as well.
-    let last_destroy = outlet.last_destroy();
-    let licence = match &cycle {
-        Ok(cycle) => without_cycle(cycle.as_ref(), &cycle_source, last_destroy.as_ref())
-            .map_err(|e| format!("{e:#}")),
-        Err(e) => Err(format!("{e}; the sweep is refused")),
-    };
     let licence = match licence {
         Ok(l) => l,
-        Err(msg) => {
-            if let wiring::Outlet::Dry { .. } = outlet {
-                return Err(Fatal(EXIT_FAILED, msg));
-            }
+        Err(refusal) => {
             // Past the lock: kept in last-run.json, counted in the metrics, exit 1. The report
             // names the cycle in progress that is the reason.
-            if let Ok(Some(s)) = cycle {
-                report.cycle_id = Some(s.cycle_id);
-            }
-            report.fail(msg);
+            report.cycle_id = refusal.cycle_id;
+            report.fail(refusal.message);
             report.outcome = "refused".into();
             return outlet.close(report, End::Done, c);
         }

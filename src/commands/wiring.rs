@@ -2,6 +2,7 @@
 //! fixture or against Forgejo itself. `run` and `sweep` then drive whatever this returns the same
 //! way; only where the result goes ([`Outlet`]) differs.
 
+use std::fmt::Debug;
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
@@ -23,7 +24,7 @@ use crate::commands::{
     print_plan, read_token, state_dir, usage,
 };
 use crate::core::holds::{HOLDS_FILE, Holds};
-use crate::core::metrics::DestroyRecord;
+use crate::core::licence::{DestroyRecord, SweepLicence, without_cycle};
 use crate::core::ports::{Clock, Forgejo, Launcher, StateStore, Tofu};
 use crate::core::report::Report;
 use crate::core::secret::Secret;
@@ -91,22 +92,9 @@ impl Outlet {
             }
         }
     }
-
-    /// The last `tofu destroy` that succeeded, for the sweep's evidence (a dry-run names none).
-    pub fn last_destroy(&self) -> Option<DestroyRecord> {
-        let Outlet::Live { dir, .. } = self else {
-            return None;
-        };
-        match crate::adapters::files::load_counters(dir) {
-            Ok(k) => k.last_destroy_ok,
-            Err(e) => {
-                log::warn!("{e:#}; the sweep's evidence cannot name the last successful destroy");
-                None
-            }
-        }
-    }
 }
 
+/// A provisioner cycle, ready to run.
 /// A provisioner cycle, ready to run.
 pub(crate) struct CycleRun {
     pub ports: Ports,
@@ -123,24 +111,19 @@ pub(crate) fn cycle(a: &RunArgs, label_names: &[String]) -> Result<CycleRun, Fat
         log_config(a, None, None);
         return dry_cycle(c, label_names);
     }
-    let (url, scope) = forgejo_target(c)?;
-    let token = read_token(&c.token_file)?;
-    let dir = state_dir(&c.local.state_dir);
-    log_config(a, Some(&token), Some(&dir));
-    let forgejo = http_forgejo(c, &url, scope, &token, label_names)?;
-    drop(token);
-    let lock = take_lock(&dir)?;
+    let Live {
+        url,
+        forgejo,
+        dir,
+        lock,
+    } = live(a, c, label_names)?;
     let stop = StopFlag::install().map_err(|e| Fatal(EXIT_FAILED, format!("{e:#}")))?;
     let clock = RealClock::new(stop.clone());
     let report = live_report("run", &clock, &dir, c);
     Ok(CycleRun {
         ports: Ports {
             forgejo: Box::new(forgejo),
-            tofu: Box::new(CliTofu {
-                bin: a.tofu_bin.clone(),
-                dir: a.tofu_dir.clone(),
-                stop: stop.clone(),
-            }),
+            tofu: Box::new(tofu(a, stop.clone())),
             launcher: Box::new(launcher(a, stop)),
             store: Box::new(FileStore::new(&dir)),
             clock: Box::new(clock),
@@ -154,39 +137,30 @@ pub(crate) fn cycle(a: &RunArgs, label_names: &[String]) -> Result<CycleRun, Fat
 /// A dry-run cycle: the world read from the fixture, or from Forgejo and the state directory;
 /// every write recorded in the plan instead.
 fn dry_cycle(c: &ForgejoArgs, label_names: &[String]) -> Result<CycleRun, Fatal> {
-    let (world, cycle, holds, now, url) = match &c.fixture {
+    let (world, (cycle, holds), now, url) = match &c.fixture {
         Some(path) => {
             let fx = load_fixture(path, label_names)?;
             let now = fx.now.unwrap_or_else(wall_now);
-            (
-                fx.forgejo,
-                fx.cycle,
-                Holds::default(),
-                now,
-                FIXTURE_URL.into(),
-            )
+            let files = (fx.cycle, Holds::default());
+            (fx.forgejo, files, now, FIXTURE_URL.to_string())
         }
         None => {
-            let (url, scope) = forgejo_target(c)?;
-            let token = read_token(&c.token_file)?;
-            let dir = state_dir(&c.local.state_dir);
-            let cycle = read_state_file(&dir.join(STATE_FILE))
-                .map_err(|e| Fatal(EXIT_FAILED, format!("{e:#}")))?;
-            let holds = read_holds_file(&dir.join(HOLDS_FILE))
-                .map_err(|e| Fatal(EXIT_FAILED, format!("{e:#}")))?;
-            let forgejo: Box<dyn Forgejo> =
-                Box::new(http_forgejo(c, &url, scope, &token, label_names)?);
-            (forgejo, cycle, holds, wall_now(), url)
+            let (world, files, url) = dry_http(c, label_names, |dir| {
+                let cycle = read_state_file(&dir.join(STATE_FILE))
+                    .map_err(|e| Fatal(EXIT_FAILED, format!("{e:#}")))?;
+                let holds = read_holds_file(&dir.join(HOLDS_FILE))
+                    .map_err(|e| Fatal(EXIT_FAILED, format!("{e:#}")))?;
+                Ok((cycle, holds))
+            })?;
+            (world, files, wall_now(), url)
         }
     };
-    let plan = Plan::default();
-    let forgejo = DryForgejo::new(world, plan.clone());
-    let read_errors = forgejo.read_errors();
+    let (forgejo, plan, outlet) = dry(world);
     Ok(CycleRun {
         ports: Ports {
             forgejo: Box::new(forgejo),
             tofu: Box::new(DryTofu { plan: plan.clone() }),
-            launcher: Box::new(DryLauncher { plan: plan.clone() }),
+            launcher: Box::new(DryLauncher { plan }),
             store: Box::new(MemoryStore {
                 state: cycle,
                 holds,
@@ -194,69 +168,159 @@ fn dry_cycle(c: &ForgejoArgs, label_names: &[String]) -> Result<CycleRun, Fatal>
             clock: Box::new(DryClock { now }),
         },
         report: Report::new("run", true, now),
-        outlet: Outlet::Dry { plan, read_errors },
+        outlet,
         forgejo_url: url,
     })
 }
 
-/// A sweep, ready to run once it has its licence.
+/// A sweep, ready to run with its licence, or refused (a live sweep records why).
 pub(crate) struct SweepRun {
     pub forgejo: Box<dyn Forgejo>,
     pub report: Report,
     pub outlet: Outlet,
-    /// What cycle.json holds (read under the lock, for a live sweep), or why it could not be read.
-    pub cycle: Result<Option<CycleState>, String>,
-    /// Where that was read from, for the refusal's message.
-    pub cycle_source: String,
+    pub licence: Result<SweepLicence, Refusal>,
 }
 
-/// The implementations for `sweep`.
+/// Why a sweep may not run: a cycle is in progress, or cycle.json cannot be read.
+pub(crate) struct Refusal {
+    pub message: String,
+    /// The cycle in progress, for the report.
+    pub cycle_id: Option<String>,
+}
+
+/// The implementations for `sweep`, and its licence from cycle.json (read under the lock). A
+/// dry-run that has none is refused at once (exit 1), before it asks Forgejo anything.
 pub(crate) fn sweep(a: &SweepArgs) -> Result<SweepRun, Fatal> {
     let c = &a.common;
+    let refused = |r: Refusal| Fatal(EXIT_FAILED, r.message);
     if c.dry_run {
         log_config(a, None, None);
-        let (world, cycle, cycle_source) = match &c.fixture {
+        let (world, licence) = match &c.fixture {
             Some(path) => {
                 let fx = load_fixture(path, &[])?;
-                (fx.forgejo, Ok(fx.cycle), "the fixture".to_string())
+                let licence = sweep_licence(Ok(fx.cycle), "the fixture", || None);
+                (fx.forgejo, licence.map_err(refused)?)
             }
             None => {
-                let (url, scope) = forgejo_target(c)?;
-                let token = read_token(&c.token_file)?;
-                let (cycle, source) = read_cycle(&state_dir(&c.local.state_dir));
-                let forgejo: Box<dyn Forgejo> =
-                    Box::new(http_forgejo(c, &url, scope, &token, &[])?);
-                (forgejo, cycle, source)
+                let (world, licence, _) = dry_http(c, &[], |dir| {
+                    let path = dir.join(STATE_FILE);
+                    let cycle = read_state_file(&path);
+                    sweep_licence(cycle, &path.display().to_string(), || None).map_err(refused)
+                })?;
+                (world, licence)
             }
         };
-        let plan = Plan::default();
-        let forgejo = DryForgejo::new(world, plan.clone());
-        let read_errors = forgejo.read_errors();
+        let (forgejo, _, outlet) = dry(world);
         return Ok(SweepRun {
             forgejo: Box::new(forgejo),
             report: Report::new("sweep", true, wall_now()),
-            outlet: Outlet::Dry { plan, read_errors },
-            cycle,
-            cycle_source,
+            outlet,
+            licence: Ok(licence),
         });
     }
-    let (url, scope) = forgejo_target(c)?;
-    let token = read_token(&c.token_file)?;
-    let dir = state_dir(&c.local.state_dir);
-    log_config(a, Some(&token), Some(&dir));
-    let forgejo = http_forgejo(c, &url, scope, &token, &[])?;
-    drop(token);
-    let lock = take_lock(&dir)?;
+    let Live {
+        forgejo, dir, lock, ..
+    } = live(a, c, &[])?;
     let clock = RealClock::new(StopFlag::default());
     let report = live_report("sweep", &clock, &dir, c);
-    let (cycle, cycle_source) = read_cycle(&dir);
+    let path = dir.join(STATE_FILE);
+    let licence = sweep_licence(read_state_file(&path), &path.display().to_string(), || {
+        last_destroy(&dir)
+    });
     Ok(SweepRun {
         forgejo: Box::new(forgejo),
         report,
         outlet: Outlet::Live { dir, _lock: lock },
-        cycle,
-        cycle_source,
+        licence,
     })
+}
+
+/// The sweep's licence from what cycle.json holds (`source` names where it was read): none while
+/// a cycle is in progress or the file cannot be read. The evidence names the last successful
+/// destroy, read only when there is a licence.
+fn sweep_licence(
+    cycle: anyhow::Result<Option<CycleState>>,
+    source: &str,
+    last_destroy: impl FnOnce() -> Option<DestroyRecord>,
+) -> Result<SweepLicence, Refusal> {
+    match cycle {
+        Ok(cycle) => {
+            let last = cycle.is_none().then(last_destroy).flatten();
+            let licence = without_cycle(cycle.as_ref(), source, last.as_ref());
+            licence.map_err(|e| Refusal {
+                message: format!("{e:#}"),
+                cycle_id: cycle.map(|s| s.cycle_id),
+            })
+        }
+        Err(e) => Err(Refusal {
+            message: format!("{e:#}; the sweep is refused"),
+            cycle_id: None,
+        }),
+    }
+}
+
+/// The last `tofu destroy` that succeeded, from the counters, for the sweep's evidence.
+fn last_destroy(dir: &Path) -> Option<DestroyRecord> {
+    match crate::adapters::files::load_counters(dir) {
+        Ok(k) => k.last_destroy_ok,
+        Err(e) => {
+            log::warn!("{e:#}; the sweep's evidence cannot name the last successful destroy");
+            None
+        }
+    }
+}
+
+/// What every live command sets up first, in this order: where Forgejo is, the token, the
+/// logged configuration, the HTTP client (then the token is dropped), the state directory's lock.
+struct Live {
+    url: String,
+    forgejo: HttpForgejo,
+    dir: PathBuf,
+    lock: Lock,
+}
+
+fn live(args: &dyn Debug, c: &ForgejoArgs, label_names: &[String]) -> Result<Live, Fatal> {
+    let (url, scope) = forgejo_target(c)?;
+    let token = read_token(&c.token_file)?;
+    let dir = state_dir(&c.local.state_dir);
+    log_config(args, Some(&token), Some(&dir));
+    let forgejo = http_forgejo(c, &url, scope, &token, label_names)?;
+    drop(token);
+    let lock = take_lock(&dir)?;
+    Ok(Live {
+        url,
+        forgejo,
+        dir,
+        lock,
+    })
+}
+
+/// A dry-run against Forgejo itself: where it is, the token, then `read` of the state directory
+/// (never written, never locked), then the HTTP client. Returns the client, what `read` found
+/// and the URL.
+fn dry_http<T>(
+    c: &ForgejoArgs,
+    label_names: &[String],
+    read: impl FnOnce(&Path) -> Result<T, Fatal>,
+) -> Result<(Box<dyn Forgejo>, T, String), Fatal> {
+    let (url, scope) = forgejo_target(c)?;
+    let token = read_token(&c.token_file)?;
+    let found = read(&state_dir(&c.local.state_dir))?;
+    let forgejo = http_forgejo(c, &url, scope, &token, label_names)?;
+    Ok((Box::new(forgejo), found, url))
+}
+
+/// A dry-run's Forgejo over `world` (reads pass through, writes go to the plan), the plan, and
+/// the outlet that prints it.
+fn dry(world: Box<dyn Forgejo>) -> (DryForgejo, Plan, Outlet) {
+    let plan = Plan::default();
+    let forgejo = DryForgejo::new(world, plan.clone());
+    let read_errors = forgejo.read_errors();
+    let outlet = Outlet::Dry {
+        plan: plan.clone(),
+        read_errors,
+    };
+    (forgejo, plan, outlet)
 }
 
 /// The Forgejo client of a live run or a live dry-run.
@@ -268,7 +332,7 @@ pub(crate) fn http_forgejo(
     label_names: &[String],
 ) -> Result<HttpForgejo, Fatal> {
     let ca = match &common.ca_file {
-        Some(path) => Some(load_ca_file(path).map_err(|e| usage(format!("--ca-file: {e}")))?),
+        Some(path) => Some(load_ca_file(path).map_err(|e| usage(format!("--ca-file: {e:#}")))?),
         None => None,
     };
     Ok(HttpForgejo::new(
@@ -279,6 +343,15 @@ pub(crate) fn http_forgejo(
         common.http_timeout,
         ca.as_deref(),
     ))
+}
+
+/// The tofu CLI of a live run (and of `check`'s probe of it).
+pub(crate) fn tofu(a: &RunArgs, stop: StopFlag) -> CliTofu {
+    CliTofu {
+        bin: a.tofu_bin.clone(),
+        dir: a.tofu_dir.clone(),
+        stop,
+    }
 }
 
 /// The launch command of a live run (and of `check`'s probe of it).
@@ -319,12 +392,4 @@ fn load_fixture(path: &Path, label_names: &[String]) -> Result<FixtureWorld, Fat
         cycle: fx.cycle,
         now: fx.now,
     })
-}
-
-fn read_cycle(dir: &Path) -> (Result<Option<CycleState>, String>, String) {
-    let path = dir.join(STATE_FILE);
-    (
-        read_state_file(&path).map_err(|e| format!("{e:#}")),
-        path.display().to_string(),
-    )
 }

@@ -13,6 +13,17 @@
 //!     destroyed_cycle_id: None,
 //! };
 //! ```
+//!
+//! ```compile_fail,E0624
+//! // Nor from a cycle outside the core: only the planner says that this run's destroy succeeded.
+//! use ci_ephemeral_provisioner::core::{licence::SweepLicence, state::CycleState, time::Timestamp};
+//! let state = CycleState::new("c1".into(), Timestamp(0));
+//! let forged = SweepLicence::after_destroy(&state);
+//! ```
+//!
+//! `without_cycle` is the `sweep` command's: it states that cycle.json, read under the lock, holds
+//! no cycle. It is visible to the crate only, and `tests/layering.rs` holds its one caller outside
+//! the core to `commands::wiring`.
 
 use anyhow::bail;
 use serde::{Deserialize, Serialize};
@@ -66,7 +77,7 @@ impl SweepLicence {
 /// The `sweep` command's licence: no cycle.json (`cycle` is what it holds, read under the lock),
 /// so no VM can exist. A cycle in progress refuses the sweep with the message to show; `path`
 /// names the file. The last successful destroy, when known, is named in the evidence.
-pub fn without_cycle(
+pub(crate) fn without_cycle(
     cycle: Option<&CycleState>,
     path: &str,
     last_destroy: Option<&DestroyRecord>,

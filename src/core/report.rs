@@ -317,7 +317,7 @@ impl Report {
         };
         if let Err(e) = sink.append(record) {
             // Not audited itself (that is what just failed), but logged and kept.
-            self.keep_failure(format!("audit trail: {e}"));
+            self.keep_failure(format!("audit trail: {e:#}"));
         }
     }
 
@@ -338,7 +338,7 @@ impl Report {
             return;
         };
         if let Err(e) = sink.sync() {
-            self.keep_failure(format!("audit trail: {e}"));
+            self.keep_failure(format!("audit trail: {e:#}"));
         }
     }
 

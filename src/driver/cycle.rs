@@ -103,7 +103,7 @@ pub fn run(w: &mut World<'_>, cfg: &CycleConfig, report: &mut Report) -> End {
     if let Some(s) = &d.state
         && let Err(e) = d.w.tofu.check_config()
     {
-        return End::Config(format!("cycle {} is in progress but {e}", s.cycle_id));
+        return End::Config(format!("cycle {} is in progress but {e:#}", s.cycle_id));
     }
     d.drive()
 }

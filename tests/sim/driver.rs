@@ -8,7 +8,7 @@ use std::rc::Rc;
 use std::sync::Once;
 use std::time::Duration;
 
-use ci_ephemeral_provisioner::adapters::files::lock_state_dir;
+use ci_ephemeral_provisioner::adapters::files::{StateDirError, lock_state_dir};
 use ci_ephemeral_provisioner::core::planner::Policy;
 use ci_ephemeral_provisioner::core::planner::ReuseWithin;
 use ci_ephemeral_provisioner::core::report::Report;
@@ -104,9 +104,12 @@ pub fn invoke(sim: &Shared, nested: bool) {
         Ok(l) => l,
         Err(e) => {
             let mut s = sim.borrow_mut();
-            if nested {
+            if nested && matches!(e, StateDirError::Locked(_)) {
                 s.stats.races_refused += 1;
-                s.log(format!("second invocation refused by cycle.lock ({e:?})"));
+                s.log(format!("second invocation refused by cycle.lock: {e}"));
+            } else if nested {
+                // Only another holder may refuse a racing run; anything else is a broken lock.
+                s.violate(format!("a racing run could not take cycle.lock: {e}"));
             } else {
                 s.violate(format!("a timer run could not take cycle.lock: {e}"));
             }

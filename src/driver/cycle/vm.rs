@@ -5,10 +5,10 @@ use super::*;
 impl Driver<'_, '_> {
     pub(super) fn start_cycle(&mut self, now: Timestamp) -> Option<End> {
         if let Err(e) = self.w.tofu.check_config() {
-            return Some(End::Config(format!("a job is waiting but {e}")));
+            return Some(End::Config(format!("a job is waiting but {e:#}")));
         }
         if let Err(e) = self.w.launcher.check_config() {
-            return Some(End::Config(format!("a job is waiting but {e}")));
+            return Some(End::Config(format!("a job is waiting but {e:#}")));
         }
         let id = self.w.clock.new_cycle_id(now);
         log::info!("starting cycle {id}");
