@@ -109,14 +109,7 @@ impl Forgejo for ModelForgejo {
         let jobs = s.forgejo.list_jobs(&Scope::ADMIN, Some(&s.labels));
         Ok(jobs
             .into_iter()
-            .map(|j| Job {
-                id: j.id,
-                handle: j.handle.clone(),
-                status: j.status.clone(),
-                runs_on: j.runs_on.clone(),
-                repo_id: Some(j.repo_id),
-                owner_id: Some(j.owner_id),
-            })
+            .map(forgejo_model::JobRow::listed)
             .collect())
     }
 

@@ -1237,14 +1237,7 @@ impl Sim {
         self.forgejo
             .list_jobs(&Scope::ADMIN, Some(&[LABEL]))
             .into_iter()
-            .map(|j| Job {
-                id: j.id,
-                handle: j.handle.clone(),
-                status: j.status.clone(),
-                runs_on: j.runs_on.clone(),
-                repo_id: Some(j.repo_id),
-                owner_id: Some(j.owner_id),
-            })
+            .map(JobRow::listed)
             .collect()
     }
 

@@ -110,6 +110,19 @@ pub struct JobRow {
 }
 
 impl JobRow {
+    /// The row as the product reads it from `GET …/actions/runners/jobs` (`Job`, the product's
+    /// parsed job, is brought into scope by whoever includes this model).
+    pub fn listed(&self) -> super::Job {
+        super::Job {
+            id: self.id,
+            handle: self.handle.clone(),
+            status: self.status.clone(),
+            runs_on: self.runs_on.clone(),
+            repo_id: Some(self.repo_id),
+            owner_id: Some(self.owner_id),
+        }
+    }
+
     /// What the assignment rule reads of the job.
     pub fn view(&self) -> JobView<'_> {
         JobView {
