@@ -1364,5 +1364,33 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
         "0",
         "a run of the new pool started before its check failed"
     );
+    // That play changed the timer template but failed before the timers restarted: the next
+    // play restarts them although it changes the template no more (the pending restart was
+    // written down), and then forgets it.
+    let pending = "etc/ci-ephemeral-provisioner/timers-restart-pending";
+    assert!(
+        host.file(pending).exists(),
+        "the failed play did not record the timers' pending restart"
+    );
+    let started = |host: &Host| -> u64 {
+        host.show("ci-ephemeral-provisioner@default.timer")["ActiveEnterTimestampMonotonic"]
+            .parse()
+            .unwrap()
+    };
+    let before = started(&host);
+    let fixed = vars(&fake, work, &local, one_pool).replace(
+        "ci_ephemeral_provisioner_timer_interval: 2s\n",
+        "ci_ephemeral_provisioner_timer_interval: 3s\n",
+    );
+    let (ok, out, _) = host.play("after-the-failed-play", &fixed);
+    assert!(ok, "{out}");
+    assert!(
+        started(&host) > before,
+        "the timers were not restarted for the template the failed play changed"
+    );
+    assert!(
+        !host.file(pending).exists(),
+        "the pending restart was not forgotten"
+    );
     drop(host);
 }
