@@ -266,15 +266,16 @@ fn only_delete_runner_sends_a_delete_and_it_takes_the_gates_proof() {
     assert_eq!(model.matches("Deletable { id").count(), 1, "{model}");
 }
 
-/// The files outside `src/core/` whose code (tests aside) calls `call`.
-fn callers_outside_core(call: &str) -> Vec<String> {
+/// The files under `src` outside its `core/` whose code (tests aside) names `name` (as a word:
+/// a `use … as` or a function pointer counts too).
+fn users_outside_core(src: &Path, name: &'static str) -> Vec<String> {
     let mut files = Vec::new();
-    rust_files(&root().join("src"), &mut files);
+    rust_files(src, &mut files);
     files
         .iter()
-        .filter(|f| !f.starts_with(root().join("src/core")))
-        .filter(|f| code(f).contains(call))
-        .map(|f| f.strip_prefix(root()).unwrap().display().to_string())
+        .filter(|f| !f.starts_with(src.join("core")))
+        .filter(|f| !violations_of(&code(f), &[(name, "")]).is_empty())
+        .map(|f| f.strip_prefix(src).unwrap().display().to_string())
         .collect()
 }
 
@@ -285,8 +286,8 @@ fn only_the_sweep_command_licenses_a_sweep_from_cycle_json() {
     // way to one, `without_cycle`, states that cycle.json holds no cycle: only the `sweep`
     // command's wiring may say so, from the file it read under the lock.
     assert_eq!(
-        callers_outside_core("without_cycle("),
-        ["src/commands/wiring.rs"],
+        users_outside_core(&root().join("src"), "without_cycle"),
+        ["commands/wiring.rs"],
         "a licence made elsewhere sweeps without having read cycle.json"
     );
     let licence = code(&root().join("src/core/licence.rs"));
@@ -297,6 +298,35 @@ fn only_the_sweep_command_licenses_a_sweep_from_cycle_json() {
     assert!(
         licence.contains("pub(in crate::core) fn after_destroy("),
         "{licence}"
+    );
+}
+
+#[test]
+fn the_licence_check_catches_a_planted_caller() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path();
+    fs::create_dir_all(src.join("core")).unwrap();
+    fs::create_dir_all(src.join("driver")).unwrap();
+    fs::write(
+        src.join("core/licence.rs"),
+        "pub(crate) fn without_cycle() {}\n",
+    )
+    .unwrap();
+    fs::write(
+        src.join("driver/cycle.rs"),
+        "use crate::core::licence::without_cycle as assume_no_cycle;\n\
+         fn f() { let _l = assume_no_cycle(); }\n\
+         // without_cycle in a comment is no use of it\n",
+    )
+    .unwrap();
+    fs::write(
+        src.join("driver/sweep.rs"),
+        "fn g() {}\n\n#[cfg(test)]\nmod tests {\n    fn t() { without_cycle(); }\n}\n",
+    )
+    .unwrap();
+    assert_eq!(
+        users_outside_core(src, "without_cycle"),
+        ["driver/cycle.rs"]
     );
 }
 

@@ -95,7 +95,6 @@ impl Outlet {
 }
 
 /// A provisioner cycle, ready to run.
-/// A provisioner cycle, ready to run.
 pub(crate) struct CycleRun {
     pub ports: Ports,
     pub report: Report,

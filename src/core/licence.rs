@@ -4,7 +4,7 @@
 //! registration of a runner that is still booting. The sweep may delete such rows only when no
 //! runner of ours can be behind them: this run's `tofu destroy` succeeded, or there is no cycle in
 //! progress at all. [`SweepLicence`] carries that fact; `driver::sweep` requires it, and only this
-//! module (through the planner and [`without_cycle`]) can make one.
+//! module (through the planner and `without_cycle`) can make one.
 //!
 //! ```compile_fail,E0451
 //! // No licence out of thin air: its fields are private.
