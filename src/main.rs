@@ -8,15 +8,9 @@ use ci_ephemeral_provisioner::commands::{self, EXIT_FAILED, Fatal};
 use clap::Parser;
 
 fn main() -> ExitCode {
-    // First of all, before the token is read: no process of our user (tofu, a provider, a
-    // module's local-exec, the launch command) may read our memory, environment or descriptors
-    // through /proc, and no core dump may hold the token.
+    // First of all, before the token is read (see `forbid_dumping`).
     if let Err(e) = token::forbid_dumping() {
-        eprintln!(
-            "error: cannot make this process non-dumpable (prctl PR_SET_DUMPABLE 0): {e}; \
-             refusing to run, since a process of the same user could then read the Forgejo \
-             token from its memory"
-        );
+        eprintln!("error: {e:#}");
         return ExitCode::from(EXIT_FAILED);
     }
     let cli = Cli::parse();

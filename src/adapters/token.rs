@@ -11,7 +11,21 @@ use anyhow::{anyhow, bail};
 
 use crate::core::secret::{MAX_TOKEN_FILE_BYTES, Secret, judge};
 
+/// Done first of all, before the token is read: no process of our user (tofu, a provider, a
+/// module's local-exec, the launch command) may read our memory, environment or descriptors
+/// through /proc, and no core dump may hold the token. The error says why the process refuses
+/// to run without it.
 pub fn forbid_dumping() -> anyhow::Result<()> {
+    set_not_dumpable().map_err(|e| {
+        anyhow!(
+            "cannot make this process non-dumpable (prctl PR_SET_DUMPABLE 0): {e}; refusing to \
+             run, since a process of the same user could then read the Forgejo token from its \
+             memory"
+        )
+    })
+}
+
+fn set_not_dumpable() -> anyhow::Result<()> {
     // SAFETY: PR_SET_DUMPABLE takes an integer argument and touches no memory of ours.
     let rc = unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0 as libc::c_ulong, 0, 0, 0) };
     if rc != 0 {
