@@ -394,11 +394,8 @@ impl Forgejo for HttpForgejo {
         if status != 200 {
             return Err(self.status_error(format!("GET {url}"), status, &body));
         }
-        let jobs = parse_jobs(&body).map_err(|e| ApiError {
-            status: None,
-            request: format!("GET {url}"),
-            detail: format!("{e:#}"),
-        })?;
+        let jobs = parse_jobs(&body)
+            .map_err(|e| ApiError::unusable(format!("GET {url}"), format!("{e:#}")))?;
         // Forgejo filters by labels already; filter again so an older server's answer cannot
         // hand us jobs we cannot run.
         Ok(jobs
@@ -412,22 +409,17 @@ impl Forgejo for HttpForgejo {
         let (status, _, body) = self.send("GET", &url, None)?;
         match status {
             200 => {
-                let v: Value = serde_json::from_str(&body).map_err(|e| ApiError {
-                    status: None,
-                    request: format!("GET {url}"),
-                    detail: format!("response is not JSON: {e}: {}", snippet(&body)),
+                let unusable = |detail: String| ApiError::unusable(format!("GET {url}"), detail);
+                let v: Value = serde_json::from_str(&body).map_err(|e| {
+                    unusable(format!("response is not JSON: {e}: {}", snippet(&body)))
                 })?;
-                let r = Runner::from_json_with_labels(&v).map_err(|e| ApiError {
-                    status: None,
-                    request: format!("GET {url}"),
-                    detail: format!("{e:#}"),
-                })?;
+                let r =
+                    Runner::from_json_with_labels(&v).map_err(|e| unusable(format!("{e:#}")))?;
                 if r.id != id {
-                    return Err(ApiError {
-                        status: None,
-                        request: format!("GET {url}"),
-                        detail: format!("Forgejo answered with runner {} instead of {id}", r.id),
-                    });
+                    return Err(unusable(format!(
+                        "Forgejo answered with runner {} instead of {id}",
+                        r.id
+                    )));
                 }
                 Ok(Some(r))
             }
@@ -501,11 +493,8 @@ impl Forgejo for HttpForgejo {
         if status != 200 {
             return Err(self.status_error(format!("GET {url}"), status, &body));
         }
-        let rows = parse_runner_page(&body).map_err(|e| ApiError {
-            status: None,
-            request: format!("GET {url}"),
-            detail: format!("{e:#}"),
-        })?;
+        let rows = parse_runner_page(&body)
+            .map_err(|e| ApiError::unusable(format!("GET {url}"), format!("{e:#}")))?;
         Ok(RunnerPage { rows, total })
     }
 }

@@ -46,6 +46,16 @@ pub struct ApiError {
 }
 
 impl ApiError {
+    /// An answer that cannot be used (not JSON, a field missing, the wrong row), or no answer at
+    /// all: there is no HTTP error status to go by.
+    pub fn unusable(request: impl Into<String>, detail: impl Into<String>) -> ApiError {
+        ApiError {
+            request: request.into(),
+            detail: detail.into(),
+            status: None,
+        }
+    }
+
     /// The request was refused outright (bad request, authentication, scope, unknown path,
     /// validation), so it did nothing. Timeouts, rate limits, 5xx and transport errors may or
     /// may not have had an effect.
