@@ -329,7 +329,6 @@ fn quiet_world() -> std::rc::Rc<std::cell::RefCell<world::Sim>> {
 #[test]
 fn a_lost_post_is_not_forgotten_when_a_listed_row_has_no_name() {
     use ci_ephemeral_provisioner::core::state::CycleState;
-    use ci_ephemeral_provisioner::core::state::Launch;
     use ci_ephemeral_provisioner::core::state::Phase;
     use ci_ephemeral_provisioner::core::state::Registration;
     use ci_ephemeral_provisioner::core::time::Timestamp;
@@ -343,21 +342,12 @@ fn a_lost_post_is_not_forgotten_when_a_listed_row_has_no_name() {
         st.runner_prefix = world::PREFIX.into();
         st.phase = Phase::Running;
         st.vm_ready_at = Some(Timestamp(now - 500_000));
-        st.registrations.push(Registration {
-            name: name.clone(),
-            id: None,
-            uuid: None,
-            job_id: 1,
-            job_handle: "h".into(),
-            requested_at: Timestamp(now - 300_000),
-            launch: Launch::Pending,
-            launched_at: None,
-            job_gone_since: None,
-            connected: false,
-            not_served: None,
-            failed_start: false,
-            stopped: None,
-        });
+        st.registrations.push(Registration::intent(
+            name.clone(),
+            1,
+            "h".into(),
+            Timestamp(now - 300_000),
+        ));
         s.write_disk(&st);
         s.create_vm("c1");
         let id = s.srv_register(&name);

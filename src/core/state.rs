@@ -124,6 +124,26 @@ pub enum NotServed {
 }
 
 impl Registration {
+    /// The intent written before the POST: its name (unique, so a lost answer can be found
+    /// again), the job it is for, and when it was asked for; nothing of Forgejo's answer yet.
+    pub fn intent(name: String, job_id: i64, job_handle: String, requested_at: Timestamp) -> Self {
+        Registration {
+            name,
+            id: None,
+            uuid: None,
+            job_id,
+            job_handle,
+            requested_at,
+            launch: Launch::Pending,
+            launched_at: None,
+            job_gone_since: None,
+            connected: false,
+            not_served: None,
+            failed_start: false,
+            stopped: None,
+        }
+    }
+
     /// The moment the registration grace counts from.
     pub fn grace_start(&self) -> Timestamp {
         self.launched_at.unwrap_or(self.requested_at)

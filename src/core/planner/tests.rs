@@ -96,21 +96,7 @@ fn reg(id: i64, launch: Launch, launched_at: Option<Timestamp>) -> Registration 
 
 /// A registration whose POST answer was lost: no id yet.
 fn intent(name: &str) -> Registration {
-    Registration {
-        name: name.into(),
-        id: None,
-        uuid: None,
-        job_id: JOB,
-        job_handle: handle(JOB),
-        requested_at: at(REQUESTED),
-        launch: Launch::Pending,
-        launched_at: None,
-        job_gone_since: None,
-        connected: false,
-        not_served: None,
-        failed_start: false,
-        stopped: None,
-    }
+    Registration::intent(name.into(), JOB, handle(JOB), at(REQUESTED))
 }
 
 /// The same registration, its runner never seen `idle` or `active`.

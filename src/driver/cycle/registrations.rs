@@ -391,21 +391,13 @@ impl Driver<'_, '_> {
         s.boundary.get_or_insert(boundary);
         let name = format!("{prefix}{}-{}", s.cycle_id, s.next_seq);
         s.next_seq += 1;
-        s.registrations.push(crate::core::state::Registration {
-            name: name.clone(),
-            id: None,
-            uuid: None,
-            job_id,
-            job_handle: job_handle.to_string(),
-            requested_at: now,
-            launch: Launch::Pending,
-            launched_at: None,
-            job_gone_since: None,
-            connected: false,
-            not_served: None,
-            failed_start: false,
-            stopped: None,
-        });
+        s.registrations
+            .push(crate::core::state::Registration::intent(
+                name.clone(),
+                job_id,
+                job_handle.to_string(),
+                now,
+            ));
         if self.save().is_err() {
             return Some(End::Done);
         }
