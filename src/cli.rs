@@ -263,6 +263,15 @@ pub struct RunArgs {
 pub struct SweepArgs {
     #[command(flatten)]
     pub common: ForgejoArgs,
+
+    /// `run`'s flag of the same name and variable: with --launch-timeout and twice
+    /// --http-timeout, how young a registration (by the time in its name) the sweep spares.
+    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_REGISTRATION_GRACE", default_value = "3m", value_parser = parse_duration, value_name = "DURATION")]
+    pub registration_grace: Duration,
+
+    /// `run`'s flag of the same name and variable (see --registration-grace).
+    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_LAUNCH_TIMEOUT", default_value = "2m", value_parser = parse_duration, value_name = "DURATION")]
+    pub launch_timeout: Duration,
 }
 
 #[derive(Debug, Args)]
@@ -295,6 +304,28 @@ pub struct LocalArgs {
     /// [default: $STATE_DIRECTORY, else /var/lib/ci-ephemeral-provisioner].
     #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_STATE_DIR", value_name = "DIR")]
     pub state_dir: Option<PathBuf>,
+
+    /// How many slots the pool has: that many runs of this pool, one per slot, serve its jobs at
+    /// once, each with its own VM. All slots share --state-dir, --tofu-dir, --runner-prefix and
+    /// --labels (at most 64).
+    #[arg(
+        long,
+        env = "CI_EPHEMERAL_PROVISIONER_SLOTS",
+        default_value_t = 1,
+        value_name = "N"
+    )]
+    pub slots: u32,
+
+    /// Which slot of the pool this is (1 to --slots). Slot 1 keeps its files in the state
+    /// directory, slot K ≥ 2 in its slot-K/ directory; tofu runs slot K ≥ 2 in the workspace
+    /// slot-K with its own TF_DATA_DIR, and every slot's module gets TF_VAR_slot.
+    #[arg(
+        long,
+        env = "CI_EPHEMERAL_PROVISIONER_SLOT",
+        default_value_t = 1,
+        value_name = "K"
+    )]
+    pub slot: u32,
 
     /// text (a short summary) or json (one JSON document on stdout).
     #[arg(

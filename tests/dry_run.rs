@@ -62,7 +62,7 @@ fn fresh_cycle_applies_and_registers_for_the_matching_job() {
     assert_eq!(a[1]["job_id"], 901, "the debian job, not the gpu one");
     let name = a[1]["name"].as_str().unwrap();
     assert!(
-        name.starts_with("ephemeral-") && name.ends_with("-1"),
+        name == "ephemeral-20261014t153000z-dryrun-1-20261014t153000z",
         "{name}"
     );
 }
@@ -181,7 +181,10 @@ fn reuse_after_a_consumed_registration_checks_its_runner_then_registers() {
         json!({"action": "check_runner", "runner_id": 526, "name": "ephemeral-20261014t150000z-5c1d-2"})
     );
     assert_eq!(a[1]["action"], "register_runner");
-    assert_eq!(a[1]["name"], "ephemeral-20261014t150000z-5c1d-3");
+    assert_eq!(
+        a[1]["name"],
+        "ephemeral-20261014t150000z-5c1d-3-20261014t153000z"
+    );
 }
 
 #[test]

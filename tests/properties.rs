@@ -2,6 +2,7 @@
 //! deletion gate, with arbitrary inputs.
 
 use std::collections::BTreeMap;
+use std::time::Duration;
 
 use ci_ephemeral_provisioner::adapters::files::FileStore;
 use ci_ephemeral_provisioner::adapters::files::read_state_file;
@@ -21,6 +22,7 @@ use ci_ephemeral_provisioner::core::ports::Forgejo;
 use ci_ephemeral_provisioner::core::ports::NewRunner;
 use ci_ephemeral_provisioner::core::ports::RunnerPage;
 use ci_ephemeral_provisioner::core::ports::StateStore;
+use ci_ephemeral_provisioner::core::slots::SweepGuard;
 use ci_ephemeral_provisioner::core::state::Boundary;
 use ci_ephemeral_provisioner::core::state::CycleState;
 use ci_ephemeral_provisioner::core::state::Launch;
@@ -109,7 +111,11 @@ fn canonical(s: RunnerStatus) -> RunnerStatus {
 fn any_runner() -> impl Strategy<Value = Runner> {
     (
         any::<i64>(),
-        proptest::option::of(prop_oneof!["ephemeral-.{0,10}", ".{0,20}"]),
+        proptest::option::of(prop_oneof![
+            "ephemeral-.{0,10}",
+            ".{0,20}",
+            "ephemeral-c-[0-9]-20[0-9]{2}[01][0-9][0-3][0-9]t[0-2][0-9][0-5][0-9]{3}z",
+        ]),
         prop_oneof![Just(RunnerStatus::Offline), any_status()],
     )
         .prop_map(|(id, name, status)| Runner {
@@ -447,17 +453,26 @@ proptest! {
         conflicting in prop::collection::vec(any::<prop::sample::Index>(), 0..4),
         prefix in prop_oneof![Just("ephemeral-".to_string()), ".{0,4}"],
         cap in 0usize..100,
+        held in prop::collection::vec(any::<prop::sample::Index>(), 0..4),
+        now_ms in 0i64..4_000_000_000_000,
+        min_age_s in 0u64..100_000,
     ) {
         let conflicting: Vec<i64> = if rows.is_empty() { vec![] } else {
             conflicting.iter().map(|i| rows[i.index(rows.len())].id).collect()
         };
+        let held: std::collections::BTreeSet<String> = if rows.is_empty() { Default::default() } else {
+            held.iter().filter_map(|i| rows[i.index(rows.len())].name.clone()).collect()
+        };
+        let guard = SweepGuard { now: Timestamp(now_ms), min_age: Duration::from_secs(min_age_s), held };
         let listing = Listing { rows: rows.clone(), conflicting: conflicting.clone(), pages: 1, complete: true, total: None, distinct: rows.len() };
-        let sel = select(&listing, &prefix, cap);
+        let sel = select(&listing, &prefix, cap, &guard);
         prop_assert!(sel.delete.len() <= cap);
         for (target, r) in &sel.delete {
             prop_assert_eq!(target.id(), r.id);
             prop_assert_eq!(may_delete(r, &prefix), Some(target.clone()));
             prop_assert!(!conflicting.contains(&r.id));
+            // Nothing another slot holds, nothing too young by its name.
+            prop_assert_eq!(guard.spares(r.name.as_deref().unwrap_or_default()), None);
         }
     }
 

@@ -10,7 +10,8 @@ use anyhow::{Context, Result, anyhow};
 
 use crate::core::holds::{HOLDS_FILE, Holds, HoldsError, parse_holds};
 use crate::core::metrics::{COUNTERS_FILE, COUNTERS_VERSION, Counters};
-use crate::core::ports::StateStore;
+use crate::core::ports::{Claim, StateStore};
+use crate::core::slots::{Others, parse_slot_dir_name, slot_dir_name};
 use crate::core::state::{CycleState, MAX_STATE_BYTES, STATE_FILE, parse_state};
 
 pub(crate) struct Lock {
@@ -89,7 +90,73 @@ pub(crate) fn inspect_state_dir(dir: &Path) -> Result<StateDir, StateDirError> {
     Ok(StateDir::Usable)
 }
 
-pub(crate) fn take_lock(dir: &Path) -> Result<Lock, StateDirError> {
+/// One slot of a pool: the pool's state directory (`--state-dir`) and the slot's number. Slot 1
+/// keeps its files in the pool's directory itself (as a pool without slots always did), slot
+/// K ≥ 2 in `slot-K/` inside it; the pool's claims lock is in the pool's directory.
+#[derive(Clone, Debug)]
+pub struct SlotDir {
+    pub pool: PathBuf,
+    pub k: u32,
+}
+
+/// The lock the slots of a pool take, briefly, to claim a job (`core::slots`).
+pub const CLAIMS_LOCK_FILE: &str = "claims.lock";
+
+impl SlotDir {
+    /// A pool of one slot in `dir`.
+    pub fn alone(dir: &Path) -> SlotDir {
+        SlotDir {
+            pool: dir.to_path_buf(),
+            k: 1,
+        }
+    }
+
+    /// Where this slot's cycle.json, lock, report and audit trail are.
+    pub fn dir(&self) -> PathBuf {
+        match slot_dir_name(self.k) {
+            Some(name) => self.pool.join(name),
+            None => self.pool.clone(),
+        }
+    }
+
+    /// The other slots whose directory exists, with their number and directory: slot 1 (the
+    /// pool's directory) and every `slot-K/`, whatever `--slots` says now (a slot that was
+    /// removed still holds what its cycle.json holds).
+    fn others(&self) -> Result<Vec<(u32, PathBuf)>> {
+        let mut out = Vec::new();
+        if self.k != 1 {
+            out.push((1, self.pool.clone()));
+        }
+        let entries = match fs::read_dir(&self.pool) {
+            Ok(e) => e,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(out),
+            Err(e) => return Err(anyhow!("cannot list {}: {e}", self.pool.display())),
+        };
+        for entry in entries {
+            let entry = entry.with_context(|| format!("cannot list {}", self.pool.display()))?;
+            let Some(k) = entry.file_name().to_str().and_then(parse_slot_dir_name) else {
+                continue;
+            };
+            if k == self.k {
+                continue;
+            }
+            let path = entry.path();
+            let meta = fs::symlink_metadata(&path)
+                .with_context(|| format!("cannot inspect {}", path.display()))?;
+            if !meta.is_dir() {
+                return Err(anyhow!(
+                    "{} is not a directory: only the provisioner's slots may use that name in the state directory; move it away",
+                    path.display()
+                ));
+            }
+            out.push((k, path));
+        }
+        out.sort();
+        Ok(out)
+    }
+}
+
+fn ensure_dir(dir: &Path) -> Result<(), StateDirError> {
     if let StateDir::Missing = inspect_state_dir(dir)? {
         fs::DirBuilder::new()
             .recursive(true)
@@ -101,6 +168,17 @@ pub(crate) fn take_lock(dir: &Path) -> Result<Lock, StateDirError> {
                     dir.display()
                 ))
             })?;
+    }
+    Ok(())
+}
+
+/// The slot's lock, `cycle.lock`: one run of a slot at a time. The pool's directory and the
+/// slot's are created (0700) when missing, and both must be safe (`inspect_state_dir`).
+pub(crate) fn take_lock(slot: &SlotDir) -> Result<Lock, StateDirError> {
+    ensure_dir(&slot.pool)?;
+    let dir = slot.dir();
+    if slot.k != 1 {
+        ensure_dir(&dir)?;
     }
     let path = dir.join(LOCK_FILE);
     let file = fs::OpenOptions::new()
@@ -129,7 +207,7 @@ pub(crate) fn take_lock(dir: &Path) -> Result<Lock, StateDirError> {
 /// Takes `<dir>/cycle.lock` exactly as `run` and `sweep` do, for tests that model a second
 /// invocation racing the first. `Err` says why not (`StateDirError::Locked`: another holder has it).
 pub fn lock_state_dir(dir: &Path) -> Result<impl Sized + use<>, StateDirError> {
-    take_lock(dir)
+    take_lock(&SlotDir::alone(dir))
 }
 
 /// Reads `counters.json`; missing is a fresh start. A broken file is an error naming it.
@@ -169,12 +247,20 @@ pub fn write_textfile(path: &Path, text: &str) -> Result<()> {
 
 pub struct FileStore {
     dir: PathBuf,
+    slot: SlotDir,
 }
 
 impl FileStore {
+    /// The store of a pool of one slot in `dir`.
     pub fn new(dir: &Path) -> FileStore {
+        FileStore::slot(SlotDir::alone(dir))
+    }
+
+    /// The store of one slot of a pool.
+    pub fn slot(slot: SlotDir) -> FileStore {
         FileStore {
-            dir: dir.to_path_buf(),
+            dir: slot.dir(),
+            slot,
         }
     }
 
@@ -327,6 +413,40 @@ pub fn create_private(path: &Path) -> io::Result<fs::File> {
 impl StateStore for FileStore {
     fn load(&mut self) -> Result<Option<CycleState>> {
         read_state_file(&self.path())
+    }
+
+    fn others(&mut self) -> Result<Others> {
+        let mut o = Others::default();
+        for (k, dir) in self.slot.others()? {
+            let path = dir.join(STATE_FILE);
+            let state = read_state_file(&path).with_context(|| {
+                format!("slot {k}'s cycle.json cannot be read, so what it holds is unknown")
+            })?;
+            if let Some(state) = state {
+                o.add(&format!("slot {k} ({})", path.display()), &state);
+            }
+        }
+        Ok(o)
+    }
+
+    fn save_claiming(&mut self, state: &CycleState, job_id: i64) -> Result<Claim> {
+        let path = self.slot.pool.join(CLAIMS_LOCK_FILE);
+        let lock = fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .mode(0o600)
+            .custom_flags(STATE_OPEN_FLAGS)
+            .open(&path)
+            .with_context(|| format!("cannot open the claims lock {}", path.display()))?;
+        // Held only to read the other slots' claims and write this one: never for long.
+        lock.lock()
+            .with_context(|| format!("cannot lock {}", path.display()))?;
+        if let Some(slot) = self.others()?.claimed.remove(&job_id) {
+            return Ok(Claim::HeldBy(slot));
+        }
+        self.save(state)?;
+        Ok(Claim::Saved)
     }
 
     fn save(&mut self, state: &CycleState) -> Result<()> {
@@ -573,5 +693,112 @@ mod tests {
         assert!(
             format!("{:#}", read_state_file(&link).unwrap_err()).contains("not a regular file")
         );
+    }
+
+    /// Two slots of one pool: a job claimed by one is refused to the other, and nothing of the
+    /// refused slot is written; once the claim is forgotten the job is free again.
+    #[test]
+    fn a_claim_of_one_slot_is_refused_to_another() {
+        let dir = tempfile::tempdir().unwrap();
+        let pool = dir.path().join("pool");
+        let slot = |k| SlotDir {
+            pool: pool.clone(),
+            k,
+        };
+        let _l1 = take_lock(&slot(1)).unwrap();
+        let _l2 = take_lock(&slot(2)).unwrap();
+        let mut one = FileStore::slot(slot(1));
+        let mut two = FileStore::slot(slot(2));
+        let now = Timestamp(1_760_000_000_000);
+        let mut s2 = CycleState::new("c2".into(), now);
+        s2.registrations
+            .push(Registration::intent("p-c2-1-t".into(), 5, "h5".into(), now));
+        assert_eq!(two.save_claiming(&s2, 5).unwrap(), Claim::Saved);
+
+        let mut s1 = CycleState::new("c1".into(), now);
+        s1.claim = Some(5);
+        match one.save_claiming(&s1, 5).unwrap() {
+            Claim::HeldBy(by) => assert!(by.starts_with("slot 2 ("), "{by}"),
+            Claim::Saved => panic!("slot 1 claimed a job slot 2 holds"),
+        }
+        assert!(
+            one.load().unwrap().is_none(),
+            "nothing written for the refused claim"
+        );
+        assert_eq!(one.others().unwrap().claimed_jobs(), [5].into());
+        assert_eq!(two.others().unwrap().claimed_jobs(), Default::default());
+        // Another job is free; and once slot 2 forgot its registration, so is job 5.
+        s1.claim = Some(6);
+        assert_eq!(one.save_claiming(&s1, 6).unwrap(), Claim::Saved);
+        assert_eq!(two.others().unwrap().claimed_jobs(), [6].into());
+        two.remove().unwrap();
+        s1.claim = Some(5);
+        assert_eq!(one.save_claiming(&s1, 5).unwrap(), Claim::Saved);
+        // Slot 2's directory was made for it, 0700, in the pool's.
+        let mode = fs::metadata(pool.join("slot-2"))
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o700);
+    }
+
+    /// A file where a slot's directory belongs is doubt: what that slot holds is unknown.
+    #[test]
+    fn a_slot_name_that_is_not_a_directory_is_an_error() {
+        let dir = tempfile::tempdir().unwrap();
+        fs::write(dir.path().join("slot-4"), "x").unwrap();
+        let mut one = FileStore::new(dir.path());
+        let e = one.others().unwrap_err().to_string();
+        assert!(e.contains("slot-4 is not a directory"), "{e}");
+    }
+
+    /// Slots racing for one job: the claims lock lets exactly one have it, round after round.
+    #[test]
+    fn of_slots_racing_for_one_job_exactly_one_claims_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let pool = dir.path().to_path_buf();
+        for k in 1..=4 {
+            take_lock(&SlotDir {
+                pool: pool.clone(),
+                k,
+            })
+            .map(drop)
+            .unwrap();
+        }
+        for round in 0..40i64 {
+            let barrier = std::sync::Arc::new(std::sync::Barrier::new(4));
+            let handles: Vec<_> = (1..=4u32)
+                .map(|k| {
+                    let (pool, barrier) = (pool.clone(), barrier.clone());
+                    std::thread::spawn(move || {
+                        let mut store = FileStore::slot(SlotDir { pool, k });
+                        let now = Timestamp(1_760_000_000_000);
+                        let mut s = CycleState::new(format!("c{k}"), now);
+                        s.registrations.push(Registration::intent(
+                            format!("p-c{k}-{round}"),
+                            round,
+                            "h".into(),
+                            now,
+                        ));
+                        barrier.wait();
+                        store.save_claiming(&s, round).unwrap()
+                    })
+                })
+                .collect();
+            let saved = handles
+                .into_iter()
+                .map(|h| h.join().unwrap())
+                .filter(|c| *c == Claim::Saved)
+                .count();
+            assert_eq!(saved, 1, "round {round}: {saved} slots claimed one job");
+            for k in 1..=4 {
+                FileStore::slot(SlotDir {
+                    pool: pool.clone(),
+                    k,
+                })
+                .remove()
+                .unwrap();
+            }
+        }
     }
 }

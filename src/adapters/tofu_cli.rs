@@ -32,9 +32,18 @@ pub fn parse_outputs(stdout: &[u8]) -> anyhow::Result<Outputs> {
 /// waiting for it converges where failing at once would tear the VM down.
 const LOCK_TIMEOUT: &str = "-lock-timeout=2m";
 
+/// A slot's own tofu data directory (`TF_DATA_DIR`) inside its state directory: the slots of a
+/// pool share the module directory, and each must init and select its workspace alone.
+pub const TOFU_DATA_DIR: &str = "tofu-data";
+
 pub struct CliTofu {
     pub bin: PathBuf,
     pub dir: Option<PathBuf>,
+    /// The pool's slot this tofu serves: `TF_VAR_slot`; slot K ≥ 2 runs in the workspace
+    /// `slot-K` (slot 1 in the default one, as a pool without slots always did).
+    pub slot: u32,
+    /// `TF_DATA_DIR` for slot K ≥ 2; slot 1 keeps the module directory's own `.terraform`.
+    pub data_dir: Option<PathBuf>,
     pub stop: StopFlag,
 }
 
@@ -71,14 +80,22 @@ impl CliTofu {
         all.extend(args.iter().map(|a| a.to_string()));
         let shown = format!("{} {}", self.bin.display(), all.join(" "));
         log::info!("running {shown}");
+        let mut env = vec![
+            ("TF_IN_AUTOMATION".into(), "1".into()),
+            ("TF_INPUT".into(), "0".into()),
+            ("TF_VAR_cycle_id".into(), cycle_id.into()),
+            ("TF_VAR_slot".into(), self.slot.to_string()),
+        ];
+        if let Some(workspace) = crate::core::slots::slot_dir_name(self.slot) {
+            env.push(("TF_WORKSPACE".into(), workspace));
+        }
+        if let Some(d) = &self.data_dir {
+            env.push(("TF_DATA_DIR".into(), d.display().to_string()));
+        }
         let spec = ChildSpec {
             program: self.bin.clone(),
             args: all.into_iter().map(Into::into).collect(),
-            env: vec![
-                ("TF_IN_AUTOMATION".into(), "1".into()),
-                ("TF_INPUT".into(), "0".into()),
-                ("TF_VAR_cycle_id".into(), cycle_id.into()),
-            ],
+            env,
             stdin: None,
             timeout: None,
         };

@@ -13,7 +13,7 @@ use crate::adapters::process::{ChildSpec, find_executable, run_child};
 use crate::adapters::signals::StopFlag;
 use crate::cli::{OutputFormat, RunArgs};
 use crate::commands::{
-    EXIT_FAILED, EXIT_OK, Fatal, forgejo_target, read_token, state_dir, usage, validate_run_args,
+    EXIT_FAILED, EXIT_OK, Fatal, forgejo_target, read_token, slot_dir, usage, validate_run_args,
     wiring,
 };
 use crate::core::model::label_names;
@@ -61,7 +61,9 @@ pub fn cmd_check(a: RunArgs) -> Result<u8, Fatal> {
     });
     lines.push(Line {
         name: "state directory",
-        result: shown(check_state_dir(&state_dir(&a.common.local.state_dir))),
+        result: slot_dir(&a.common.local)
+            .map_err(|Fatal(_, msg)| msg)
+            .and_then(|slot| shown(check_state_dir(&slot.dir()))),
     });
     if let Some(path) = &a.common.metrics_file {
         lines.push(Line {
@@ -217,7 +219,10 @@ fn check_launch(a: &RunArgs) -> anyhow::Result<String> {
 /// its own `TF_DATA_DIR`: the module directory, its state and its backend stay untouched.
 fn check_tofu(a: &RunArgs) -> anyhow::Result<String> {
     // What a run checks first (the binary, the module directory), in the run's words.
-    wiring::tofu(a, StopFlag::new()).check_config()?;
+    // A bad --slot is the configuration line's failure; the probe needs only the binary and module.
+    let slot = slot_dir(&a.common.local)
+        .unwrap_or_else(|_| crate::adapters::files::SlotDir::alone(Path::new(".")));
+    wiring::tofu(a, &slot, StopFlag::new()).check_config()?;
     let (program, dir) = match (find_executable(&a.tofu_bin), a.tofu_dir.as_deref()) {
         (Some(program), Some(dir)) => (program, dir),
         _ => bail!("--tofu-bin or --tofu-dir changed while they were checked"),

@@ -10,10 +10,12 @@ pub mod wiring;
 
 use std::path::{Path, PathBuf};
 
+use crate::adapters::files::SlotDir;
 use crate::adapters::files::{read_state_file, write_atomic};
 use crate::adapters::forgejo_http::Scope;
 use crate::adapters::forgejo_http::validate_url;
 use crate::cli::ForgejoArgs;
+use crate::cli::LocalArgs;
 use crate::cli::OutputFormat;
 use crate::cli::RunArgs;
 use crate::core::escape::escape_controls;
@@ -66,6 +68,27 @@ pub(crate) fn check_metrics_file(common: &ForgejoArgs) -> Result<(), Fatal> {
         )));
     }
     Ok(())
+}
+
+/// This run's slot of the pool in the state directory (`--slots`, `--slot`).
+pub(crate) fn slot_dir(local: &LocalArgs) -> Result<SlotDir, Fatal> {
+    let max = crate::core::slots::MAX_SLOTS;
+    if !(1..=max).contains(&local.slots) {
+        return Err(usage(format!(
+            "--slots {} is out of range: a pool has 1 to {max} slots",
+            local.slots
+        )));
+    }
+    if !(1..=local.slots).contains(&local.slot) {
+        return Err(usage(format!(
+            "--slot {} is out of range: with --slots {} it is 1 to {}",
+            local.slot, local.slots, local.slots
+        )));
+    }
+    Ok(SlotDir {
+        pool: state_dir(&local.state_dir),
+        k: local.slot,
+    })
 }
 
 pub(crate) fn state_dir(arg: &Option<PathBuf>) -> PathBuf {
@@ -156,6 +179,11 @@ pub(crate) fn policy(a: &RunArgs, labels: &str) -> Policy {
         // Twice the longest a POST can take from our side: by then it has landed or never will.
         intent_settle: a.common.http_timeout.saturating_mul(2),
         job_pickup_timeout: a.job_pickup_timeout,
+        sweep_min_age: crate::core::slots::sweep_min_age(
+            a.registration_grace,
+            a.launch_timeout,
+            a.common.http_timeout.saturating_mul(2),
+        ),
         reuse_within: a.reuse_within,
     }
 }
@@ -178,6 +206,7 @@ pub(crate) fn cycle_config(
 /// The checks of `run`'s flags that need no I/O; the labels, when they pass.
 pub(crate) fn validate_run_args(a: &RunArgs) -> Result<String, Fatal> {
     check_prefix(&a.common.runner_prefix)?;
+    slot_dir(&a.common.local)?;
     let labels = a.labels.clone().unwrap_or_default();
     if label_names(&labels).is_empty() {
         return Err(usage(
@@ -221,21 +250,28 @@ pub(crate) fn events_file(
 /// The metrics file at the start of a run: the counters so far, and that a run is in progress.
 /// A failure here is only logged: the write at the end of the run reports it.
 /// Where the metrics go, and the `pool` label they carry.
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 pub(crate) struct MetricsTarget<'a> {
     path: &'a Path,
-    pool: Option<&'a str>,
+    /// `pool` (`--metrics-pool`) and, in a pool of several slots, `slot`.
+    labels: Vec<(&'static str, String)>,
 }
 
 pub(crate) fn metrics_target(common: &ForgejoArgs) -> Option<MetricsTarget<'_>> {
-    common.metrics_file.as_deref().map(|path| MetricsTarget {
-        path,
-        pool: common.metrics_pool.as_deref(),
+    common.metrics_file.as_deref().map(|path| {
+        let mut labels = Vec::new();
+        if let Some(pool) = &common.metrics_pool {
+            labels.push(("pool", pool.clone()));
+        }
+        if common.local.slots > 1 {
+            labels.push(("slot", common.local.slot.to_string()));
+        }
+        MetricsTarget { path, labels }
     })
 }
 
 pub(crate) fn announce_run(dir: &Path, metrics: Option<MetricsTarget<'_>>, started: Timestamp) {
-    let Some(MetricsTarget { path, pool }) = metrics else {
+    let Some(MetricsTarget { path, labels }) = metrics else {
         return;
     };
     let counters = crate::adapters::files::load_counters(dir).unwrap_or_else(|e| {
@@ -243,7 +279,7 @@ pub(crate) fn announce_run(dir: &Path, metrics: Option<MetricsTarget<'_>>, start
         crate::core::metrics::Counters::default()
     });
     let cycle = read_state_file(&dir.join(crate::core::state::STATE_FILE));
-    let text = crate::core::metrics::render(&counters, &cycle_view(&cycle), Some(started), pool);
+    let text = crate::core::metrics::render(&counters, &cycle_view(&cycle), Some(started), &labels);
     if let Err(e) = crate::adapters::files::write_textfile(path, &text) {
         log::warn!("--metrics-file: {e:#}");
     }
@@ -271,9 +307,9 @@ fn record_run(dir: &Path, metrics: Option<MetricsTarget<'_>>, report: &mut Repor
     };
     let mut counters = before.clone();
     counters.record(report);
-    if let Some(MetricsTarget { path, pool }) = metrics {
+    if let Some(MetricsTarget { path, labels }) = metrics {
         let cycle = read_state_file(&dir.join(crate::core::state::STATE_FILE));
-        let text = crate::core::metrics::render(&counters, &cycle_view(&cycle), None, pool);
+        let text = crate::core::metrics::render(&counters, &cycle_view(&cycle), None, &labels);
         if let Err(e) = crate::adapters::files::write_textfile(path, &text) {
             report.fail(format!("--metrics-file: {e:#}"));
             report.settle(report.exit_code == i32::from(EXIT_USAGE));

@@ -7,14 +7,14 @@ use serde_json::{Value, json};
 
 use crate::adapters::files::read_state_file;
 use crate::cli::{OutputFormat, StatusArgs};
-use crate::commands::{EXIT_FAILED, EXIT_OK, Fatal, state_dir, usage};
+use crate::commands::{EXIT_FAILED, EXIT_OK, Fatal, slot_dir, usage};
 use crate::core::metrics::Counters;
 use crate::core::state::STATE_FILE;
 use crate::core::status::{EVENTS_SHOWN, Limits, MAX_LAST_RUN_BYTES, facts, warnings};
 use crate::core::time::Timestamp;
 
 pub fn cmd_status(a: StatusArgs) -> Result<u8, Fatal> {
-    let dir = state_dir(&a.local.state_dir);
+    let dir = slot_dir(&a.local)?.dir();
     // Read-only and often run by root: the owner is not ours to judge here, only that the
     // directory is there (a typo must not look like a host where no run happened yet).
     match fs::metadata(&dir) {

@@ -2,6 +2,7 @@
 
 use crate::cli::SweepArgs;
 use crate::commands::{Fatal, check_fixture, check_metrics_file, check_prefix, wiring};
+use crate::core::slots::sweep_min_age;
 use crate::driver::cycle::End;
 use crate::driver::sweep;
 
@@ -12,6 +13,8 @@ pub fn cmd_sweep(a: SweepArgs) -> Result<u8, Fatal> {
     check_metrics_file(c)?;
     let wiring::SweepRun {
         mut forgejo,
+        mut store,
+        clock,
         mut report,
         outlet,
         licence,
@@ -32,6 +35,15 @@ pub fn cmd_sweep(a: SweepArgs) -> Result<u8, Fatal> {
         &licence,
         &c.runner_prefix,
         c.sweep_max_deletions,
+        sweep::Spare {
+            now: clock.now(),
+            min_age: sweep_min_age(
+                a.registration_grace,
+                a.launch_timeout,
+                c.http_timeout.saturating_mul(2),
+            ),
+            others: &mut || store.others(),
+        },
         &mut |r, result| report.sweep_deletion(r, result, &licence),
     );
     for failure in crate::core::listing::sweep_failures(&sw) {

@@ -12,16 +12,18 @@ use crate::adapters::dry::{
     DryClock, DryForgejo, DryLauncher, DryTofu, Fixture, FixtureForgejo, MemoryStore, Plan,
     ReadErrors,
 };
-use crate::adapters::files::{FileStore, Lock, read_holds_file, read_state_file, take_lock};
+use crate::adapters::files::{
+    FileStore, Lock, SlotDir, read_holds_file, read_state_file, take_lock,
+};
 use crate::adapters::forgejo_http::{HttpForgejo, Scope, load_ca_file};
 use crate::adapters::launch_cmd::CommandLauncher;
 use crate::adapters::logging::log_config;
 use crate::adapters::signals::StopFlag;
-use crate::adapters::tofu_cli::CliTofu;
+use crate::adapters::tofu_cli::{CliTofu, TOFU_DATA_DIR};
 use crate::cli::{ForgejoArgs, RunArgs, SweepArgs};
 use crate::commands::{
     EXIT_FAILED, EXIT_OK, Fatal, announce_run, events_file, finish, forgejo_target, metrics_target,
-    print_plan, read_token, state_dir, usage,
+    print_plan, read_token, slot_dir, usage,
 };
 use crate::core::holds::{HOLDS_FILE, Holds};
 use crate::core::licence::{DestroyRecord, SweepLicence, without_cycle};
@@ -113,6 +115,7 @@ pub(crate) fn cycle(a: &RunArgs, label_names: &[String]) -> Result<CycleRun, Fat
     let Live {
         url,
         forgejo,
+        slot,
         dir,
         lock,
     } = live(a, c, label_names)?;
@@ -122,9 +125,9 @@ pub(crate) fn cycle(a: &RunArgs, label_names: &[String]) -> Result<CycleRun, Fat
     Ok(CycleRun {
         ports: Ports {
             forgejo: Box::new(forgejo),
-            tofu: Box::new(tofu(a, stop.clone())),
+            tofu: Box::new(tofu(a, &slot, stop.clone())),
             launcher: Box::new(launcher(a, stop)),
-            store: Box::new(FileStore::new(&dir)),
+            store: Box::new(FileStore::slot(slot)),
             clock: Box::new(clock),
         },
         report,
@@ -144,7 +147,7 @@ fn dry_cycle(c: &ForgejoArgs, label_names: &[String]) -> Result<CycleRun, Fatal>
             (fx.forgejo, files, now, FIXTURE_URL.to_string())
         }
         None => {
-            let (world, files, url) = dry_http(c, label_names, |dir| {
+            let (world, files, url) = dry_http(c, label_names, |dir, _| {
                 let cycle = read_state_file(&dir.join(STATE_FILE))
                     .map_err(|e| Fatal(EXIT_FAILED, format!("{e:#}")))?;
                 let holds = read_holds_file(&dir.join(HOLDS_FILE))
@@ -175,6 +178,9 @@ fn dry_cycle(c: &ForgejoArgs, label_names: &[String]) -> Result<CycleRun, Fatal>
 /// A sweep, ready to run with its licence, or refused (a live sweep records why).
 pub(crate) struct SweepRun {
     pub forgejo: Box<dyn Forgejo>,
+    /// Where the pool's other slots are read from (what they hold is spared).
+    pub store: Box<dyn StateStore>,
+    pub clock: Box<dyn Clock>,
     pub report: Report,
     pub outlet: Outlet,
     pub licence: Result<SweepLicence, Refusal>,
@@ -194,31 +200,43 @@ pub(crate) fn sweep(a: &SweepArgs) -> Result<SweepRun, Fatal> {
     let refused = |r: Refusal| Fatal(EXIT_FAILED, r.message);
     if c.dry_run {
         log_config(a, None, None);
-        let (world, licence) = match &c.fixture {
+        let (world, licence, store, now): (_, _, Box<dyn StateStore>, _) = match &c.fixture {
             Some(path) => {
                 let fx = load_fixture(path, &[])?;
                 let licence = sweep_licence(Ok(fx.cycle), "the fixture", || None);
-                (fx.forgejo, licence.map_err(refused)?)
+                let now = fx.now.unwrap_or_else(wall_now);
+                let store = MemoryStore {
+                    state: None,
+                    holds: Holds::default(),
+                };
+                (fx.forgejo, licence.map_err(refused)?, Box::new(store), now)
             }
             None => {
-                let (world, licence, _) = dry_http(c, &[], |dir| {
+                let (world, (licence, slot), _) = dry_http(c, &[], |dir, slot| {
                     let path = dir.join(STATE_FILE);
                     let cycle = read_state_file(&path);
-                    sweep_licence(cycle, &path.display().to_string(), || None).map_err(refused)
+                    let licence = sweep_licence(cycle, &path.display().to_string(), || None);
+                    Ok((licence.map_err(refused)?, slot.clone()))
                 })?;
-                (world, licence)
+                (world, licence, Box::new(FileStore::slot(slot)), wall_now())
             }
         };
         let (forgejo, _, outlet) = dry(world);
         return Ok(SweepRun {
             forgejo: Box::new(forgejo),
-            report: Report::new("sweep", true, wall_now()),
+            store,
+            clock: Box::new(DryClock { now }),
+            report: Report::new("sweep", true, now),
             outlet,
             licence: Ok(licence),
         });
     }
     let Live {
-        forgejo, dir, lock, ..
+        forgejo,
+        slot,
+        dir,
+        lock,
+        ..
     } = live(a, c, &[])?;
     let clock = RealClock::new(StopFlag::default());
     let report = live_report("sweep", &clock, &dir, c);
@@ -228,6 +246,8 @@ pub(crate) fn sweep(a: &SweepArgs) -> Result<SweepRun, Fatal> {
     });
     Ok(SweepRun {
         forgejo: Box::new(forgejo),
+        store: Box::new(FileStore::slot(slot)),
+        clock: Box::new(clock),
         report,
         outlet: Outlet::Live { dir, _lock: lock },
         licence,
@@ -274,21 +294,25 @@ fn last_destroy(dir: &Path) -> Option<DestroyRecord> {
 struct Live {
     url: String,
     forgejo: HttpForgejo,
+    slot: SlotDir,
+    /// The slot's directory.
     dir: PathBuf,
     lock: Lock,
 }
 
 fn live(args: &dyn Debug, c: &ForgejoArgs, label_names: &[String]) -> Result<Live, Fatal> {
     let (url, scope) = forgejo_target(c)?;
+    let slot = slot_dir(&c.local)?;
     let token = read_token(&c.token_file)?;
-    let dir = state_dir(&c.local.state_dir);
+    let dir = slot.dir();
     log_config(args, Some(&token), Some(&dir));
     let forgejo = http_forgejo(c, &url, scope, &token, label_names)?;
     drop(token);
-    let lock = take_lock(&dir)?;
+    let lock = take_lock(&slot)?;
     Ok(Live {
         url,
         forgejo,
+        slot,
         dir,
         lock,
     })
@@ -300,11 +324,12 @@ fn live(args: &dyn Debug, c: &ForgejoArgs, label_names: &[String]) -> Result<Liv
 fn dry_http<T>(
     c: &ForgejoArgs,
     label_names: &[String],
-    read: impl FnOnce(&Path) -> Result<T, Fatal>,
+    read: impl FnOnce(&Path, &SlotDir) -> Result<T, Fatal>,
 ) -> Result<(Box<dyn Forgejo>, T, String), Fatal> {
     let (url, scope) = forgejo_target(c)?;
+    let slot = slot_dir(&c.local)?;
     let token = read_token(&c.token_file)?;
-    let found = read(&state_dir(&c.local.state_dir))?;
+    let found = read(&slot.dir(), &slot)?;
     let forgejo = http_forgejo(c, &url, scope, &token, label_names)?;
     Ok((Box::new(forgejo), found, url))
 }
@@ -345,10 +370,16 @@ pub(crate) fn http_forgejo(
 }
 
 /// The tofu CLI of a live run (and of `check`'s probe of it).
-pub(crate) fn tofu(a: &RunArgs, stop: StopFlag) -> CliTofu {
+pub(crate) fn tofu(a: &RunArgs, slot: &SlotDir, stop: StopFlag) -> CliTofu {
     CliTofu {
         bin: a.tofu_bin.clone(),
         dir: a.tofu_dir.clone(),
+        slot: slot.k,
+        // Absolute: tofu runs with -chdir into the module directory.
+        data_dir: (slot.k != 1).then(|| {
+            let d = slot.dir().join(TOFU_DATA_DIR);
+            std::path::absolute(&d).unwrap_or(d)
+        }),
         stop,
     }
 }

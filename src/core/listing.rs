@@ -5,6 +5,7 @@ use std::collections::{BTreeMap, HashSet};
 
 use crate::core::model::{Deletable, Runner, RunnerStatus, is_ours, may_delete};
 use crate::core::report::SweepReport;
+use crate::core::slots::{Spared, SweepGuard};
 
 /// Forgejo clamps `limit` to `[api].MAX_RESPONSE_ITEMS` (default 50).
 pub const PAGE_LIMIT: u32 = 50;
@@ -98,13 +99,17 @@ pub struct Selection {
     pub delete: Vec<(Deletable, Runner)>,
     pub found: usize,
     pub doubtful: Vec<Runner>,
+    /// Passed the gate, yet spared by `guard`: too young by its name, or another slot's.
+    pub spared: Vec<(Runner, Spared)>,
     pub left_over_cap: usize,
 }
 
-/// Pure: which listed rows the sweep deletes.
-pub fn select(listing: &Listing, prefix: &str, cap: usize) -> Selection {
+/// Pure: which listed rows the sweep deletes. `guard` spares the registrations too young to judge
+/// and those the pool's other slots hold, before the cap is applied.
+pub fn select(listing: &Listing, prefix: &str, cap: usize, guard: &SweepGuard) -> Selection {
     let mut deletable: Vec<(Deletable, Runner)> = Vec::new();
     let mut doubtful: Vec<Runner> = Vec::new();
+    let mut spared: Vec<(Runner, Spared)> = Vec::new();
     for r in &listing.rows {
         let ours = is_ours(r.name.as_deref(), prefix);
         if listing.conflicting.contains(&r.id) {
@@ -114,7 +119,10 @@ pub fn select(listing: &Listing, prefix: &str, cap: usize) -> Selection {
             continue;
         }
         if let Some(target) = may_delete(r, prefix) {
-            deletable.push((target, r.clone()));
+            match r.name.as_deref().and_then(|n| guard.spares(n)) {
+                Some(why) => spared.push((r.clone(), why)),
+                None => deletable.push((target, r.clone())),
+            }
         } else if ours && matches!(r.status, RunnerStatus::Unknown(_) | RunnerStatus::Missing) {
             doubtful.push(r.clone());
         }
@@ -126,6 +134,7 @@ pub fn select(listing: &Listing, prefix: &str, cap: usize) -> Selection {
         delete: deletable,
         found,
         doubtful,
+        spared,
         left_over_cap,
     }
 }

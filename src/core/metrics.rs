@@ -190,19 +190,16 @@ impl Out {
 
 /// Pure: the Prometheus text exposition of the counters and the cycle in progress. `running`:
 /// the start of the run that is writing the file at its beginning (a cycle can keep one run
-/// going for hours; without this the file would look stale all that time). `pool`: when given,
-/// every sample carries `pool="…"`, so the files of several pools on one host can sit in one
-/// textfile directory without colliding.
+/// going for hours; without this the file would look stale all that time). `labels`: carried by
+/// every sample: `pool="…"`, so the files of several pools on one host can sit in one textfile
+/// directory without colliding, and `slot="…"` for a pool of several slots.
 pub fn render(
     c: &Counters,
     cycle: &CycleView<'_>,
     running: Option<Timestamp>,
-    pool: Option<&str>,
+    labels: &[(&'static str, String)],
 ) -> String {
-    let base = pool
-        .map(|p| vec![("pool", p.to_string())])
-        .unwrap_or_default();
-    let mut o = Out(String::new(), base);
+    let mut o = Out(String::new(), labels.to_vec());
     o.family(
         "build_info",
         "gauge",
@@ -418,7 +415,7 @@ mod tests {
     fn render_follows_the_exposition_format() {
         let mut c = Counters::default();
         c.record(&report(0, 1_764_414_300_123));
-        let text = render(&c, &CycleView::None, None, None);
+        let text = render(&c, &CycleView::None, None, &[]);
         assert!(text.contains(
             "\nci_ephemeral_provisioner_last_success_timestamp_seconds 1764414301.623\n"
         ));
@@ -431,7 +428,7 @@ mod tests {
         assert!(text.contains("ci_ephemeral_provisioner_cycle_active 0"));
         assert!(!text.contains("\nci_ephemeral_provisioner_cycle_start_timestamp_seconds "));
         assert!(text.contains("\nci_ephemeral_provisioner_run_in_progress 0\n"));
-        let running = render(&c, &CycleView::None, Some(Timestamp(2_000)), None);
+        let running = render(&c, &CycleView::None, Some(Timestamp(2_000)), &[]);
         assert!(running.contains("\nci_ephemeral_provisioner_run_in_progress 1\n"));
         assert!(running.contains("\nci_ephemeral_provisioner_run_start_timestamp_seconds 2.000\n"));
         // Every sample belongs to a family declared (HELP then TYPE) before it; counters end in
@@ -456,19 +453,28 @@ mod tests {
     }
 
     #[test]
-    fn a_pool_labels_every_sample() {
+    fn a_pool_and_slot_label_every_sample() {
         let mut c = Counters::default();
         c.record(&report(0, 1_764_414_300_123));
-        let text = render(&c, &CycleView::None, Some(Timestamp(2_000)), Some("gpu"));
+        let text = render(
+            &c,
+            &CycleView::None,
+            Some(Timestamp(2_000)),
+            &[("pool", "gpu".into()), ("slot", "2".into())],
+        );
         let samples: Vec<&str> = text.lines().filter(|l| !l.starts_with('#')).collect();
         assert!(samples.len() > 10);
         for l in &samples {
-            assert!(l.contains("{pool=\"gpu\""), "{l}");
+            assert!(l.contains("{pool=\"gpu\",slot=\"2\""), "{l}");
         }
         assert!(text.contains(
-            "ci_ephemeral_provisioner_registrations_deleted_total{pool=\"gpu\",reason=\"sweep\"} 0"
+            "ci_ephemeral_provisioner_registrations_deleted_total{pool=\"gpu\",slot=\"2\",reason=\"sweep\"} 0"
         ));
-        assert!(text.contains("\nci_ephemeral_provisioner_run_in_progress{pool=\"gpu\"} 1\n"));
+        assert!(
+            text.contains(
+                "\nci_ephemeral_provisioner_run_in_progress{pool=\"gpu\",slot=\"2\"} 1\n"
+            )
+        );
     }
 
     #[test]

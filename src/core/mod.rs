@@ -14,6 +14,7 @@ pub mod ports;
 pub mod report;
 pub mod resolve;
 pub mod secret;
+pub mod slots;
 pub mod state;
 pub mod status;
 pub mod time;

@@ -53,6 +53,9 @@ pub struct Policy {
     pub job_pickup_timeout: Duration,
     /// Whose jobs may follow each other on one VM (`--reuse-within`).
     pub reuse_within: ReuseWithin,
+    /// How young a registration (by the time in its name) the sweep spares
+    /// (`core::slots::sweep_min_age`).
+    pub sweep_min_age: Duration,
 }
 
 /// The trust boundary within which a VM runs one job after another (`--reuse-within`).
@@ -98,6 +101,8 @@ pub struct Observation {
     pub runners: BTreeMap<i64, Option<Runner>>,
     /// Why the launch command cannot run now (it went away mid-cycle), when it cannot.
     pub launch_problem: Option<String>,
+    /// Jobs the pool's other slots hold (`core::slots`): never registered for here.
+    pub claimed_elsewhere: BTreeSet<i64>,
 }
 
 /// Facts about this run (not the cycle) that decisions depend on.
@@ -282,8 +287,10 @@ impl TeardownReason {
 pub enum Step {
     /// No cycle and no waiting job: the idle tick. Nothing to do.
     Idle,
-    /// Write a new cycle.json (phase `applying`).
-    StartCycle,
+    /// Write a new cycle.json (phase `applying`) that claims this job, the oldest servable one.
+    StartCycle {
+        job_id: i64,
+    },
     /// `tofu init` when needed, `tofu apply`, `tofu output -json`.
     Apply,
     /// A registration whose POST answer was lost: find it by exact name, delete, forget.
@@ -358,15 +365,17 @@ fn who(reg: &Registration, id: i64) -> String {
     format!("runner {id} {}", reg.name)
 }
 
-/// The waiting jobs a runner of ours could take and that are not held, oldest (lowest id) first.
+/// The waiting jobs a runner of ours could take, that are not held and that no other slot of the
+/// pool holds, oldest (lowest id) first.
 pub fn servable_jobs<'a>(
     jobs: &'a [Job],
+    obs: &Observation,
     policy: &Policy,
     ctx: &RunContext,
     now: Timestamp,
 ) -> Vec<&'a Job> {
     let mut w = waiting_jobs(jobs, &policy.label_names);
-    w.retain(|j| !ctx.holds.is_held(&j.handle, now));
+    w.retain(|j| !ctx.holds.is_held(&j.handle, now) && !obs.claimed_elsewhere.contains(&j.id));
     w
 }
 
@@ -380,8 +389,10 @@ pub fn decide(
 ) -> Step {
     let Some(state) = state else {
         return match &obs.jobs {
-            Some(jobs) if !servable_jobs(jobs, policy, ctx, now).is_empty() => Step::StartCycle,
-            Some(_) => Step::Idle,
+            Some(jobs) => match servable_jobs(jobs, obs, policy, ctx, now).first() {
+                Some(job) => Step::StartCycle { job_id: job.id },
+                None => Step::Idle,
+            },
             None => Step::GiveUp {
                 why: "without the jobs list no cycle can start; the next run asks again".into(),
             },

@@ -11,6 +11,7 @@ use serde_json::Value;
 use crate::core::holds::{Holds, HoldsError};
 use crate::core::model::{Deletable, Job, Runner};
 use crate::core::secret::Secret;
+use crate::core::slots::Others;
 use crate::core::state::CycleState;
 use crate::core::time::Timestamp;
 
@@ -177,6 +178,25 @@ pub trait StateStore {
     /// The held jobs (`held-jobs.json`); none when there is no file.
     fn load_holds(&mut self) -> Result<Holds, HoldsError>;
     fn save_holds(&mut self, holds: &Holds) -> Result<()>;
+    /// What the pool's other slots hold (`core::slots`). A store of a slot that is alone holds
+    /// nothing beside it.
+    fn others(&mut self) -> Result<Others> {
+        Ok(Others::default())
+    }
+    /// Writes `state`, which claims `job_id` (a new registration's intent, or a new cycle), unless
+    /// another slot of the pool holds that job: then nothing is written and the answer names it.
+    /// Atomic against the other slots' claims (the pool's claims lock).
+    fn save_claiming(&mut self, state: &CycleState, _job_id: i64) -> Result<Claim> {
+        self.save(state).map(|()| Claim::Saved)
+    }
+}
+
+/// The answer of [`StateStore::save_claiming`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Claim {
+    Saved,
+    /// Another slot holds the job (its name); nothing was written.
+    HeldBy(String),
 }
 
 pub enum Sleep {

@@ -77,7 +77,7 @@ pub struct SweepReport {
     pub listed: usize,
     /// False when the listing ended short of Forgejo's count: some rows may not have been seen.
     pub listing_complete: bool,
-    /// Offline registrations with our prefix.
+    /// Offline registrations with our prefix that were not spared.
     pub found: usize,
     pub deleted: Vec<SweptRunner>,
     /// Answered 404: someone else deleted them first.
@@ -85,6 +85,13 @@ pub struct SweepReport {
     pub failed: Vec<SweptRunner>,
     /// Registrations with our prefix whose status was missing or unknown: never deleted.
     pub skipped_doubtful: Vec<SweptRunner>,
+    /// Offline registrations with our prefix whose name shows they were created less than the
+    /// minimum age ago (`core::slots::sweep_min_age`): their owner may still be starting them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub spared_young: Vec<SweptRunner>,
+    /// Offline registrations with our prefix that another slot of this pool holds.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub spared_held: Vec<SweptRunner>,
     /// Deletable registrations left for the next sweep because of `--sweep-max-deletions`.
     pub left_over_cap: usize,
     /// Set when listing failed: then nothing at all was deleted.

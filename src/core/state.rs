@@ -48,8 +48,9 @@ pub enum Launch {
 /// One ephemeral registration this cycle created (or intends to create).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Registration {
-    /// `<prefix><cycle id>-<n>`: unique to this registration, so a POST whose answer was lost
-    /// can be found again by exact name.
+    /// `<prefix><cycle id>-<n>-<time>` (`core::slots::registration_name`; older names lack the
+    /// time): unique to this registration, so a POST whose answer was lost can be found again by
+    /// exact name.
     pub name: String,
     /// `None` until Forgejo answered the POST: the registration may or may not exist.
     pub id: Option<i64>,
@@ -186,6 +187,10 @@ pub struct CycleState {
     /// Runners started on this VM whose registrations are gone, until the cycle ends.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub previous: Vec<PreviousRunner>,
+    /// The job this cycle was started for, until its first registration: the pool's other slots
+    /// leave it to this one (`core::slots`). Written with the new cycle, under the claims lock.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub claim: Option<i64>,
 }
 
 impl CycleState {
@@ -215,6 +220,7 @@ impl CycleState {
             outputs: BTreeMap::new(),
             boundary: None,
             previous: Vec::new(),
+            claim: None,
         }
     }
 

@@ -9,8 +9,8 @@ use crate::core::model::Deletable;
 use crate::core::planner;
 use crate::core::planner::{DeleteReason, Observation, Policy, RunContext, Step, TeardownReason};
 use crate::core::ports::{
-    Clock, Deleted, Forgejo, LaunchRequest, Launcher, Outputs, ProcessCheck, Sleep, StateStore,
-    Tofu,
+    Claim, Clock, Deleted, Forgejo, LaunchRequest, Launcher, Outputs, ProcessCheck, Sleep,
+    StateStore, Tofu,
 };
 use crate::core::report::{ALREADY_GONE, DELETED, PLANNED, Report, Stopwatch};
 use crate::core::state::{
@@ -159,6 +159,26 @@ impl Driver<'_, '_> {
         }
     }
 
+    /// Writes `state` (not yet this driver's), which claims `job_id`, unless another slot holds
+    /// that job (`StateStore::save_claiming`). `Err` as for [`Self::save`].
+    fn save_claiming(&mut self, state: &CycleState, job_id: i64) -> Result<Claim, SaveFailed> {
+        self.report.sync_audit();
+        match self.w.store.save_claiming(state, job_id) {
+            Ok(claim) => {
+                self.progressed = true;
+                Ok(claim)
+            }
+            Err(e) => {
+                self.report.fail(format!(
+                    "cannot write {}: {e:#}; stopping before any further side effect",
+                    self.w.store.describe()
+                ));
+                self.report.outcome = "failed".into();
+                Err(SaveFailed)
+            }
+        }
+    }
+
     /// Writes cycle.json on a path that ends the run either way: a failure is in the report
     /// already (`save` logged it at error level; the exit status is 1), nothing is left to stop.
     fn save_before_ending(&mut self) {
@@ -201,15 +221,29 @@ impl Driver<'_, '_> {
             }
         };
         if want_jobs {
-            match self.w.forgejo.list_jobs() {
-                Ok(jobs) => {
+            // Read before the jobs: a claim another slot writes meanwhile is caught again under
+            // the claims lock, when this slot claims a job itself.
+            let others = match self.w.store.others() {
+                Ok(o) => Some(o),
+                Err(e) => {
+                    failed = true;
+                    self.report.fail(format!(
+                        "{e:#}; no job is served while the other slots' claims are unknown"
+                    ));
+                    None
+                }
+            };
+            match others.map(|o| (o, self.w.forgejo.list_jobs())) {
+                None => {}
+                Some((o, Ok(jobs))) => {
+                    obs.claimed_elsewhere = o.claimed_jobs();
                     // A held job that is no longer listed (done, cancelled, re-run) is forgotten.
                     if self.ctx.holds.prune(&jobs) {
                         self.save_holds();
                     }
                     obs.jobs = Some(jobs);
                 }
-                Err(e) => {
+                Some((_, Err(e))) => {
                     failed = true;
                     self.report
                         .fail(format!("asking Forgejo for jobs failed: {e}"));
@@ -332,7 +366,7 @@ impl Driver<'_, '_> {
     /// Carries out one step. `Some(end)` ends the run.
     fn act(&mut self, step: Step, now: Timestamp) -> Option<End> {
         match step {
-            Step::StartCycle => self.start_cycle(now),
+            Step::StartCycle { job_id } => self.start_cycle(job_id, now),
             Step::Apply => self.apply(),
             Step::ResolveIntent { name } => self.resolve_intent(&name),
             Step::Forget { id } => {
@@ -407,11 +441,18 @@ impl Driver<'_, '_> {
             Step::Sweep(licence) => {
                 let sw = Stopwatch::start(&*self.w.clock);
                 let audit = &mut *self.report;
+                let store = &mut *self.w.store;
+                let spare = sweep::Spare {
+                    now: self.w.clock.now(),
+                    min_age: self.cfg.policy.sweep_min_age,
+                    others: &mut || store.others(),
+                };
                 let report = sweep::sweep_with(
                     self.w.forgejo,
                     &licence,
                     &self.cfg.policy.runner_prefix,
                     self.cfg.sweep_max_deletions,
+                    spare,
                     &mut |r, result| audit.sweep_deletion(r, result, &licence),
                 );
                 let failures = crate::core::listing::sweep_failures(&report);
@@ -568,6 +609,7 @@ mod tests {
                 hard_deadline: Duration::from_secs(7200),
                 intent_settle: Duration::from_secs(10),
                 job_pickup_timeout: Duration::from_secs(600),
+                sweep_min_age: Duration::from_secs(420),
                 reuse_within: crate::core::planner::ReuseWithin::Repo,
             },
             poll_interval: Duration::from_secs(5),

@@ -9,6 +9,7 @@ use crate::core::model::{Runner, is_ours};
 use crate::core::planner::DeleteReason;
 use crate::core::ports::{Deleted, Forgejo};
 use crate::core::report::{SweepReport, SweptRunner};
+use crate::core::slots::{Others, Spared, SweepGuard};
 
 pub fn list_all(
     forgejo: &mut dyn Forgejo,
@@ -118,7 +119,21 @@ pub fn sweep(
     prefix: &str,
     cap: usize,
 ) -> SweepReport {
-    sweep_with(forgejo, licence, prefix, cap, &mut |_, _| {})
+    let spare = Spare {
+        now: crate::core::time::Timestamp(0),
+        min_age: std::time::Duration::ZERO,
+        others: &mut || Ok(Others::default()),
+    };
+    sweep_with(forgejo, licence, prefix, cap, spare, &mut |_, _| {})
+}
+
+/// What the sweep spares although it passed the gate: registrations whose name shows they are
+/// younger than `min_age` at `now`, and those the pool's other slots hold (`others`, read once
+/// the listing is complete, so that a registration created meanwhile is in it).
+pub struct Spare<'a> {
+    pub now: crate::core::time::Timestamp,
+    pub min_age: std::time::Duration,
+    pub others: &'a mut dyn FnMut() -> anyhow::Result<Others>,
 }
 
 /// What one DELETE of the sweep did: gone (204 or 404), or the error.
@@ -132,6 +147,7 @@ pub fn sweep_with(
     licence: &SweepLicence,
     prefix: &str,
     cap: usize,
+    spare: Spare<'_>,
     on_delete: &mut dyn FnMut(&SweptRunner, Option<DeleteResult>),
 ) -> SweepReport {
     log::debug!("sweep licensed: {}", licence.evidence());
@@ -155,7 +171,38 @@ pub fn sweep_with(
         );
     }
     crate::crash_point!("sweep-listed");
-    let sel = select(&listing, prefix, cap);
+    let guard = match (spare.others)() {
+        Ok(others) => SweepGuard {
+            now: spare.now,
+            min_age: spare.min_age,
+            held: others.names,
+        },
+        Err(e) => {
+            report.error = Some(format!(
+                "{e:#}; deleting nothing while another slot's registrations are unknown"
+            ));
+            return report;
+        }
+    };
+    let sel = select(&listing, prefix, cap, &guard);
+    for (r, why) in &sel.spared {
+        let (list, what) = match why {
+            Spared::TooYoung => (
+                &mut report.spared_young,
+                "its name shows it is too young to judge",
+            ),
+            Spared::HeldByAnotherSlot => (
+                &mut report.spared_held,
+                "another slot of this pool holds it",
+            ),
+        };
+        log::info!(
+            "sweep: not deleting offline runner {} ({}): {what}",
+            r.id,
+            r.name.as_deref().unwrap_or("?")
+        );
+        list.push(swept(r));
+    }
     report.found = sel.found;
     report.left_over_cap = sel.left_over_cap;
     report.skipped_doubtful = sel.doubtful.iter().map(swept).collect();
@@ -394,7 +441,7 @@ mod tests {
             total: None,
             distinct: 4,
         };
-        let sel = select(&listing, "ephemeral-", 2);
+        let sel = select(&listing, "ephemeral-", 2, &no_guard());
         assert_eq!(
             sel.delete.iter().map(|(d, _)| d.id()).collect::<Vec<_>>(),
             vec![514]
@@ -405,13 +452,22 @@ mod tests {
             vec![604, 605]
         );
         assert!(
-            select(&listing, "", 100).delete.is_empty(),
+            select(&listing, "", 100, &no_guard()).delete.is_empty(),
             "an empty prefix owns nothing"
         );
     }
 
     fn licence() -> SweepLicence {
         crate::core::licence::without_cycle(None, "cycle.json", None).unwrap()
+    }
+
+    /// A guard that spares nothing: no other slot, and no name too young.
+    fn no_guard() -> SweepGuard {
+        SweepGuard {
+            now: crate::core::time::Timestamp(0),
+            min_age: std::time::Duration::ZERO,
+            held: Default::default(),
+        }
     }
 
     type ScriptedPage = Result<(Vec<Runner>, Option<u64>), String>;

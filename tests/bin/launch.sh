@@ -44,7 +44,8 @@ post() {
     curl -sS -m 5 -o /dev/null -w '%{http_code}' -X POST -H "X-Runner-UUID: $RUNNER_UUID" \
         --data-binary @"$tokenfile" "$FORGEJO_URL/_fake/$1" || echo 000
 }
-vm_exists() { ls "$VM_DIR"/vm-* > /dev/null 2>&1; }
+# This runner's VM (TOFU_OUTPUT_VM, the module's output), or any VM.
+vm_exists() { ls "$VM_DIR"/vm-"${TOFU_OUTPUT_VM:-*}" > /dev/null 2>&1; }
 # A live process (a zombie is not: nothing may reap an orphan here).
 alive() {
     [ -n "$1" ] && kill -0 "$1" 2> /dev/null &&
@@ -107,6 +108,8 @@ hang) sleep 600 ;;
 noop) exit 0 ;;
 esac
 mkdir -p "$VM_DIR/runners"
+# Which VM it runs on: the destroy of another VM leaves it running.
+[ -n "${TOFU_OUTPUT_VM:-}" ] && printf '%s\n' "$TOFU_OUTPUT_VM" > "$VM_DIR/runner-vm.$RUNNER_UUID"
 # The token file on the VM (what `--token-url file:` would read).
 (umask 077 && printf '%s\n' "$token" > "$tokenfile")
 labels="labels=$RUNNER_LABELS"

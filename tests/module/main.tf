@@ -4,11 +4,17 @@ variable "cycle_id" {
   type = string
 }
 
+# The pool's slot (TF_VAR_slot): which slot's VM this is, in the VM log.
+variable "slot" {
+  type    = number
+  default = 1
+}
+
 resource "terraform_data" "vm" {
   input = var.cycle_id
 
   provisioner "local-exec" {
-    command = "sh ${path.module}/vm.sh create ${self.input}"
+    command = "sh ${path.module}/vm.sh create ${self.input} ${var.slot}"
   }
 
   provisioner "local-exec" {
@@ -19,6 +25,11 @@ resource "terraform_data" "vm" {
 
 output "address" {
   value = "127.0.0.1"
+}
+
+# Which VM a runner is started on (TOFU_OUTPUT_VM): the destroy of one VM stops only its runners.
+output "vm" {
+  value = var.cycle_id
 }
 
 output "ssh_private_key" {

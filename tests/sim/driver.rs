@@ -58,6 +58,7 @@ pub fn config(max_jobs: u32) -> CycleConfig {
             hard_deadline: m(60),
             intent_settle: Duration::from_millis(2 * HTTP_TIMEOUT_MS as u64),
             job_pickup_timeout: Duration::from_millis(PICKUP_MS as u64),
+            sweep_min_age: Duration::from_secs(420),
             reuse_within: ReuseWithin::Repo,
         },
         poll_interval: Duration::from_millis(POLL_MS as u64),

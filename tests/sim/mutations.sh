@@ -107,11 +107,8 @@ mutate "sweep-without-destroy" src/core/planner/after.rs \
     ''
 
 mutate "apply-before-intent" src/driver/cycle/vm.rs \
-    '        self.report.cycle_id = Some(id.clone());
-        if self.save().is_err() {
-            return Some(End::Done);
-        }' \
-    '        self.report.cycle_id = Some(id.clone());'
+    '        match self.save_claiming(&state, job_id) {' \
+    '        match Ok::<Claim, SaveFailed>(Claim::Saved) {'
 
 mutate "no-sweep" src/core/planner/after.rs \
     '    if !ctx.swept {
@@ -145,7 +142,7 @@ mutate "no-wrong-labels-teardown" src/core/planner/running.rs \
     '        && declared.is_empty() && false'
 
 mutate "holds-ignored" src/core/planner.rs \
-    '    w.retain(|j| !ctx.holds.is_held(&j.handle, now));' \
+    '!ctx.holds.is_held(&j.handle, now) && ' \
     ''
 
 mutate "hold-not-written" src/driver/cycle.rs \

@@ -167,7 +167,7 @@ pub(super) fn decide_running(
         };
     }
     if let Some(jobs) = obs.jobs.as_deref() {
-        let servable = servable_jobs(jobs, policy, ctx, now);
+        let servable = servable_jobs(jobs, obs, policy, ctx, now);
         match servable.iter().find(|j| may_follow(state, policy, j)) {
             Some(job) => {
                 // No runner can start, and no earlier one be checked: the VM goes (a cycle

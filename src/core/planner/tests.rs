@@ -43,6 +43,7 @@ fn policy() -> Policy {
         hard_deadline: Duration::from_secs(24 * 3600),
         intent_settle: Duration::ZERO,
         job_pickup_timeout: Duration::from_secs(PICKUP as u64 / 1000),
+        sweep_min_age: Duration::from_secs(420),
         reuse_within: ReuseWithin::Repo,
     }
 }
@@ -140,6 +141,7 @@ fn obs(jobs: Option<Vec<Job>>, runners: Vec<(i64, Option<Runner>)>) -> Observati
         jobs,
         runners: runners.into_iter().collect(),
         launch_problem: None,
+        claimed_elsewhere: Default::default(),
     }
 }
 
@@ -249,7 +251,7 @@ fn builders_agree_with_the_policy() {
 fn no_state_with_a_waiting_matching_job_starts_a_cycle() {
     assert_eq!(
         no_state(&obs(Some(vec![waiting_debian(5)]), vec![])),
-        Step::StartCycle
+        Step::StartCycle { job_id: 5 }
     );
     // Mixed with jobs that do not count.
     let jobs = vec![
@@ -258,7 +260,10 @@ fn no_state_with_a_waiting_matching_job_starts_a_cycle() {
         job(3, "waiting", &[]),
         job(4, "waiting", &["debian"]),
     ];
-    assert_eq!(no_state(&obs(Some(jobs), vec![])), Step::StartCycle);
+    assert_eq!(
+        no_state(&obs(Some(jobs), vec![])),
+        Step::StartCycle { job_id: 4 }
+    );
 }
 
 #[test]
@@ -1664,7 +1669,7 @@ fn check_rules(st: &CycleState, o: &Observation, c: &RunContext, p: &Policy, now
             assert_eq!(st.phase, Phase::Running);
             assert!(st.registrations.is_empty(), "Register while one is watched");
         }
-        Step::StartCycle | Step::Idle => panic!("{step:?} with a cycle.json"),
+        Step::StartCycle { .. } | Step::Idle => panic!("{step:?} with a cycle.json"),
         _ => {}
     }
 }
@@ -1707,6 +1712,7 @@ fn safety_rules_hold_for_every_combination_of_one_registration() {
                                     jobs: jobs.clone(),
                                     runners: runners.clone(),
                                     launch_problem: None,
+                                    claimed_elsewhere: Default::default(),
                                 };
                                 for destroyed_this_run in [false, true] {
                                     for failed_delete in [false, true] {
@@ -1764,6 +1770,7 @@ fn safety_rules_hold_for_every_combination_of_two_registrations() {
                                         jobs: Some(vec![waiting_debian(3)]),
                                         runners,
                                         launch_problem: None,
+                                        claimed_elsewhere: Default::default(),
                                     };
                                     for destroyed_this_run in [false, true] {
                                         for failed in [false, true] {
@@ -2059,12 +2066,12 @@ fn a_held_job_gets_no_runner_until_its_hold_ends() {
     );
     assert_eq!(
         decide(None, &jobs, &held(5, HOUR), &policy(), at(HOUR)),
-        Step::StartCycle
+        Step::StartCycle { job_id: 5 }
     );
     // A held job of another attempt (another handle) holds nothing here.
     assert_eq!(
         decide(None, &jobs, &held(6, HOUR), &policy(), at(0)),
-        Step::StartCycle
+        Step::StartCycle { job_id: 5 }
     );
     // A free VM serves the next waiting job, not the held one, and idles out on held ones.
     let mut st = state(Phase::Running);
@@ -2286,5 +2293,43 @@ fn the_next_runner_starts_only_once_the_previous_process_is_known_gone() {
     assert_eq!(
         plan(&st, &obs(Some(vec![]), vec![]), &ctx(), at(2 * MIN)),
         not_gone
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Parallel slots: what another slot holds is never served here
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn a_job_another_slot_holds_gets_no_cycle_and_no_runner_here() {
+    let mut o = obs(Some(vec![waiting_debian(5), waiting_debian(9)]), vec![]);
+    o.claimed_elsewhere = [5].into();
+    // No cycle: the next job is the one this slot starts for.
+    assert_eq!(no_state(&o), Step::StartCycle { job_id: 9 });
+    o.claimed_elsewhere = [5, 9].into();
+    assert_eq!(no_state(&o), Step::Idle);
+    // A free VM: the held job is not registered for, and the VM idles out on it.
+    let mut st = state(Phase::Running);
+    st.vm_ready_at = Some(at(0));
+    st.free_since = Some(at(0));
+    o.claimed_elsewhere = [5].into();
+    assert_eq!(
+        plan(&st, &o, &ctx(), at(MIN)),
+        Step::Register {
+            job_id: 9,
+            job_handle: handle(9),
+            boundary: Boundary {
+                repo_id: Some(1),
+                owner_id: Some(1),
+            },
+        }
+    );
+    o.claimed_elsewhere = [5, 9].into();
+    assert!(is_wait(&plan(&st, &o, &ctx(), at(MIN))));
+    assert_eq!(
+        plan(&st, &o, &ctx(), at(IDLE)),
+        Step::Teardown {
+            reason: TeardownReason::Idle
+        }
     );
 }

@@ -386,11 +386,13 @@ impl Driver<'_, '_> {
         // Intent first: the name is unique, so a lost answer can be found again.
         // The cycle's own prefix: its registrations stay deletable by it whatever is configured now.
         let prefix = self.cycle_prefix();
-        let s = self.state.as_mut()?;
+        let mut s = self.state.clone()?;
         // The first job draws the VM's trust boundary, written with the first intent.
         s.boundary.get_or_insert(boundary);
-        let name = format!("{prefix}{}-{}", s.cycle_id, s.next_seq);
+        let name = crate::core::slots::registration_name(&prefix, &s.cycle_id, s.next_seq, now);
         s.next_seq += 1;
+        // The intent claims its job (the cycle's start claim has done its work).
+        s.claim = None;
         s.registrations
             .push(crate::core::state::Registration::intent(
                 name.clone(),
@@ -398,8 +400,13 @@ impl Driver<'_, '_> {
                 job_handle.to_string(),
                 now,
             ));
-        if self.save().is_err() {
-            return Some(End::Done);
+        match self.save_claiming(&s, job_id) {
+            Err(SaveFailed) => return Some(End::Done),
+            Ok(Claim::HeldBy(slot)) => {
+                log::info!("job {job_id} was claimed by {slot} meanwhile; not registering for it");
+                return None;
+            }
+            Ok(Claim::Saved) => self.state = Some(s),
         }
         crate::crash_point!("register-intent-written");
 

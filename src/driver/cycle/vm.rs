@@ -3,7 +3,9 @@
 use super::*;
 
 impl Driver<'_, '_> {
-    pub(super) fn start_cycle(&mut self, now: Timestamp) -> Option<End> {
+    /// A new cycle.json, claiming `job_id` for this slot; nothing when another slot of the pool
+    /// claimed it meanwhile (the next observation shows that claim).
+    pub(super) fn start_cycle(&mut self, job_id: i64, now: Timestamp) -> Option<End> {
         if let Err(e) = self.w.tofu.check_config() {
             return Some(End::Config(format!("a job is waiting but {e:#}")));
         }
@@ -16,11 +18,17 @@ impl Driver<'_, '_> {
         state
             .runner_prefix
             .clone_from(&self.cfg.policy.runner_prefix);
+        state.claim = Some(job_id);
+        match self.save_claiming(&state, job_id) {
+            Err(SaveFailed) => return Some(End::Done),
+            Ok(Claim::HeldBy(slot)) => {
+                log::info!("job {job_id} was claimed by {slot} meanwhile; no cycle for it here");
+                return None;
+            }
+            Ok(Claim::Saved) => {}
+        }
         self.state = Some(state);
         self.report.cycle_id = Some(id.clone());
-        if self.save().is_err() {
-            return Some(End::Done);
-        }
         crate::crash_point!("cycle-started-written");
         self.report
             .event("start_cycle", true, format!("cycle {id}"));

@@ -1,0 +1,237 @@
+//! Parallel slots of one pool: what the other slots hold (their claims on jobs and their
+//! registrations' names), and when a registration is too young for a sweep to judge.
+//!
+//! Each slot runs the single-VM cycle with its own cycle.json. A slot claims a job in its
+//! cycle.json before it registers for it (the intent, or the job a new cycle is started for),
+//! under the pool's claims lock; the claim is released when that registration is forgotten, and
+//! a slot whose cycle.json is gone claims nothing. A sweep spares what another slot holds and any
+//! registration whose name shows it was created less than [`sweep_min_age`] ago.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use crate::core::state::{CycleState, Phase};
+use crate::core::time::Timestamp;
+
+/// Most slots one pool may have.
+pub const MAX_SLOTS: u32 = 64;
+
+/// Added to a registration's own deadlines before a sweep may judge it: Forgejo marks a runner
+/// offline 60 s after its last contact, and clocks of hosts differ a little.
+pub const SWEEP_AGE_MARGIN: Duration = Duration::from_secs(60);
+
+/// The directory name of slot `k` (≥ 2) inside the pool's state directory; slot 1 keeps its files
+/// in the state directory itself, as a pool without slots always did.
+pub fn slot_dir_name(k: u32) -> Option<String> {
+    (k >= 2).then(|| format!("slot-{k}"))
+}
+
+/// The slot number of a directory named by [`slot_dir_name`].
+pub fn parse_slot_dir_name(name: &str) -> Option<u32> {
+    let n = name.strip_prefix("slot-")?;
+    if n.starts_with('0') || !n.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    n.parse().ok().filter(|k| *k >= 2)
+}
+
+/// What the other slots of this pool hold, read from their cycle.json files.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Others {
+    /// Jobs another slot registered for (or is about to), or started its cycle for: which slot.
+    pub claimed: BTreeMap<i64, String>,
+    /// Names of every registration in another slot's cycle.json, intents included.
+    pub names: BTreeSet<String>,
+}
+
+impl Others {
+    /// Adds what the cycle of `slot` (its name, for messages) holds.
+    pub fn add(&mut self, slot: &str, state: &CycleState) {
+        for r in &state.registrations {
+            self.claimed.insert(r.job_id, slot.to_string());
+            self.names.insert(r.name.clone());
+        }
+        // The job a cycle was started for, until its first registration: only while the cycle
+        // may still register (a cycle being torn down starts no runner).
+        if let Some(job) = state.claim
+            && matches!(state.phase, Phase::Applying | Phase::Running)
+        {
+            self.claimed.insert(job, slot.to_string());
+        }
+    }
+
+    pub fn claimed_jobs(&self) -> BTreeSet<i64> {
+        self.claimed.keys().copied().collect()
+    }
+}
+
+/// The name of a registration created at `at`: `<prefix><cycle id>-<n>-<compact time>`. The
+/// time lets any sweep (another slot's, another host's) tell that it is too young to judge.
+pub fn registration_name(prefix: &str, cycle_id: &str, seq: u32, at: Timestamp) -> String {
+    format!("{prefix}{cycle_id}-{seq}-{}", at.compact())
+}
+
+/// When a registration was created, from its name: `Some(Ok(t))` for a name of
+/// [`registration_name`]'s form, `None` for a name without a time (from before names carried
+/// one), `Some(Err(()))` for a last part shaped like a time that is none (never judged).
+pub fn registered_at(name: &str) -> Option<Result<Timestamp, ()>> {
+    let last = name.rsplit('-').next()?;
+    let b = last.as_bytes();
+    let shaped = b.len() == 16
+        && b[8] == b't'
+        && b[15] == b'z'
+        && b[..8].iter().chain(&b[9..15]).all(u8::is_ascii_digit);
+    if !shaped {
+        return None;
+    }
+    let rfc = format!(
+        "{}-{}-{}T{}:{}:{}Z",
+        &last[0..4],
+        &last[4..6],
+        &last[6..8],
+        &last[9..11],
+        &last[11..13],
+        &last[13..15]
+    );
+    Some(Timestamp::parse_rfc3339(&rfc).map_err(|_| ()))
+}
+
+/// How old a registration must be before a sweep may delete it: its owner may still be starting
+/// it until the POST has settled (`intent_settle`), the launch command has had its time and the
+/// runner its registration grace to connect; plus [`SWEEP_AGE_MARGIN`].
+pub fn sweep_min_age(
+    registration_grace: Duration,
+    launch_timeout: Duration,
+    intent_settle: Duration,
+) -> Duration {
+    registration_grace
+        .saturating_add(launch_timeout)
+        .saturating_add(intent_settle)
+        .saturating_add(SWEEP_AGE_MARGIN)
+}
+
+/// Why the sweep leaves a registration alone although it passed the deletion gate.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Spared {
+    /// Its name shows it was created less than the minimum age ago (or in the future, or its
+    /// time cannot be read): its owner may still be starting it.
+    TooYoung,
+    /// Another slot of this pool holds it in its cycle.json.
+    HeldByAnotherSlot,
+}
+
+/// What a sweep must spare, and when it runs.
+#[derive(Clone, Debug)]
+pub struct SweepGuard {
+    pub now: Timestamp,
+    pub min_age: Duration,
+    /// Names held by the other slots, read after the listing.
+    pub held: BTreeSet<String>,
+}
+
+impl SweepGuard {
+    /// Pure: whether (and why) the sweep spares the registration called `name`.
+    pub fn spares(&self, name: &str) -> Option<Spared> {
+        if self.held.contains(name) {
+            return Some(Spared::HeldByAnotherSlot);
+        }
+        match registered_at(name) {
+            None => None,
+            Some(Err(())) => Some(Spared::TooYoung),
+            Some(Ok(t)) if t > self.now || self.now.since(t) < self.min_age => {
+                Some(Spared::TooYoung)
+            }
+            Some(Ok(_)) => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::state::Registration;
+
+    fn ts(s: &str) -> Timestamp {
+        Timestamp::parse_rfc3339(s).unwrap()
+    }
+
+    #[test]
+    fn a_name_carries_its_time_and_gives_it_back() {
+        let at = ts("2026-12-01T20:10:57Z");
+        let name = registration_name("ephemeral-", "20261201t201000z-ab12", 3, at);
+        assert_eq!(name, "ephemeral-20261201t201000z-ab12-3-20261201t201057z");
+        assert_eq!(registered_at(&name), Some(Ok(at)));
+        // A name from before: its last part is the sequence number.
+        assert_eq!(registered_at("ephemeral-20261201t201000z-ab12-3"), None);
+        assert_eq!(registered_at("ephemeral-20261301t201057z"), Some(Err(())));
+    }
+
+    #[test]
+    fn the_guard_spares_the_young_and_the_held_and_no_one_else() {
+        let now = ts("2026-12-01T21:00:00Z");
+        let g = SweepGuard {
+            now,
+            min_age: Duration::from_secs(420),
+            held: ["ephemeral-held-1".to_string()].into(),
+        };
+        let at = |secs_ago: u64| {
+            registration_name(
+                "ephemeral-",
+                "c",
+                1,
+                Timestamp(now.0 - secs_ago as i64 * 1000),
+            )
+        };
+        assert_eq!(g.spares(&at(419)), Some(Spared::TooYoung));
+        assert_eq!(g.spares(&at(0)), Some(Spared::TooYoung));
+        assert_eq!(
+            g.spares(&registration_name(
+                "e-",
+                "c",
+                1,
+                now.plus(Duration::from_secs(5))
+            )),
+            Some(Spared::TooYoung)
+        );
+        assert_eq!(g.spares(&at(420)), None);
+        assert_eq!(
+            g.spares("ephemeral-held-1"),
+            Some(Spared::HeldByAnotherSlot)
+        );
+        assert_eq!(g.spares("ephemeral-20261201t201000z-ab12-3"), None);
+        assert_eq!(
+            g.spares("ephemeral-c-1-20269999t999999z"),
+            Some(Spared::TooYoung)
+        );
+    }
+
+    #[test]
+    fn other_slots_claim_their_registrations_jobs_and_a_starting_cycles_job() {
+        let now = ts("2026-12-01T21:00:00Z");
+        let mut s = CycleState::new("c1".into(), now);
+        s.claim = Some(7);
+        s.registrations
+            .push(Registration::intent("p-c1-1-x".into(), 5, "h5".into(), now));
+        let mut o = Others::default();
+        o.add("slot 2", &s);
+        assert_eq!(o.claimed_jobs(), [5, 7].into());
+        assert_eq!(o.names, ["p-c1-1-x".to_string()].into());
+        // Torn down: the job it started for is free; its registration still holds its job.
+        s.phase = Phase::TearingDown;
+        let mut o = Others::default();
+        o.add("slot 2", &s);
+        assert_eq!(o.claimed_jobs(), [5].into());
+    }
+
+    #[test]
+    fn slot_directories_round_trip() {
+        assert_eq!(slot_dir_name(1), None);
+        assert_eq!(slot_dir_name(2).as_deref(), Some("slot-2"));
+        assert_eq!(parse_slot_dir_name("slot-12"), Some(12));
+        for bad in [
+            "slot-1", "slot-0", "slot-02", "slot-", "slot-x", "slots-2", "slot-2a",
+        ] {
+            assert_eq!(parse_slot_dir_name(bad), None, "{bad}");
+        }
+    }
+}
