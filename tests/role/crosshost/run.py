@@ -4,7 +4,7 @@
 Applies tests/role/crosshost/site.yml to each inventory in tests/role/crosshost/inventory/ and
 checks the outcome: overlapping prefixes on two hosts and equal ones fail, naming both hosts,
 both pools and both prefixes and saying how to fix it; prefixes templated with each host's
-short name pass. And the role's preflight imports the check. Usage: run.py ANSIBLE_PLAYBOOK
+short name pass, and so does a play of one host. And the role's preflight imports the check. Usage: run.py ANSIBLE_PLAYBOOK
 (the venv's; .ci/role passes it and runs this with the venv's python, which has PyYAML).
 """
 import os
@@ -41,6 +41,7 @@ CASES = {
         ],
     ),
     "distinct": (True, ["ci-1.example.org           : ok=3 ", "ci-10.example.org          : ok=3 "]),
+    "single": (True, ["ci-a.example.org           : ok=3 "]),
 }
 
 
