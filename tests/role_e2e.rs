@@ -42,17 +42,53 @@ fn metrics_file(pool: &str) -> String {
     format!("{METRICS_DIR}/ci-ephemeral-provisioner-{pool}.prom")
 }
 
-/// The value of the sample `series` (name and labels, as written) in a Prometheus text file.
-fn sample(text: &str, series: &str) -> Option<f64> {
+/// The metrics file of slot K >= 2 of a pool with slots > 1 (slot 1 writes the pool's).
+fn slot_metrics_file(pool: &str, slot: u32) -> String {
+    format!("{METRICS_DIR}/ci-ephemeral-provisioner-{pool}.slot-{slot}.prom")
+}
+
+/// A sample line's metric name and labels (`name{a="1",b="2"} value`), and its value.
+fn parse_sample(line: &str) -> Option<(&str, BTreeMap<&str, &str>, f64)> {
+    let (series, value) = line.rsplit_once(' ')?;
+    let (name, labels) = match series.split_once('{') {
+        Some((name, rest)) => (name, rest.strip_suffix('}')?),
+        None => (series, ""),
+    };
+    let labels = labels
+        .split(',')
+        .filter(|l| !l.is_empty())
+        .map(|l| {
+            let (k, v) = l.split_once('=')?;
+            Some((k, v.strip_prefix('"')?.strip_suffix('"')?))
+        })
+        .collect::<Option<BTreeMap<_, _>>>()?;
+    Some((name, labels, value.trim().parse().ok()?))
+}
+
+/// The value of the sample `name` whose labels are exactly `labels` (in any order).
+fn sample(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    let want: BTreeMap<&str, &str> = labels.iter().copied().collect();
     text.lines()
-        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
-        .and_then(|v| v.trim().parse().ok())
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(parse_sample)
+        .find(|(n, l, _)| *n == name && *l == want)
+        .map(|(_, _, v)| v)
 }
 
 /// The pool's metrics file: mode 0644, and every sample carries `pool="<pool>"` (so the files of
 /// several pools can share the textfile directory). Returns its text.
 fn pool_metrics(host: &Host, pool: &str) -> String {
-    let path = metrics_file(pool);
+    metrics_at(host, &metrics_file(pool), &[("pool", pool)])
+}
+
+/// A metrics file of `pool`'s: mode 0644, owned by the pool's user, more than ten samples, and
+/// every sample carries the labels `want` (and maybe others). Returns its text.
+fn metrics_at(host: &Host, path: &str, want: &[(&str, &str)]) -> String {
+    let pool = want
+        .iter()
+        .find(|(k, _)| *k == "pool")
+        .expect("a pool label")
+        .1;
     assert_eq!(
         host.sh_ok(&format!("stat -c '%a %U' {path}")).trim(),
         format!("644 {}", pool_user(pool)),
@@ -64,12 +100,16 @@ fn pool_metrics(host: &Host, pool: &str) -> String {
         .filter(|l| !l.is_empty() && !l.starts_with('#'))
         .collect();
     assert!(samples.len() > 10, "{path}:\n{text}");
-    let label = format!("{{pool=\"{pool}\"");
     for l in &samples {
-        assert!(
-            l.contains(&label),
-            "a sample without {label}}} in {path}: {l}"
-        );
+        let (_, labels, _) =
+            parse_sample(l).unwrap_or_else(|| panic!("not a sample in {path}: {l}"));
+        for (k, v) in want {
+            assert_eq!(
+                labels.get(k),
+                Some(v),
+                "a sample without {k}=\"{v}\" in {path}: {l}"
+            );
+        }
     }
     text
 }
@@ -105,7 +145,16 @@ impl Host {
 
     /// Runs the script; (success, stdout + stderr).
     fn script(&self, args: &[&str]) -> (bool, String) {
-        let out = Command::new(&self.script)
+        self.script_with(args, None)
+    }
+
+    /// Runs the script, with PLAYBOOK (for `play`) when given; (success, stdout + stderr).
+    fn script_with(&self, args: &[&str], playbook: Option<&Path>) -> (bool, String) {
+        let mut cmd = Command::new(&self.script);
+        if let Some(book) = playbook {
+            cmd.env("PLAYBOOK", book);
+        }
+        let out = cmd
             .args(args)
             .stdin(Stdio::null())
             .output()
@@ -120,11 +169,18 @@ impl Host {
 
     /// ansible-playbook with these variables; (success, output, changed count).
     fn play(&self, name: &str, vars: &str) -> (bool, String, usize) {
+        self.play_with(name, vars, None)
+    }
+
+    fn play_with(&self, name: &str, vars: &str, playbook: Option<&Path>) -> (bool, String, usize) {
         let started = Instant::now();
         let file = self.work.join(format!("{name}.yml"));
         fs::write(&file, vars).unwrap();
         // --diff shows the content of every changed file, except where the role says no_log.
-        let (ok, out) = self.script(&["play", path_str(&self.work), path_str(&file), "--diff"]);
+        let (ok, out) = self.script_with(
+            &["play", path_str(&self.work), path_str(&file), "--diff"],
+            playbook,
+        );
         fs::write(self.work.join(format!("{name}.log")), &out).unwrap();
         eprintln!("play {name}: ok={ok} in {:.1?}", started.elapsed());
         let changed = out
@@ -140,6 +196,15 @@ impl Host {
             })
             .sum();
         (ok, out, changed)
+    }
+
+    /// Another playbook of tests/role/ (not site.yml) with these variables.
+    fn play_book(&self, name: &str, playbook: &str, vars: &str) -> (bool, String, usize) {
+        self.play_with(
+            name,
+            vars,
+            Some(&manifest().join("tests/role").join(playbook)),
+        )
     }
 
     /// Runs a shell command inside the container; (success, stdout + stderr).
@@ -353,6 +418,73 @@ fn assert_pools_are_isolated(host: &Host) {
     host.sh_ok("systemctl stop e2e-default-secrets.service");
 }
 
+/// Slot 2 of the gpu pool (slots: 2): its own service unit file, written by the role for the
+/// instance gpu.2, which systemd loads in place of the template and which passes the gates
+/// (`systemd-analyze verify` and `security`); it runs as the pool's user with the pool's state
+/// directory, the binary keeps its files in slot-2/ there, and `status` shows the slot.
+fn assert_slot_2_of_gpu(host: &Host) {
+    let unit = "ci-ephemeral-provisioner@gpu.2.service";
+    let s = host.show(unit);
+    for (key, want) in [
+        (
+            "FragmentPath",
+            "/etc/systemd/system/ci-ephemeral-provisioner@gpu.2.service",
+        ),
+        ("User", "ci-ephemeral-gpu"),
+        ("StateDirectory", "ci-ephemeral-provisioner/gpu"),
+        ("CacheDirectory", "ci-ephemeral-provisioner/gpu"),
+        ("TimeoutStartUSec", "1h 20min"),
+        ("Result", "success"),
+    ] {
+        assert_eq!(
+            s.get(key).map(String::as_str),
+            Some(want),
+            "{unit} {key}: {s:?}"
+        );
+    }
+    for timer in [
+        "ci-ephemeral-provisioner@gpu.timer",
+        "ci-ephemeral-provisioner@gpu.2.timer",
+    ] {
+        assert_eq!(
+            host.sh_ok(&format!("systemctl is-enabled {timer}")).trim(),
+            "enabled"
+        );
+        assert_eq!(
+            host.sh_ok(&format!("systemctl is-active {timer}")).trim(),
+            "active"
+        );
+    }
+    host.sh_ok(&format!(
+        "systemd-analyze verify --recursive-errors=no {unit} ci-ephemeral-provisioner@gpu.2.timer \
+         && systemd-analyze security --threshold=20 {unit}"
+    ));
+    let env = host.read("etc/ci-ephemeral-provisioner/pools/gpu/provisioner.env");
+    assert!(
+        env.contains("\nCI_EPHEMERAL_PROVISIONER_SLOTS=\"2\"\n"),
+        "{env}"
+    );
+    let slot_env = host.read("etc/ci-ephemeral-provisioner/pools/gpu/slot-2.env");
+    assert!(
+        slot_env.contains("\nCI_EPHEMERAL_PROVISIONER_SLOT=\"2\"\n"),
+        "{slot_env}"
+    );
+    assert_eq!(
+        host.sh_ok("stat -c '%a %U' /var/lib/ci-ephemeral-provisioner/gpu/slot-2")
+            .trim(),
+        "700 ci-ephemeral-gpu"
+    );
+    assert!(
+        host.file("var/lib/ci-ephemeral-provisioner/gpu/slot-2/last-run.json")
+            .exists(),
+        "slot 2 keeps its files in slot-2/"
+    );
+    let status = host.sh_ok(
+        "ci-ephemeral-provisioner status --state-dir /var/lib/ci-ephemeral-provisioner/gpu --slots 2 --slot 2",
+    );
+    eprintln!("  status of gpu slot 2:\n{status}");
+}
+
 fn path_str(p: &Path) -> &str {
     p.to_str().expect("UTF-8 path")
 }
@@ -550,7 +682,7 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
     // VM directory (in its own state directory: it may not write the default pool's).
     let two_pools = "  - name: default\n    runner_prefix: ephemeral-\n    labels: 'debian:host, docker:host'\n\
                      \x20   secret_environment:\n      E2E_CLOUD_TOKEN: cloud-5ecret-4c7e\n\
-                     \x20 - name: gpu\n    runner_prefix: gpu-\n    labels: gpu:host\n\
+                     \x20 - name: gpu\n    runner_prefix: gpu-\n    labels: gpu:host\n    slots: 2\n\
                      \x20   environment:\n      VM_DIR: /var/lib/ci-ephemeral-provisioner/gpu/vm\n";
 
     // Preflight refuses pools whose prefixes overlap, before touching the host.
@@ -1033,11 +1165,17 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
     host.sh_ok("systemd-analyze verify --recursive-errors=no ci-ephemeral-provisioner@default.service ci-ephemeral-provisioner@default.timer");
     host.sh_ok("systemd-analyze security --threshold=20 ci-ephemeral-provisioner@default.service");
 
-    // The other pool ran too (idle: nothing to do) and kept its hands off.
-    wait_until("the gpu pool to have run", &host, || {
-        let g = host.show("ci-ephemeral-provisioner@gpu.service");
-        g["ExecMainExitTimestampMonotonic"] != "0" && g["Result"] == "success"
-    });
+    // The other pool ran too (idle: nothing to do) and kept its hands off: both its slots.
+    for unit in [
+        "ci-ephemeral-provisioner@gpu.service",
+        "ci-ephemeral-provisioner@gpu.2.service",
+    ] {
+        wait_until(&format!("{unit} to have run"), &host, || {
+            let g = host.show(unit);
+            g["ExecMainExitTimestampMonotonic"] != "0" && g["Result"] == "success"
+        });
+    }
+    assert_slot_2_of_gpu(&host);
 
     // Metrics: each pool's file in node_exporter's textfile directory, its samples labelled
     // with the pool, a success recorded. (Runs go on every 2 s; a run in progress writes the
@@ -1045,26 +1183,36 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
     let default_metrics = pool_metrics(&host, "default");
     let success = sample(
         &default_metrics,
-        "ci_ephemeral_provisioner_last_success_timestamp_seconds{pool=\"default\"}",
+        "ci_ephemeral_provisioner_last_success_timestamp_seconds",
+        &[("pool", "default")],
     );
     assert!(success.is_some_and(|t| t > 0.0), "{default_metrics}");
     assert_eq!(
         sample(
             &default_metrics,
-            "ci_ephemeral_provisioner_last_run_exit_code{pool=\"default\"}"
+            "ci_ephemeral_provisioner_last_run_exit_code",
+            &[("pool", "default")]
         ),
         Some(0.0),
         "{default_metrics}"
     );
-    let gpu_metrics = pool_metrics(&host, "gpu");
-    assert!(
-        sample(
-            &gpu_metrics,
-            "ci_ephemeral_provisioner_last_success_timestamp_seconds{pool=\"gpu\"}"
-        )
-        .is_some_and(|t| t > 0.0),
-        "{gpu_metrics}"
-    );
+    // The gpu pool has two slots: each writes its own file, every sample labelled with the
+    // slot too.
+    for (slot, path) in [
+        ("1", metrics_file("gpu")),
+        ("2", slot_metrics_file("gpu", 2)),
+    ] {
+        let text = metrics_at(&host, &path, &[("pool", "gpu"), ("slot", slot)]);
+        assert!(
+            sample(
+                &text,
+                "ci_ephemeral_provisioner_last_success_timestamp_seconds",
+                &[("pool", "gpu"), ("slot", slot)]
+            )
+            .is_some_and(|t| t > 0.0),
+            "{path}:\n{text}"
+        );
+    }
     // The directory is still node_exporter's: same owner and group, same permission entries;
     // the service user has its own ACL entry. (With an ACL, the group bits `stat` shows are the
     // mask, rwx; the owning group's own entry stays r-x.)
@@ -1089,6 +1237,77 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
         !acl.contains(&format!("user:{SHARED_USER}:")),
         "the shared user's entry is still there:\n{acl}"
     );
+
+    // A cycle on slot 2 of the gpu pool (slot 1's timer stopped meanwhile, so slot 2 takes the
+    // job): tofu in the pool's working copy, in the slot's own workspace and TF_DATA_DIR.
+    host.sh_ok("systemctl stop ci-ephemeral-provisioner@gpu.timer");
+    wait_until("gpu slot 1 to be idle", &host, || {
+        host.show("ci-ephemeral-provisioner@gpu.service")["ActiveState"] != "activating"
+    });
+    let (gpu_job, _) = fake.add_job(&["gpu"]);
+    wait_until(
+        "slot 2 of the gpu pool to run its job and be back at rest",
+        &host,
+        || {
+            let s = host.show("ci-ephemeral-provisioner@gpu.2.service");
+            assert_ne!(
+                s["ActiveState"],
+                "failed",
+                "a run of gpu slot 2 failed:\n{}",
+                host.journal("ci-ephemeral-provisioner@gpu.2.service")
+            );
+            fake.jobs()
+                .iter()
+                .any(|j| j.id == gpu_job && j.status == "success")
+                && !host
+                    .file("var/lib/ci-ephemeral-provisioner/gpu/slot-2/cycle.json")
+                    .exists()
+                && s["ActiveState"] == "inactive"
+        },
+    );
+    let gpu_vm = "var/lib/ci-ephemeral-provisioner/gpu/vm";
+    let vm_log = host.read(&format!("{gpu_vm}/vm.log"));
+    assert!(
+        vm_log.contains("create ") && vm_log.contains("destroy "),
+        "{vm_log}"
+    );
+    let tofu_env = host.read(&format!("{gpu_vm}/tofu-env.create"));
+    for line in [
+        "TF_WORKSPACE=slot-2",
+        "TF_DATA_DIR=/var/lib/ci-ephemeral-provisioner/gpu/slot-2/tofu-data",
+        "TF_VAR_slot=2",
+    ] {
+        assert!(
+            tofu_env.lines().any(|l| l == line),
+            "{line} missing:\n{tofu_env}"
+        );
+    }
+    assert!(
+        host.file(
+            "var/lib/ci-ephemeral-provisioner/gpu/tofu/terraform.tfstate.d/slot-2/terraform.tfstate"
+        )
+        .exists(),
+        "slot 2's local state is not in its workspace"
+    );
+    assert!(
+        !host
+            .journal("ci-ephemeral-provisioner@gpu.service")
+            .contains(&format!("for job {gpu_job}")),
+        "slot 1 ran the job while its timer was stopped"
+    );
+    // The recovery helper finds the slot's workspace.
+    assert_eq!(
+        host.sh_ok("ci-ephemeral-provisioner-tofu gpu.2 workspace show")
+            .trim(),
+        "slot-2"
+    );
+    assert_eq!(
+        host.sh_ok("ci-ephemeral-provisioner-tofu gpu.2 state list")
+            .trim(),
+        "",
+        "slot 2's VM was destroyed, its state is empty"
+    );
+    host.sh_ok("systemctl start ci-ephemeral-provisioner@gpu.timer");
 
     // Second run of the role: nothing to change.
     let (ok, out, changed) = host.play("site-again", &vars(&fake, work, &local, two_pools));
@@ -1120,6 +1339,86 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
     assert_eq!(
         changed, 0,
         "same bytes from the URL changed something:\n{out}"
+    );
+
+    // Lowering the gpu pool's slots to 1 retires slot 2, never while it has a cycle in progress.
+    // A stand-in for one: slot 2 stopped, a cycle.json in its slot-2/.
+    let gpu_one_slot = vars(
+        &fake,
+        work,
+        &local,
+        &two_pools.replace("    slots: 2\n", ""),
+    );
+    assert!(!gpu_one_slot.contains("slots:"));
+    let slot_2 = "var/lib/ci-ephemeral-provisioner/gpu/slot-2";
+    let slot_2_unit = "etc/systemd/system/ci-ephemeral-provisioner@gpu.2.service";
+    host.sh_ok("systemctl stop ci-ephemeral-provisioner@gpu.2.timer ci-ephemeral-provisioner@gpu.2.service");
+    fs::write(host.file(&format!("{slot_2}/cycle.json")), "{}\n").unwrap();
+    // Preflight refuses, before anything changes.
+    let (ok, out, _) = host.play("slots-lowered-busy", &gpu_one_slot);
+    assert!(
+        !ok && out.contains(
+            "Slot 2 of pool gpu (ci-ephemeral-provisioner@gpu.2) is to be retired (slots lowered to 1) \
+             but has a cycle in progress"
+        ) && out.contains("--slots 2 --slot 2"),
+        "{out}"
+    );
+    assert!(host.file(slot_2_unit).exists() && host.file(slot_2).exists());
+    assert_eq!(
+        host.sh_ok("systemctl is-enabled ci-ephemeral-provisioner@gpu.2.timer")
+            .trim(),
+        "enabled"
+    );
+    // A cycle that began after preflight looked (a run the timer started during the play): the
+    // retirement stops the slot, looks again and keeps everything of it.
+    let (ok, out, _) = host.play_book(
+        "retire-busy-slot",
+        "retire_slots.yml",
+        &format!("{gpu_one_slot}__ci_ephemeral_provisioner_retired_slots: [gpu.2]\n"),
+    );
+    assert!(
+        !ok && out.contains("Slot 2 of pool gpu (ci-ephemeral-provisioner@gpu.2) began a cycle while it was being retired"),
+        "{out}"
+    );
+    assert!(
+        host.file(slot_2_unit).exists() && host.file(&format!("{slot_2}/cycle.json")).exists(),
+        "a slot with a cycle in progress lost its files:\n{out}"
+    );
+    // Once the cycle has ended: retired.
+    fs::remove_file(host.file(&format!("{slot_2}/cycle.json"))).unwrap();
+    let (ok, out, _) = host.play("slots-lowered", &gpu_one_slot);
+    assert!(ok, "{out}");
+    for (unit, enabled, active) in [
+        (
+            "ci-ephemeral-provisioner@gpu.2.timer",
+            "disabled",
+            "inactive",
+        ),
+        ("ci-ephemeral-provisioner@gpu.timer", "enabled", "active"),
+    ] {
+        assert_eq!(
+            host.sh(&format!("systemctl is-enabled {unit}")).1.trim(),
+            enabled,
+            "{unit}"
+        );
+        assert_eq!(
+            host.sh(&format!("systemctl is-active {unit}")).1.trim(),
+            active,
+            "{unit}"
+        );
+    }
+    for gone in [
+        slot_2.to_string(),
+        slot_2_unit.to_string(),
+        "etc/ci-ephemeral-provisioner/pools/gpu/slot-2.env".to_string(),
+        slot_metrics_file("gpu", 2)[1..].to_string(),
+    ] {
+        assert!(!host.file(&gone).exists(), "{gone} is still there:\n{out}");
+    }
+    assert!(
+        !host
+            .read("etc/ci-ephemeral-provisioner/pools/gpu/provisioner.env")
+            .contains("SLOTS")
     );
 
     // Removing a pool from the list stops and disables its timer.
@@ -1223,7 +1522,8 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
     assert_eq!(
         sample(
             &failing,
-            "ci_ephemeral_provisioner_last_run_exit_code{pool=\"default\"}"
+            "ci_ephemeral_provisioner_last_run_exit_code",
+            &[("pool", "default")]
         ),
         Some(1.0),
         "{failing}"
@@ -1231,7 +1531,8 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
     assert_eq!(
         sample(
             &failing,
-            "ci_ephemeral_provisioner_destroy_failing{pool=\"default\"}"
+            "ci_ephemeral_provisioner_destroy_failing",
+            &[("pool", "default")]
         ),
         Some(1.0),
         "{failing}"
