@@ -323,3 +323,77 @@ fn a_slot_outside_the_pool_is_a_usage_error() {
     c.args(["--slots", "2", "--slot", "3"]);
     assert_eq!(env.exec(c).code, Some(2));
 }
+
+/// Host `name` of a play: its own state directory and prefix, against the same Forgejo.
+fn host_run(env: &Env, name: &str, extra: &[&str]) -> Outcome {
+    let state = env.tmp.path().join(format!("state-{name}"));
+    let prefix = format!("ephemeral-{name}-");
+    let mut c = env.cmd("run");
+    c.args(["--state-dir", state.to_str().unwrap()]);
+    c.args(["--runner-prefix", &prefix, "--output", "json"]);
+    c.args(extra);
+    env.exec(c)
+}
+
+fn held_jobs(env: &Env, name: &str) -> Option<serde_json::Value> {
+    let path = env.tmp.path().join(format!("state-{name}/held-jobs.json"));
+    fs::read_to_string(path)
+        .ok()
+        .map(|t| serde_json::from_str(&t).unwrap())
+}
+
+/// Two hosts serving the same labels with `--share`: the job's own host serves it; the other
+/// boots no VM for it, only remembers it, and forgets it once it is taken.
+#[test]
+fn of_two_hosts_sharing_the_jobs_only_the_jobs_own_host_boots_a_vm() {
+    let env = Env::new();
+    let (job, _) = env.fake.add_job(&["debian"]);
+    let own = (job % 2 + 1).to_string();
+    let other = (3 - (job % 2 + 1)).to_string();
+    let (own, other) = (format!("{own}/2"), format!("{other}/2"));
+    let out = host_run(&env, "b", &["--share", &other, "--take-over-after", "1h"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert_eq!(out.json()["outcome"], "idle", "{}", out.stdout);
+    assert!(env.vm_log().is_empty(), "no VM for another host's job");
+    let seen = held_jobs(&env, "b").expect("the other share's job is remembered");
+    assert_eq!(seen["others_shares"][0]["job_id"], job, "{seen}");
+
+    let out = host_run(&env, "a", &["--share", &own, "--take-over-after", "1h"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert_eq!(out.json()["outcome"], "cycle_finished", "{}", out.stdout);
+    assert_eq!(
+        env.vm_log().matches("create ").count(),
+        1,
+        "one VM for one job"
+    );
+    // The job is done: host b forgets it, and leaves no file behind.
+    let out = host_run(&env, "b", &["--share", &other, "--take-over-after", "1h"]);
+    assert_eq!(out.json()["outcome"], "idle", "{}", out.stdout);
+    assert!(held_jobs(&env, "b").is_none(), "{:?}", held_jobs(&env, "b"));
+    env.assert_at_rest();
+}
+
+/// The job's own host is dead: another host serves it once it has waited `--take-over-after`.
+#[test]
+fn a_dead_hosts_share_is_taken_over_after_the_wait() {
+    let env = Env::new();
+    let (job, handle) = env.fake.add_job(&["debian"]);
+    let other = format!("{}/2", 3 - (job % 2 + 1));
+    let args = ["--share", other.as_str(), "--take-over-after", "1s"];
+    let out = host_run(&env, "b", &args);
+    assert_eq!(out.json()["outcome"], "idle", "{}", out.stdout);
+    let mut runs = 1;
+    let mut last = out;
+    // The timer's next starts: idle while the job waits less than the take-over time.
+    wait_for("host b to take the job over", || {
+        runs += 1;
+        last = host_run(&env, "b", &args);
+        last.json()["outcome"] != "idle"
+    });
+    assert_eq!(last.code, Some(0), "{last:?}");
+    assert_eq!(last.json()["outcome"], "cycle_finished", "{}", last.stdout);
+    assert!(runs >= 2, "taken over at once");
+    assert_eq!(launched_handles(&env.vm), [handle]);
+    assert_eq!(env.vm_log().matches("create ").count(), 1);
+    env.assert_at_rest();
+}

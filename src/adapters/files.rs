@@ -477,7 +477,7 @@ impl StateStore for FileStore {
 
     fn save_holds(&mut self, holds: &Holds) -> Result<()> {
         let path = self.dir.join(HOLDS_FILE);
-        if holds.jobs.is_empty() {
+        if holds.is_empty() {
             // Nothing held: no file (at rest the state directory holds only what must stay).
             return match fs::remove_file(&path) {
                 Ok(()) => Ok(()),

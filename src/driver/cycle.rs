@@ -237,8 +237,15 @@ impl Driver<'_, '_> {
                 None => {}
                 Some((o, Ok(jobs))) => {
                     obs.claimed_elsewhere = o.claimed_jobs();
-                    // A held job that is no longer listed (done, cancelled, re-run) is forgotten.
-                    if self.ctx.holds.prune(&jobs) {
+                    // A held job that is no longer listed (done, cancelled, re-run) is forgotten;
+                    // another share's waiting job is remembered from when it was first seen.
+                    let pruned = self.ctx.holds.prune(&jobs);
+                    let waiting =
+                        crate::core::model::waiting_jobs(&jobs, &self.cfg.policy.label_names);
+                    let now = self.w.clock.now();
+                    let share = self.cfg.policy.share;
+                    let noted = self.ctx.holds.note_other_shares(&waiting, share, now);
+                    if pruned || noted {
                         self.save_holds();
                     }
                     obs.jobs = Some(jobs);
@@ -610,6 +617,8 @@ mod tests {
                 intent_settle: Duration::from_secs(10),
                 job_pickup_timeout: Duration::from_secs(600),
                 sweep_min_age: Duration::from_secs(420),
+                share: Default::default(),
+                take_over_after: Duration::from_secs(120),
                 reuse_within: crate::core::planner::ReuseWithin::Repo,
             },
             poll_interval: Duration::from_secs(5),
