@@ -208,6 +208,16 @@ fn a_job_another_slot_holds_gets_no_second_runner() {
         "teardown_reason": null, "destroyed_at": null, "last_error": null
     });
     fs::write(dir.join("cycle.json"), cycle.to_string()).unwrap();
+    // A dry-run plans what the run does: it reads the other slots' claims too.
+    let out = finish(&env, spawn_slot(&env, 2, 1, &["--dry-run"]));
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert_eq!(
+        out.json()["actions"],
+        serde_json::json!([]),
+        "{}",
+        out.stdout
+    );
+    assert!(out.stderr.contains("plan ends: idle"), "{}", out.stderr);
     let out = finish(&env, spawn_slot(&env, 2, 1, &[]));
     assert_eq!(out.code, Some(0), "{out:?}");
     assert_eq!(out.json()["outcome"], "idle", "{}", out.stdout);
