@@ -167,7 +167,8 @@ fn three_slots_serve_six_jobs_three_at_a_time_each_once_and_leave_nothing() {
     // Slot 1 as a pool without slots; slot K ≥ 2 in its workspace, with its own data directory.
     for action in ["create", "destroy"] {
         let env1 = fs::read_to_string(env.vm.join(format!("tofu-env.{action}.slot-1"))).unwrap();
-        assert!(!env1.contains("TF_WORKSPACE="), "{env1}");
+        // Named, so that a workspace selected by hand cannot turn it onto another slot's VM.
+        assert!(env1.contains("TF_WORKSPACE=default\n"), "{env1}");
         assert!(!env1.contains("TF_DATA_DIR="), "{env1}");
         assert!(env1.contains("TF_VAR_slot=1\n"), "{env1}");
         for k in 2..=3 {
@@ -177,6 +178,10 @@ fn three_slots_serve_six_jobs_three_at_a_time_each_once_and_leave_nothing() {
             assert!(
                 e.contains(&format!("TF_DATA_DIR={}\n", data.display())),
                 "{e}"
+            );
+            assert!(
+                e.contains("TF_PLUGIN_CACHE_DIR=\n"),
+                "no shared plugin cache: {e}"
             );
         }
     }
@@ -390,20 +395,111 @@ fn a_dead_hosts_share_is_taken_over_after_the_wait() {
     let (job, handle) = env.fake.add_job(&["debian"]);
     let other = format!("{}/2", 3 - (job % 2 + 1));
     let args = ["--share", other.as_str(), "--take-over-after", "1s"];
+    let first = Instant::now();
     let out = host_run(&env, "b", &args);
     assert_eq!(out.json()["outcome"], "idle", "{}", out.stdout);
-    let mut runs = 1;
     let mut last = out;
+    let mut started = first;
     // The timer's next starts: idle while the job waits less than the take-over time.
     wait_for("host b to take the job over", || {
-        runs += 1;
+        started = Instant::now();
         last = host_run(&env, "b", &args);
         last.json()["outcome"] != "idle"
     });
     assert_eq!(last.code, Some(0), "{last:?}");
     assert_eq!(last.json()["outcome"], "cycle_finished", "{}", last.stdout);
-    assert!(runs >= 2, "taken over at once");
+    // Not before it had waited: the run that took it over started a second after the first.
+    assert!(
+        started.duration_since(first) >= Duration::from_secs(1),
+        "taken over after {:?}",
+        started.duration_since(first)
+    );
     assert_eq!(launched_handles(&env.vm), [handle]);
     assert_eq!(env.vm_log().matches("create ").count(), 1);
     env.assert_at_rest();
+}
+
+/// Writes a `cycle.json` for slot `k` of the pool (the pool's and the slot's directories 0700).
+fn plant_cycle(env: &Env, k: u32, cycle: &serde_json::Value) {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = slot_dir(env, k);
+    fs::create_dir_all(&dir).unwrap();
+    fs::set_permissions(&env.state, fs::Permissions::from_mode(0o700)).unwrap();
+    fs::set_permissions(&dir, fs::Permissions::from_mode(0o700)).unwrap();
+    fs::write(dir.join("cycle.json"), cycle.to_string()).unwrap();
+}
+
+/// A slot beyond `--slots` that still has a cycle: every run says so (exit 1), as its VM and
+/// registrations stay until that slot runs again.
+#[test]
+fn a_slot_beyond_the_pool_with_a_cycle_in_progress_fails_every_run_until_it_is_finished() {
+    let env = Env::new();
+    plant_cycle(
+        &env,
+        3,
+        &serde_json::json!({
+            "version": 1, "cycle_id": "20261201t200000z-bbbb", "runner_prefix": "ephemeral-",
+            "started_at": "2026-12-01T20:00:00Z", "phase": "running",
+            "vm_ready_at": "2026-12-01T20:00:30Z", "free_since": null, "jobs_started": 0,
+            "next_seq": 1, "start_failures": 0, "registrations": [],
+            "teardown_reason": null, "destroyed_at": null, "last_error": null
+        }),
+    );
+    let out = finish(&env, spawn_slot(&env, 2, 1, &[]));
+    assert_eq!(out.code, Some(1), "{out:?}");
+    assert!(
+        out.stderr.contains(
+            "has cycle 20261201t200000z-bbbb in progress, but the pool has --slots 2 now"
+        ),
+        "{}",
+        out.stderr
+    );
+    fs::remove_file(slot_dir(&env, 3).join("cycle.json")).unwrap();
+    let out = finish(&env, spawn_slot(&env, 2, 1, &[]));
+    assert_eq!(out.code, Some(0), "{out:?}");
+}
+
+/// A job another slot holds (Forgejo did not give it to that slot's runner) is not tried here
+/// either until the hold ends.
+#[test]
+fn a_job_another_slot_has_put_on_hold_gets_no_runner_here() {
+    let env = Env::new();
+    let (job, handle) = env.fake.add_job(&["debian"]);
+    use std::os::unix::fs::PermissionsExt;
+    let dir = slot_dir(&env, 2);
+    fs::create_dir_all(&dir).unwrap();
+    fs::set_permissions(&env.state, fs::Permissions::from_mode(0o700)).unwrap();
+    fs::set_permissions(&dir, fs::Permissions::from_mode(0o700)).unwrap();
+    let holds = serde_json::json!({"version": 1, "jobs": [{
+        "job_id": job, "handle": handle, "held_at": "2026-12-01T20:00:00Z",
+        "until": "2999-01-01T00:00:00Z", "times": 1
+    }]});
+    fs::write(dir.join("held-jobs.json"), holds.to_string()).unwrap();
+    let out = finish(&env, spawn_slot(&env, 2, 1, &[]));
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert_eq!(out.json()["outcome"], "idle", "{}", out.stdout);
+    assert!(
+        env.vm_log().is_empty(),
+        "no VM for a job held by another slot"
+    );
+}
+
+/// With `--slots` > 1 every sample carries the slot; with one slot none does (as before).
+#[test]
+fn the_metrics_of_a_slot_carry_its_number() {
+    let env = Env::new();
+    let prom = env.tmp.path().join("slot.prom");
+    let p = prom.to_str().unwrap();
+    let out = finish(&env, spawn_slot(&env, 3, 2, &["--metrics-file", p]));
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let text = fs::read_to_string(&prom).unwrap();
+    let samples: Vec<&str> = text.lines().filter(|l| !l.starts_with('#')).collect();
+    assert!(!samples.is_empty());
+    for l in &samples {
+        assert!(l.contains("slot=\"2\""), "{l}");
+    }
+    let out = finish(&env, spawn_slot(&env, 1, 1, &["--metrics-file", p]));
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let text = fs::read_to_string(&prom).unwrap();
+    assert!(!text.contains("slot="), "{text}");
 }

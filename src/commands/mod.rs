@@ -88,6 +88,7 @@ pub(crate) fn slot_dir(local: &LocalArgs) -> Result<SlotDir, Fatal> {
     Ok(SlotDir {
         pool: state_dir(&local.state_dir),
         k: local.slot,
+        n: local.slots,
     })
 }
 

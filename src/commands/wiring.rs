@@ -379,6 +379,7 @@ pub(crate) fn tofu(a: &RunArgs, slot: &SlotDir, stop: StopFlag) -> CliTofu {
         bin: a.tofu_bin.clone(),
         dir: a.tofu_dir.clone(),
         slot: slot.k,
+        pinned: slot.n > 1,
         // Absolute: tofu runs with -chdir into the module directory.
         data_dir: (slot.k != 1).then(|| {
             let d = slot.dir().join(TOFU_DATA_DIR);

@@ -122,17 +122,17 @@ impl Holds {
             if share.owns(j.id) || self.others_shares.iter().any(|s| s.handle == j.handle) {
                 continue;
             }
+            // Full: the newest wait for room. Evicting the oldest would restart the very waits
+            // closest to their take-over, and a dead host's share would never be served.
+            if self.others_shares.len() >= MAX_HOLDS {
+                break;
+            }
             self.others_shares.push(Seen {
                 job_id: j.id,
                 handle: j.handle.clone(),
                 first_seen: now,
             });
             added = true;
-        }
-        if self.others_shares.len() > MAX_HOLDS {
-            self.others_shares.sort_by_key(|s| s.first_seen);
-            let extra = self.others_shares.len() - MAX_HOLDS;
-            self.others_shares.drain(..extra);
         }
         added
     }
@@ -363,6 +363,21 @@ mod tests {
         for bad in ["0/2", "3/2", "1/65", "1", "a/b", "1/0", ""] {
             assert!(Share::parse(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn a_full_list_of_other_shares_keeps_its_oldest_so_their_take_over_comes() {
+        let share = Share::parse("1/2").unwrap();
+        let jobs: Vec<Job> = (0..(MAX_HOLDS as i64 + 10))
+            .map(|i| job(2 * i + 1, "waiting"))
+            .collect();
+        let waiting: Vec<&Job> = jobs.iter().collect();
+        let mut h = Holds::default();
+        assert!(h.note_other_shares(&waiting, share, t(0)));
+        assert_eq!(h.others_shares.len(), MAX_HOLDS);
+        assert!(!h.note_other_shares(&waiting, share, t(1)));
+        assert!(h.others_shares.iter().all(|s| s.first_seen == t(0)));
+        assert!(h.may_serve(&jobs[0], share, Duration::from_secs(MIN), t(1)));
     }
 
     #[test]

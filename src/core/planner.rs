@@ -319,6 +319,11 @@ pub enum Step {
     MarkConnected {
         id: i64,
     },
+    /// Forgejo reports the runner `active` for the first time: it took a job, and its claim on
+    /// the job it was registered for ends.
+    MarkBusy {
+        id: i64,
+    },
     MarkJobGone {
         id: i64,
     },

@@ -86,6 +86,14 @@ pub fn run(w: &mut World<'_>, cfg: &CycleConfig, report: &mut Report) -> End {
         report.fail(format!("{e}; {what}"));
         empty
     });
+    // A slot beyond --slots with a cycle in progress: its VM and registrations stay until that
+    // slot runs again, which no timer may do any more. Every slot says so, every run.
+    // (A failure to read the other slots is reported where it matters: at the jobs list.)
+    if let Ok(others) = w.store.others() {
+        for b in others.beyond {
+            report.fail(b);
+        }
+    }
     let mut d = Driver {
         w,
         cfg,
@@ -236,7 +244,7 @@ impl Driver<'_, '_> {
             match others.map(|o| (o, self.w.forgejo.list_jobs())) {
                 None => {}
                 Some((o, Ok(jobs))) => {
-                    obs.claimed_elsewhere = o.claimed_jobs();
+                    obs.claimed_elsewhere = o.claimed_jobs(self.w.clock.now());
                     // A held job that is no longer listed (done, cancelled, re-run) is forgotten;
                     // another share's waiting job is remembered from when it was first seen.
                     let pruned = self.ctx.holds.prune(&jobs);
@@ -308,7 +316,9 @@ impl Driver<'_, '_> {
             match step {
                 Step::Idle => {
                     self.report.outcome = "idle".into();
-                    log::info!("no waiting job matches the labels; nothing to do");
+                    log::info!(
+                        "no waiting job to serve (none matches the labels, or each is held, claimed by another slot or another host's share); nothing to do"
+                    );
                     return End::Done;
                 }
                 Step::GiveUp { why } => {
@@ -422,6 +432,14 @@ impl Driver<'_, '_> {
                 }
                 // The start worked: only failed starts in a row mean a broken VM.
                 s.start_failures = 0;
+                self.save().err().map(|_| End::Done)
+            }
+            Step::MarkBusy { id } => {
+                let s = self.state.as_mut()?;
+                if let Some(r) = s.registration_mut(id) {
+                    r.busy = true;
+                    log::info!("runner {id} ({}) took a job", r.name);
+                }
                 self.save().err().map(|_| End::Done)
             }
             Step::MarkJobGone { id } | Step::ClearJobGone { id } => {

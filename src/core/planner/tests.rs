@@ -91,6 +91,8 @@ fn reg(id: i64, launch: Launch, launched_at: Option<Timestamp>) -> Registration 
         launched_at,
         job_gone_since: None,
         connected: launch == Launch::Done,
+        // As if seen active already (only `MarkBusy`'s test starts without).
+        busy: launch == Launch::Done,
         not_served: None,
         failed_start: false,
         stopped: None,
@@ -569,10 +571,15 @@ fn running_launch_not_done_with_odd_status_waits() {
 
 #[test]
 fn running_active_runner_waits() {
-    let st = state_with(
+    let mut st = state_with(
         Phase::Running,
         vec![gone_since(reg(1, Launch::Done, Some(at(MIN))), at(MIN))],
     );
+    // Seen active for the first time: it took a job, and claims none from now on.
+    st.registrations[0].busy = false;
+    let o = obs(None, vec![seen(ours(1, RunnerStatus::Active))]);
+    assert_eq!(plan(&st, &o, &ctx(), at(MIN + 1)), Step::MarkBusy { id: 1 });
+    st.registrations[0].busy = true;
     for jobs in [
         None,
         Some(vec![]),
