@@ -196,10 +196,6 @@ fn a_job_another_slot_holds_gets_no_second_runner() {
     // Slot 2 has a cycle in progress whose registration (intent) is for the job: its POST's
     // answer was lost, say, and its next run resolves it.
     let dir = slot_dir(&env, 2);
-    fs::create_dir_all(&dir).unwrap();
-    use std::os::unix::fs::PermissionsExt;
-    fs::set_permissions(&env.state, fs::Permissions::from_mode(0o700)).unwrap();
-    fs::set_permissions(&dir, fs::Permissions::from_mode(0o700)).unwrap();
     let cycle = serde_json::json!({
         "version": 1, "cycle_id": "20261201t200000z-aaaa", "runner_prefix": "ephemeral-",
         "started_at": "2026-12-01T20:00:00Z", "phase": "running",
@@ -212,7 +208,7 @@ fn a_job_another_slot_holds_gets_no_second_runner() {
         }],
         "teardown_reason": null, "destroyed_at": null, "last_error": null
     });
-    fs::write(dir.join("cycle.json"), cycle.to_string()).unwrap();
+    plant_cycle(&env, 2, &cycle);
     // A dry-run plans what the run does: it reads the other slots' claims too.
     let out = finish(&env, spawn_slot(&env, 2, 1, &["--dry-run"]));
     assert_eq!(out.code, Some(0), "{out:?}");
@@ -274,11 +270,6 @@ fn the_sweep_spares_another_slots_and_young_registrations() {
         })
         .collect();
     // Slot 3 (of a pool that has 2 slots now: a removed slot still holds its cycle) holds one.
-    let dir = slot_dir(&env, 3);
-    fs::create_dir_all(&dir).unwrap();
-    use std::os::unix::fs::PermissionsExt;
-    fs::set_permissions(&env.state, fs::Permissions::from_mode(0o700)).unwrap();
-    fs::set_permissions(&dir, fs::Permissions::from_mode(0o700)).unwrap();
     let cycle = serde_json::json!({
         "version": 1, "cycle_id": "c2", "runner_prefix": "ephemeral-",
         "started_at": "2026-12-01T20:00:00Z", "phase": "tearing_down",
@@ -291,7 +282,7 @@ fn the_sweep_spares_another_slots_and_young_registrations() {
         }],
         "teardown_reason": "idle", "destroyed_at": null, "last_error": null
     });
-    fs::write(dir.join("cycle.json"), cycle.to_string()).unwrap();
+    plant_cycle(&env, 3, &cycle);
 
     let mut c = env.cmd("sweep");
     c.args(["--slots", "2", "--slot", "1", "--output", "json"]);
@@ -421,12 +412,18 @@ fn a_dead_hosts_share_is_taken_over_after_the_wait() {
 
 /// Writes a `cycle.json` for slot `k` of the pool (the pool's and the slot's directories 0700).
 fn plant_cycle(env: &Env, k: u32, cycle: &serde_json::Value) {
+    let dir = plant_dir(env, k);
+    fs::write(dir.join("cycle.json"), cycle.to_string()).unwrap();
+}
+
+/// Slot `k`'s directory, made as the binary makes it (the pool's and the slot's 0700).
+fn plant_dir(env: &Env, k: u32) -> std::path::PathBuf {
     use std::os::unix::fs::PermissionsExt;
     let dir = slot_dir(env, k);
     fs::create_dir_all(&dir).unwrap();
     fs::set_permissions(&env.state, fs::Permissions::from_mode(0o700)).unwrap();
     fs::set_permissions(&dir, fs::Permissions::from_mode(0o700)).unwrap();
-    fs::write(dir.join("cycle.json"), cycle.to_string()).unwrap();
+    dir
 }
 
 /// A slot beyond `--slots` that still has a cycle: every run says so (exit 1), as its VM and
@@ -465,11 +462,7 @@ fn a_slot_beyond_the_pool_with_a_cycle_in_progress_fails_every_run_until_it_is_f
 fn a_job_another_slot_has_put_on_hold_gets_no_runner_here() {
     let env = Env::new();
     let (job, handle) = env.fake.add_job(&["debian"]);
-    use std::os::unix::fs::PermissionsExt;
-    let dir = slot_dir(&env, 2);
-    fs::create_dir_all(&dir).unwrap();
-    fs::set_permissions(&env.state, fs::Permissions::from_mode(0o700)).unwrap();
-    fs::set_permissions(&dir, fs::Permissions::from_mode(0o700)).unwrap();
+    let dir = plant_dir(&env, 2);
     let holds = serde_json::json!({"version": 1, "jobs": [{
         "job_id": job, "handle": handle, "held_at": "2026-12-01T20:00:00Z",
         "until": "2999-01-01T00:00:00Z", "times": 1

@@ -141,50 +141,56 @@ mod vm;
 /// cycle.json could not be written (reported): stop before the next side effect.
 struct SaveFailed;
 
+/// One write of cycle.json: what was done so far is in the audit trail (durably) before the
+/// state that follows from it; a failure is reported, and the run stops.
+fn write<T>(
+    report: &mut Report,
+    store: &mut dyn StateStore,
+    progressed: &mut bool,
+    write: impl FnOnce(&mut dyn StateStore) -> anyhow::Result<T>,
+) -> Result<T, SaveFailed> {
+    report.sync_audit();
+    match write(&mut *store) {
+        Ok(t) => {
+            *progressed = true;
+            Ok(t)
+        }
+        Err(e) => {
+            report.fail(format!(
+                "cannot write {}: {e:#}; stopping before any further side effect",
+                store.describe()
+            ));
+            report.outcome = "failed".into();
+            Err(SaveFailed)
+        }
+    }
+}
+
 impl Driver<'_, '_> {
     /// Writes cycle.json. `Err` when that failed: the failure is in the report already, and the
     /// run must stop before any further side effect.
     fn save(&mut self) -> Result<(), SaveFailed> {
-        // What was done so far is in the audit trail (durably) before the state that follows
-        // from it.
-        self.report.sync_audit();
         let Some(state) = &self.state else {
+            self.report.sync_audit();
             return Ok(());
         };
-        match self.w.store.save(state) {
-            Ok(()) => {
-                self.progressed = true;
-                Ok(())
-            }
-            Err(e) => {
-                self.report.fail(format!(
-                    "cannot write {}: {e:#}; stopping before any further side effect",
-                    self.w.store.describe()
-                ));
-                self.report.outcome = "failed".into();
-                Err(SaveFailed)
-            }
-        }
+        write(
+            self.report,
+            &mut *self.w.store,
+            &mut self.progressed,
+            |store| store.save(state),
+        )
     }
 
     /// Writes `state` (not yet this driver's), which claims `job_id`, unless another slot holds
     /// that job (`StateStore::save_claiming`). `Err` as for [`Self::save`].
     fn save_claiming(&mut self, state: &CycleState, job_id: i64) -> Result<Claim, SaveFailed> {
-        self.report.sync_audit();
-        match self.w.store.save_claiming(state, job_id) {
-            Ok(claim) => {
-                self.progressed = true;
-                Ok(claim)
-            }
-            Err(e) => {
-                self.report.fail(format!(
-                    "cannot write {}: {e:#}; stopping before any further side effect",
-                    self.w.store.describe()
-                ));
-                self.report.outcome = "failed".into();
-                Err(SaveFailed)
-            }
-        }
+        write(
+            self.report,
+            &mut *self.w.store,
+            &mut self.progressed,
+            |store| store.save_claiming(state, job_id),
+        )
     }
 
     /// Writes cycle.json on a path that ends the run either way: a failure is in the report
