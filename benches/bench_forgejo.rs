@@ -7,14 +7,22 @@
 //! TCP connection that carried one. Control endpoints under `/_bench/` are not counted.
 //!
 //! ```text
-//! bench-forgejo serve --token T [--runners N --stale S --prefix P --no-live-ours] [--pickup JOBS] [--port-file F]
-//! bench-launch   (the same binary under that name: the launch command of the pickup benchmark)
+//! bench-forgejo serve --token T [--runners N --stale S --prefix P --no-live-ours] [--pickup JOBS] [--jobs M --job-ms L] [--port-file F]
+//! bench-launch   (the same binary under that name: the launch command of the pickup and slots benchmarks)
 //! ```
 //!
 //! `--pickup JOBS` plays a queue of jobs for the job-pickup benchmark: a job becomes `waiting`
 //! right after the server answered a jobs poll with an empty list while the VM was free, so the
-//! next poll is one poll interval away; the launch command reports when it started. With no
-//! arguments (as `cargo test --all-targets` runs benchmark targets) it only prints its usage.
+//! next poll is one poll interval away; the launch command reports when it started.
+//!
+//! `--jobs M --job-ms L` is the parallel-slots benchmark's batch: `/_bench/batch` (refused while
+//! a registration or an unfinished job is left) makes M jobs `waiting` at once. A launched runner
+//! asks for a task as `forgejo-runner one-job --handle` does and Forgejo's rule
+//! (`forgejo_rules::pick`) decides which job it gets, if any; the job then runs for L ms (its
+//! registration `active`), after which it is done (`success`, no longer listed) and Forgejo
+//! removes the ephemeral registration. `/_bench/verify` says whether every job of the batch ran
+//! exactly once and nothing is left. With no arguments (as `cargo test --all-targets` runs
+//! benchmark targets) it only prints its usage.
 
 // Forgejo's assignment rule and constants, shared with the tests' model of Forgejo. The model
 // itself (`tests/support/forgejo_model.rs`, used by the HTTP fake and the simulation) is not
@@ -30,7 +38,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 const API: &str = "/api/v1/admin/actions/runners";
-const USAGE: &str = "usage: bench-forgejo serve --token TOKEN [--runners N] [--stale S] [--prefix P] [--no-live-ours] [--pickup JOBS] [--port-file FILE]";
+const USAGE: &str = "usage: bench-forgejo serve --token TOKEN [--runners N] [--stale S] [--prefix P] [--no-live-ours] [--pickup JOBS] [--jobs M --job-ms L] [--port-file FILE]";
 
 fn now_ns() -> u128 {
     SystemTime::now()
@@ -77,6 +85,54 @@ struct Pickup {
     next_job: i64,
 }
 
+/// One job of the slots benchmark's batch.
+struct BatchJob {
+    id: i64,
+    /// `waiting`, `running` (a runner took it) or `success` (it ran for the job length).
+    status: &'static str,
+    /// The registration whose runner took it.
+    runner: Option<i64>,
+    /// How many runners were given it (the benchmark wants exactly one each).
+    takes: u32,
+    taken_ns: Option<u128>,
+    done_ns: Option<u128>,
+}
+
+/// The slots benchmark: batches of `size` jobs, each running `length_ns` once a runner took it.
+struct Batch {
+    size: u64,
+    length_ns: u128,
+    /// The current batch, id ascending (the order Forgejo reads them in).
+    jobs: Vec<BatchJob>,
+    next_job: i64,
+    /// Batches handed out so far.
+    batches: u64,
+    /// When the current batch became waiting.
+    started_ns: u128,
+    /// Launched runners Forgejo gave no job (this batch).
+    refused: u64,
+}
+
+impl Batch {
+    /// Jobs that ran their length are done, and Forgejo removes each one's ephemeral
+    /// registration (`services/actions/task.go`: an ephemeral runner is deleted with its task's
+    /// end). Applied before every request, so every answer sees the world at its own time.
+    fn advance(&mut self, now: u128, dead: &mut HashSet<i64>) {
+        for j in &mut self.jobs {
+            if j.status == "running"
+                && let Some(t) = j.taken_ns
+                && now >= t + self.length_ns
+            {
+                j.status = "success";
+                j.done_ns = Some(t + self.length_ns);
+                if let Some(r) = j.runner {
+                    dead.insert(r);
+                }
+            }
+        }
+    }
+}
+
 struct World {
     token: String,
     /// Live rows in id order (ids are handed out ascending, so binary search finds them).
@@ -86,6 +142,7 @@ struct World {
     next_id: i64,
     counts: Counts,
     pickup: Option<Pickup>,
+    batch: Option<Batch>,
     base: String,
     /// The population, for `/_bench/restore`: (registrations, stale, prefix, live ones of ours).
     population: (u64, u64, String, bool),
@@ -190,6 +247,9 @@ fn query_param<'a>(query: &'a str, key: &str) -> Option<&'a str> {
 }
 
 fn handle(w: &mut World, inc: &Incoming) -> Reply {
+    if let Some(b) = w.batch.as_mut() {
+        b.advance(now_ns(), &mut w.dead);
+    }
     if let Some(control) = inc.path.strip_prefix("/_bench/") {
         return control_request(w, control, &inc.query);
     }
@@ -312,8 +372,30 @@ fn job_handle(job: i64) -> String {
     format!("00000000-0000-4000-9000-{job:012}")
 }
 
+/// `GetActionRunJobs`: the waiting and running jobs, id descending.
+fn batch_jobs(b: &Batch) -> Reply {
+    let mut body = String::from("[");
+    for j in b.jobs.iter().rev().filter(|j| j.status != "success") {
+        if body.len() > 1 {
+            body.push(',');
+        }
+        let task = if j.status == "running" { j.id } else { 0 };
+        body.push_str(&format!(
+            "{{\"id\":{},\"attempt\":1,\"handle\":\"{}\",\"repo_id\":1,\"owner_id\":1,\"name\":\"build\",\"needs\":null,\"runs_on\":[\"{PICKUP_RUNS_ON}\"],\"task_id\":{task},\"status\":\"{}\"}}",
+            j.id,
+            job_handle(j.id),
+            j.status
+        ));
+    }
+    body.push(']');
+    reply(200, body)
+}
+
 fn jobs(w: &mut World) -> Reply {
     w.counts.jobs += 1;
+    if let Some(b) = &w.batch {
+        return batch_jobs(b);
+    }
     let Some(p) = w.pickup.as_mut() else {
         return reply(200, "[]");
     };
@@ -352,45 +434,70 @@ fn arm_job(w: &mut World) {
     }
 }
 
+/// Every counter, and the samples of the pickup or slots benchmark.
+fn stats(w: &World) -> String {
+    let c = &w.counts;
+    let ours = format!("\"name\":\"{}", w.population.2);
+    let ours = w.rows.iter().filter(|r| r.json.contains(&ours)).count();
+    let mut body = format!(
+        "{{\"ours\":{ours},\"requests\":{},\"connections\":{},\"lists\":{},\"jobs\":{},\"gets\":{},\"deletes\":{},\"deleted\":{},\"posts\":{},\"rows\":{}",
+        c.requests,
+        c.connections,
+        c.lists,
+        c.jobs,
+        c.gets,
+        c.deletes,
+        c.deleted,
+        c.posts,
+        w.rows.len() - w.dead.len()
+    );
+    if let Some(p) = &w.pickup {
+        body.push_str(",\"samples\":[");
+        for (i, s) in p.samples.iter().enumerate() {
+            if i > 0 {
+                body.push(',');
+            }
+            let opt = |v: Option<u128>| v.map_or("null".to_string(), |v| v.to_string());
+            body.push_str(&format!(
+                "{{\"job\":{},\"waiting_ns\":{},\"seen_ns\":{},\"post_ns\":{},\"launch_ns\":{}}}",
+                s.job_id,
+                s.waiting_ns,
+                opt(s.seen_ns),
+                opt(s.post_ns),
+                opt(s.launch_ns)
+            ));
+        }
+        body.push(']');
+    }
+    if let Some(b) = &w.batch {
+        body.push_str(&format!(
+            ",\"batches\":{},\"batch_started_ns\":{},\"job_ns\":{},\"refused\":{},\"batch\":[",
+            b.batches, b.started_ns, b.length_ns, b.refused
+        ));
+        for (i, j) in b.jobs.iter().enumerate() {
+            if i > 0 {
+                body.push(',');
+            }
+            let opt = |v: Option<u128>| v.map_or("null".to_string(), |v| v.to_string());
+            body.push_str(&format!(
+                "{{\"job\":{},\"status\":\"{}\",\"takes\":{},\"runner\":{},\"taken_ns\":{},\"done_ns\":{}}}",
+                j.id,
+                j.status,
+                j.takes,
+                j.runner.map_or("null".to_string(), |r| r.to_string()),
+                opt(j.taken_ns),
+                opt(j.done_ns)
+            ));
+        }
+        body.push(']');
+    }
+    body.push('}');
+    body
+}
+
 fn control_request(w: &mut World, what: &str, query: &str) -> Reply {
     match what {
-        "stats" => {
-            let c = &w.counts;
-            let ours = format!("\"name\":\"{}", w.population.2);
-            let ours = w.rows.iter().filter(|r| r.json.contains(&ours)).count();
-            let mut body = format!(
-                "{{\"ours\":{ours},\"requests\":{},\"connections\":{},\"lists\":{},\"jobs\":{},\"gets\":{},\"deletes\":{},\"deleted\":{},\"posts\":{},\"rows\":{}",
-                c.requests,
-                c.connections,
-                c.lists,
-                c.jobs,
-                c.gets,
-                c.deletes,
-                c.deleted,
-                c.posts,
-                w.rows.len() - w.dead.len()
-            );
-            if let Some(p) = &w.pickup {
-                body.push_str(",\"samples\":[");
-                for (i, s) in p.samples.iter().enumerate() {
-                    if i > 0 {
-                        body.push(',');
-                    }
-                    let opt = |v: Option<u128>| v.map_or("null".to_string(), |v| v.to_string());
-                    body.push_str(&format!(
-                        "{{\"job\":{},\"waiting_ns\":{},\"seen_ns\":{},\"post_ns\":{},\"launch_ns\":{}}}",
-                        s.job_id,
-                        s.waiting_ns,
-                        opt(s.seen_ns),
-                        opt(s.post_ns),
-                        opt(s.launch_ns)
-                    ));
-                }
-                body.push(']');
-            }
-            body.push('}');
-            reply(200, body)
-        }
+        "stats" => reply(200, stats(w)),
         "reset" => {
             w.counts = Counts::default();
             reply(200, "{}")
@@ -404,12 +511,17 @@ fn control_request(w: &mut World, what: &str, query: &str) -> Reply {
             w.counts = Counts::default();
             reply(200, "{}")
         }
+        "batch" => new_batch(w),
+        "verify" => verify_batch(w),
         "launched" => {
             let id = query_param(query, "id").and_then(|s| s.parse::<i64>().ok());
             let t = query_param(query, "t").and_then(|s| s.parse::<u128>().ok());
             let (Some(id), Some(t)) = (id, t) else {
                 return reply(400, "{\"message\":\"id and t are required\"}");
             };
+            if w.batch.is_some() {
+                return take_from_batch(w, id, query);
+            }
             // The runner asks for its job as forgejo-runner would: Forgejo's rule decides.
             if let Some(p) = &w.pickup
                 && let Some((job, _)) = p.current
@@ -453,6 +565,126 @@ fn control_request(w: &mut World, what: &str, query: &str) -> Reply {
         }
         _ => reply(404, "{\"message\":\"no such control endpoint\"}"),
     }
+}
+
+fn live_rows(w: &World) -> usize {
+    w.rows.len() - w.dead.len()
+}
+
+/// `/_bench/batch`: the next M jobs waiting at once, refused (409) unless the last batch is
+/// done and no registration is left: every measured run starts from nothing.
+fn new_batch(w: &mut World) -> Reply {
+    let live = live_rows(w);
+    let Some(b) = w.batch.as_mut() else {
+        return reply(409, "{\"message\":\"not started with --jobs\"}");
+    };
+    let unfinished = b.jobs.iter().filter(|j| j.status != "success").count();
+    if live > 0 || unfinished > 0 {
+        return reply(
+            409,
+            format!(
+                "{{\"message\":\"not at rest: {live} registrations, {unfinished} unfinished jobs\"}}"
+            ),
+        );
+    }
+    b.jobs = (0..b.size as i64)
+        .map(|i| BatchJob {
+            id: b.next_job + i,
+            status: "waiting",
+            runner: None,
+            takes: 0,
+            taken_ns: None,
+            done_ns: None,
+        })
+        .collect();
+    b.next_job += b.size as i64;
+    b.batches += 1;
+    b.refused = 0;
+    b.started_ns = now_ns();
+    reply(200, format!("{{\"jobs\":{}}}", b.size))
+}
+
+/// `/_bench/verify`: 200 and the stats when every job of the batch ran exactly once, no launched
+/// runner was refused a job, and no registration is left; else 409 with what is wrong.
+fn verify_batch(w: &mut World) -> Reply {
+    let live = live_rows(w);
+    let Some(b) = &w.batch else {
+        return reply(409, "{\"message\":\"not started with --jobs\"}");
+    };
+    let mut wrong = Vec::new();
+    for j in &b.jobs {
+        if j.takes != 1 || j.status != "success" {
+            wrong.push(format!("job {} {} taken {} times", j.id, j.status, j.takes));
+        }
+    }
+    if b.refused > 0 {
+        wrong.push(format!("{} launched runners were given no job", b.refused));
+    }
+    if live > 0 {
+        wrong.push(format!("{live} registrations left"));
+    }
+    if b.jobs.is_empty() {
+        wrong.push("no batch was handed out".into());
+    }
+    if wrong.is_empty() {
+        reply(200, stats(w))
+    } else {
+        reply(409, format!("{{\"message\":\"{}\"}}", wrong.join("; ")))
+    }
+}
+
+/// A launched runner asks for its task (`one-job --handle`): Forgejo's rule picks the job, which
+/// runs from now for the job length; its registration shows `active` meanwhile.
+fn take_from_batch(w: &mut World, id: i64, query: &str) -> Reply {
+    let Ok(row) = w.rows.binary_search_by_key(&id, |r| r.id) else {
+        return not_found(w, &format!("runner with ID {id}"));
+    };
+    if w.dead.contains(&id) {
+        return not_found(w, &format!("runner with ID {id}"));
+    }
+    let Some(b) = w.batch.as_mut() else {
+        return reply(409, "{\"message\":\"not started with --jobs\"}");
+    };
+    let labels = forgejo_rules::declared_names(query_param(query, "labels").unwrap_or(""));
+    let runner = forgejo_rules::RunnerView {
+        owner_id: 0,
+        repo_id: 0,
+        labels: &labels,
+        ephemeral: true,
+        has_task: b.jobs.iter().any(|j| j.runner == Some(id)),
+        handle: query_param(query, "handle").filter(|h| !h.is_empty()),
+    };
+    let runs_on = [PICKUP_RUNS_ON.to_string()];
+    let handles: Vec<String> = b.jobs.iter().map(|j| job_handle(j.id)).collect();
+    let picked = forgejo_rules::pick(
+        &runner,
+        b.jobs.iter().zip(&handles).enumerate().map(|(i, (j, h))| {
+            let view = forgejo_rules::JobView {
+                status: j.status,
+                task_id: if j.status == "waiting" { 0 } else { j.id },
+                handle: h,
+                runs_on: &runs_on,
+                owner_id: 1,
+                repo_id: 1,
+                queued_behind: false,
+            };
+            (i, view)
+        }),
+    );
+    let Some(i) = picked else {
+        b.refused += 1;
+        return reply(409, "{\"message\":\"no task for this runner\"}");
+    };
+    let j = &mut b.jobs[i];
+    j.status = "running";
+    j.runner = Some(id);
+    j.takes += 1;
+    j.taken_ns = Some(now_ns());
+    let r = &mut w.rows[row];
+    r.json = r
+        .json
+        .replace("\"status\":\"offline\"", "\"status\":\"active\"");
+    reply(200, "{}")
 }
 
 fn lock(world: &Mutex<World>) -> MutexGuard<'_, World> {
@@ -574,6 +806,7 @@ fn serve_connection(world: &Mutex<World>, stream: TcpStream) -> std::io::Result<
 fn serve(args: &[String]) -> Result<(), String> {
     let mut token = None;
     let (mut runners, mut stale, mut pickup) = (0u64, 0u64, None);
+    let (mut batch_jobs, mut job_ms) = (None, 0u64);
     let mut prefix = "ephemeral-".to_string();
     let mut port_file = None;
     let mut live_ours = true;
@@ -587,12 +820,17 @@ fn serve(args: &[String]) -> Result<(), String> {
             "--stale" => stale = number(value()?)?,
             "--prefix" => prefix = value()?,
             "--pickup" => pickup = Some(number(value()?)?),
+            "--jobs" => batch_jobs = Some(number(value()?)?),
+            "--job-ms" => job_ms = number(value()?)?,
             "--port-file" => port_file = Some(value()?),
             "--no-live-ours" => live_ours = false,
             other => return Err(format!("unknown argument {other}\n{USAGE}")),
         }
     }
     let token = token.ok_or(format!("--token is required\n{USAGE}"))?;
+    if pickup.is_some() && batch_jobs.is_some() {
+        return Err("--pickup and --jobs are two benchmarks: one at a time".into());
+    }
     if stale > runners {
         return Err("--stale must not exceed --runners".into());
     }
@@ -609,6 +847,15 @@ fn serve(args: &[String]) -> Result<(), String> {
             remaining: jobs,
             next_job: 1,
             ..Pickup::default()
+        }),
+        batch: batch_jobs.map(|size| Batch {
+            size,
+            length_ns: u128::from(job_ms) * 1_000_000,
+            jobs: Vec::new(),
+            next_job: 1,
+            batches: 0,
+            started_ns: 0,
+            refused: 0,
         }),
         base: base.clone(),
         population: (runners, stale, prefix, live_ours),
@@ -632,8 +879,9 @@ fn serve(args: &[String]) -> Result<(), String> {
 /// The launch command of the pickup benchmark: notes when it started, reads the runner token
 /// from stdin (as `forgejo-runner` would), and tells the server.
 fn launched() -> Result<(), String> {
-    // The runner it started took its job at once and ran it to its end (see `/_bench/launched`):
-    // `check` finds its process gone (3), and `stop` has nothing left to end.
+    // The runner it started took its job at once and ran it to its end (see `/_bench/launched`;
+    // with `--jobs`, the cycle asks only once the job's end removed the registration): `check`
+    // finds its process gone (3), and `stop` has nothing left to end.
     match std::env::var("RUNNER_ACTION").as_deref() {
         Ok("check") => std::process::exit(3),
         Ok("stop") => return Ok(()),

@@ -244,6 +244,17 @@ pub struct RunArgs {
     #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_JOB_PICKUP_TIMEOUT", default_value = "10m", value_parser = parse_duration, value_name = "DURATION")]
     pub job_pickup_timeout: Duration,
 
+    /// This host's share of the jobs, K/H, when H hosts serve the same labels: it serves at once
+    /// the jobs whose id is K-1 modulo H, and any other job only once it has waited
+    /// --take-over-after (so a dead host's share is still served). 1/1 serves every job at once.
+    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_SHARE", default_value = "1/1", value_parser = crate::core::holds::Share::parse, value_name = "K/H")]
+    pub share: crate::core::holds::Share,
+
+    /// With --share: how long a job of another host's share waits (since this host first saw it)
+    /// before this host serves it too.
+    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_TAKE_OVER_AFTER", default_value = "2m", value_parser = parse_duration, value_name = "DURATION")]
+    pub take_over_after: Duration,
+
     /// How often Forgejo is asked while a cycle runs.
     #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_POLL_INTERVAL", default_value = "5s", value_parser = parse_duration, value_name = "DURATION")]
     pub poll_interval: Duration,

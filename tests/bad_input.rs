@@ -235,6 +235,7 @@ fn ci_scripts_never_reopen_stderr_by_path() {
         [
             "tests/role/role_e2e.sh",
             "benches/run",
+            "benches/slots.sh",
             "tests/sim/mutations.sh",
         ]
         .iter()

@@ -43,6 +43,7 @@ fn valid_cycle_json() -> Vec<u8> {
         launched_at: Some(Timestamp(1_764_414_062_000)),
         job_gone_since: None,
         connected: false,
+        busy: false,
         not_served: None,
         failed_start: false,
         stopped: None,

@@ -200,6 +200,7 @@ fn any_registration() -> impl Strategy<Value = Registration> {
                     launch,
                     launched_at,
                     job_gone_since: gone,
+                    busy: connected && failed_start,
                     connected,
                     not_served,
                     failed_start,

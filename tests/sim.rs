@@ -492,6 +492,7 @@ fn a_never_connected_runner_whose_delete_answer_was_lost_is_still_a_failed_start
             launched_at: Some(Timestamp(now - 4 * 60_000)),
             job_gone_since: None,
             connected: false,
+            busy: false,
             not_served: None,
             failed_start: false,
             stopped: None,

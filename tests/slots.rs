@@ -167,7 +167,8 @@ fn three_slots_serve_six_jobs_three_at_a_time_each_once_and_leave_nothing() {
     // Slot 1 as a pool without slots; slot K ≥ 2 in its workspace, with its own data directory.
     for action in ["create", "destroy"] {
         let env1 = fs::read_to_string(env.vm.join(format!("tofu-env.{action}.slot-1"))).unwrap();
-        assert!(!env1.contains("TF_WORKSPACE="), "{env1}");
+        // Named, so that a workspace selected by hand cannot turn it onto another slot's VM.
+        assert!(env1.contains("TF_WORKSPACE=default\n"), "{env1}");
         assert!(!env1.contains("TF_DATA_DIR="), "{env1}");
         assert!(env1.contains("TF_VAR_slot=1\n"), "{env1}");
         for k in 2..=3 {
@@ -177,6 +178,10 @@ fn three_slots_serve_six_jobs_three_at_a_time_each_once_and_leave_nothing() {
             assert!(
                 e.contains(&format!("TF_DATA_DIR={}\n", data.display())),
                 "{e}"
+            );
+            assert!(
+                e.contains("TF_PLUGIN_CACHE_DIR=\n"),
+                "no shared plugin cache: {e}"
             );
         }
     }
@@ -191,10 +196,6 @@ fn a_job_another_slot_holds_gets_no_second_runner() {
     // Slot 2 has a cycle in progress whose registration (intent) is for the job: its POST's
     // answer was lost, say, and its next run resolves it.
     let dir = slot_dir(&env, 2);
-    fs::create_dir_all(&dir).unwrap();
-    use std::os::unix::fs::PermissionsExt;
-    fs::set_permissions(&env.state, fs::Permissions::from_mode(0o700)).unwrap();
-    fs::set_permissions(&dir, fs::Permissions::from_mode(0o700)).unwrap();
     let cycle = serde_json::json!({
         "version": 1, "cycle_id": "20261201t200000z-aaaa", "runner_prefix": "ephemeral-",
         "started_at": "2026-12-01T20:00:00Z", "phase": "running",
@@ -207,7 +208,17 @@ fn a_job_another_slot_holds_gets_no_second_runner() {
         }],
         "teardown_reason": null, "destroyed_at": null, "last_error": null
     });
-    fs::write(dir.join("cycle.json"), cycle.to_string()).unwrap();
+    plant_cycle(&env, 2, &cycle);
+    // A dry-run plans what the run does: it reads the other slots' claims too.
+    let out = finish(&env, spawn_slot(&env, 2, 1, &["--dry-run"]));
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert_eq!(
+        out.json()["actions"],
+        serde_json::json!([]),
+        "{}",
+        out.stdout
+    );
+    assert!(out.stderr.contains("plan ends: idle"), "{}", out.stderr);
     let out = finish(&env, spawn_slot(&env, 2, 1, &[]));
     assert_eq!(out.code, Some(0), "{out:?}");
     assert_eq!(out.json()["outcome"], "idle", "{}", out.stdout);
@@ -259,11 +270,6 @@ fn the_sweep_spares_another_slots_and_young_registrations() {
         })
         .collect();
     // Slot 3 (of a pool that has 2 slots now: a removed slot still holds its cycle) holds one.
-    let dir = slot_dir(&env, 3);
-    fs::create_dir_all(&dir).unwrap();
-    use std::os::unix::fs::PermissionsExt;
-    fs::set_permissions(&env.state, fs::Permissions::from_mode(0o700)).unwrap();
-    fs::set_permissions(&dir, fs::Permissions::from_mode(0o700)).unwrap();
     let cycle = serde_json::json!({
         "version": 1, "cycle_id": "c2", "runner_prefix": "ephemeral-",
         "started_at": "2026-12-01T20:00:00Z", "phase": "tearing_down",
@@ -276,7 +282,7 @@ fn the_sweep_spares_another_slots_and_young_registrations() {
         }],
         "teardown_reason": "idle", "destroyed_at": null, "last_error": null
     });
-    fs::write(dir.join("cycle.json"), cycle.to_string()).unwrap();
+    plant_cycle(&env, 3, &cycle);
 
     let mut c = env.cmd("sweep");
     c.args(["--slots", "2", "--slot", "1", "--output", "json"]);
@@ -322,4 +328,171 @@ fn a_slot_outside_the_pool_is_a_usage_error() {
     let mut c = env.cmd("status");
     c.args(["--slots", "2", "--slot", "3"]);
     assert_eq!(env.exec(c).code, Some(2));
+}
+
+/// Host `name` of a play: its own state directory and prefix, against the same Forgejo.
+fn host_run(env: &Env, name: &str, extra: &[&str]) -> Outcome {
+    let state = env.tmp.path().join(format!("state-{name}"));
+    let prefix = format!("ephemeral-{name}-");
+    let mut c = env.cmd("run");
+    c.args(["--state-dir", state.to_str().unwrap()]);
+    c.args(["--runner-prefix", &prefix, "--output", "json"]);
+    c.args(extra);
+    env.exec(c)
+}
+
+fn held_jobs(env: &Env, name: &str) -> Option<serde_json::Value> {
+    let path = env.tmp.path().join(format!("state-{name}/held-jobs.json"));
+    fs::read_to_string(path)
+        .ok()
+        .map(|t| serde_json::from_str(&t).unwrap())
+}
+
+/// Two hosts serving the same labels with `--share`: the job's own host serves it; the other
+/// boots no VM for it, only remembers it, and forgets it once it is taken.
+#[test]
+fn of_two_hosts_sharing_the_jobs_only_the_jobs_own_host_boots_a_vm() {
+    let env = Env::new();
+    let (job, _) = env.fake.add_job(&["debian"]);
+    let own = (job % 2 + 1).to_string();
+    let other = (3 - (job % 2 + 1)).to_string();
+    let (own, other) = (format!("{own}/2"), format!("{other}/2"));
+    let out = host_run(&env, "b", &["--share", &other, "--take-over-after", "1h"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert_eq!(out.json()["outcome"], "idle", "{}", out.stdout);
+    assert!(env.vm_log().is_empty(), "no VM for another host's job");
+    let seen = held_jobs(&env, "b").expect("the other share's job is remembered");
+    assert_eq!(seen["others_shares"][0]["job_id"], job, "{seen}");
+
+    let out = host_run(&env, "a", &["--share", &own, "--take-over-after", "1h"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert_eq!(out.json()["outcome"], "cycle_finished", "{}", out.stdout);
+    assert_eq!(
+        env.vm_log().matches("create ").count(),
+        1,
+        "one VM for one job"
+    );
+    // The job is done: host b forgets it, and leaves no file behind.
+    let out = host_run(&env, "b", &["--share", &other, "--take-over-after", "1h"]);
+    assert_eq!(out.json()["outcome"], "idle", "{}", out.stdout);
+    assert!(held_jobs(&env, "b").is_none(), "{:?}", held_jobs(&env, "b"));
+    env.assert_at_rest();
+}
+
+/// The job's own host is dead: another host serves it once it has waited `--take-over-after`.
+#[test]
+fn a_dead_hosts_share_is_taken_over_after_the_wait() {
+    let env = Env::new();
+    let (job, handle) = env.fake.add_job(&["debian"]);
+    let other = format!("{}/2", 3 - (job % 2 + 1));
+    let args = ["--share", other.as_str(), "--take-over-after", "1s"];
+    let first = Instant::now();
+    let out = host_run(&env, "b", &args);
+    assert_eq!(out.json()["outcome"], "idle", "{}", out.stdout);
+    let mut last = out;
+    let mut started = first;
+    // The timer's next starts: idle while the job waits less than the take-over time.
+    wait_for("host b to take the job over", || {
+        started = Instant::now();
+        last = host_run(&env, "b", &args);
+        last.json()["outcome"] != "idle"
+    });
+    assert_eq!(last.code, Some(0), "{last:?}");
+    assert_eq!(last.json()["outcome"], "cycle_finished", "{}", last.stdout);
+    // Not before it had waited: the run that took it over started a second after the first.
+    assert!(
+        started.duration_since(first) >= Duration::from_secs(1),
+        "taken over after {:?}",
+        started.duration_since(first)
+    );
+    assert_eq!(launched_handles(&env.vm), [handle]);
+    assert_eq!(env.vm_log().matches("create ").count(), 1);
+    env.assert_at_rest();
+}
+
+/// Writes a `cycle.json` for slot `k` of the pool (the pool's and the slot's directories 0700).
+fn plant_cycle(env: &Env, k: u32, cycle: &serde_json::Value) {
+    let dir = plant_dir(env, k);
+    fs::write(dir.join("cycle.json"), cycle.to_string()).unwrap();
+}
+
+/// Slot `k`'s directory, made as the binary makes it (the pool's and the slot's 0700).
+fn plant_dir(env: &Env, k: u32) -> std::path::PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = slot_dir(env, k);
+    fs::create_dir_all(&dir).unwrap();
+    fs::set_permissions(&env.state, fs::Permissions::from_mode(0o700)).unwrap();
+    fs::set_permissions(&dir, fs::Permissions::from_mode(0o700)).unwrap();
+    dir
+}
+
+/// A slot beyond `--slots` that still has a cycle: every run says so (exit 1), as its VM and
+/// registrations stay until that slot runs again.
+#[test]
+fn a_slot_beyond_the_pool_with_a_cycle_in_progress_fails_every_run_until_it_is_finished() {
+    let env = Env::new();
+    plant_cycle(
+        &env,
+        3,
+        &serde_json::json!({
+            "version": 1, "cycle_id": "20261201t200000z-bbbb", "runner_prefix": "ephemeral-",
+            "started_at": "2026-12-01T20:00:00Z", "phase": "running",
+            "vm_ready_at": "2026-12-01T20:00:30Z", "free_since": null, "jobs_started": 0,
+            "next_seq": 1, "start_failures": 0, "registrations": [],
+            "teardown_reason": null, "destroyed_at": null, "last_error": null
+        }),
+    );
+    let out = finish(&env, spawn_slot(&env, 2, 1, &[]));
+    assert_eq!(out.code, Some(1), "{out:?}");
+    assert!(
+        out.stderr.contains(
+            "has cycle 20261201t200000z-bbbb in progress, but the pool has --slots 2 now"
+        ),
+        "{}",
+        out.stderr
+    );
+    fs::remove_file(slot_dir(&env, 3).join("cycle.json")).unwrap();
+    let out = finish(&env, spawn_slot(&env, 2, 1, &[]));
+    assert_eq!(out.code, Some(0), "{out:?}");
+}
+
+/// A job another slot holds (Forgejo did not give it to that slot's runner) is not tried here
+/// either until the hold ends.
+#[test]
+fn a_job_another_slot_has_put_on_hold_gets_no_runner_here() {
+    let env = Env::new();
+    let (job, handle) = env.fake.add_job(&["debian"]);
+    let dir = plant_dir(&env, 2);
+    let holds = serde_json::json!({"version": 1, "jobs": [{
+        "job_id": job, "handle": handle, "held_at": "2026-12-01T20:00:00Z",
+        "until": "2999-01-01T00:00:00Z", "times": 1
+    }]});
+    fs::write(dir.join("held-jobs.json"), holds.to_string()).unwrap();
+    let out = finish(&env, spawn_slot(&env, 2, 1, &[]));
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert_eq!(out.json()["outcome"], "idle", "{}", out.stdout);
+    assert!(
+        env.vm_log().is_empty(),
+        "no VM for a job held by another slot"
+    );
+}
+
+/// With `--slots` > 1 every sample carries the slot; with one slot none does (as before).
+#[test]
+fn the_metrics_of_a_slot_carry_its_number() {
+    let env = Env::new();
+    let prom = env.tmp.path().join("slot.prom");
+    let p = prom.to_str().unwrap();
+    let out = finish(&env, spawn_slot(&env, 3, 2, &["--metrics-file", p]));
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let text = fs::read_to_string(&prom).unwrap();
+    let samples: Vec<&str> = text.lines().filter(|l| !l.starts_with('#')).collect();
+    assert!(!samples.is_empty());
+    for l in &samples {
+        assert!(l.contains("slot=\"2\""), "{l}");
+    }
+    let out = finish(&env, spawn_slot(&env, 1, 1, &["--metrics-file", p]));
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let text = fs::read_to_string(&prom).unwrap();
+    assert!(!text.contains("slot="), "{text}");
 }

@@ -23,6 +23,7 @@ locals {
   labels = merge(var.labels, {
     "managed-by" = "ci-ephemeral-provisioner"
     "cycle"      = var.cycle_id
+    "slot"       = tostring(var.slot)
   })
 }
 

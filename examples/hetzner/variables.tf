@@ -10,6 +10,14 @@ variable "cycle_id" {
   }
 }
 
+# Set by ci-ephemeral-provisioner (TF_VAR_slot): which slot of the pool the cycle runs in (1 to
+# --slots). A label only; the cycle id already makes every name unique.
+variable "slot" {
+  type        = number
+  default     = 1
+  description = "The pool's slot of this cycle (TF_VAR_slot)."
+}
+
 # Required and secret: put it in the pool's secret_environment as TF_VAR_hcloud_token.
 variable "hcloud_token" {
   type        = string

@@ -16,6 +16,7 @@ use crate::core::ports::{
     RunnerPage, Sleep, StateStore, StepError, Tofu,
 };
 use crate::core::secret::Secret;
+use crate::core::slots::Others;
 use crate::core::state::{CycleState, parse_state};
 use crate::core::time::Timestamp;
 
@@ -548,9 +549,16 @@ mod tests {
 pub struct MemoryStore {
     pub state: Option<CycleState>,
     pub holds: Holds,
+    /// What the pool's other slots held when the dry-run read their state (nothing for a
+    /// fixture).
+    pub others: Others,
 }
 
 impl StateStore for MemoryStore {
+    fn others(&mut self) -> Result<Others> {
+        Ok(self.others.clone())
+    }
+
     fn load(&mut self) -> Result<Option<CycleState>> {
         Ok(self.state.clone())
     }

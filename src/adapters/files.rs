@@ -97,10 +97,15 @@ pub(crate) fn inspect_state_dir(dir: &Path) -> Result<StateDir, StateDirError> {
 pub struct SlotDir {
     pub pool: PathBuf,
     pub k: u32,
+    /// `--slots`: a slot beyond it that still has a cycle is reported.
+    pub n: u32,
 }
 
 /// The lock the slots of a pool take, briefly, to claim a job (`core::slots`).
 pub const CLAIMS_LOCK_FILE: &str = "claims.lock";
+
+/// How long a claim waits for the claims lock before it fails.
+pub const CLAIMS_LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
 
 impl SlotDir {
     /// A pool of one slot in `dir`.
@@ -108,6 +113,7 @@ impl SlotDir {
         SlotDir {
             pool: dir.to_path_buf(),
             k: 1,
+            n: 1,
         }
     }
 
@@ -423,7 +429,20 @@ impl StateStore for FileStore {
                 format!("slot {k}'s cycle.json cannot be read, so what it holds is unknown")
             })?;
             if let Some(state) = state {
-                o.add(&format!("slot {k} ({})", path.display()), &state);
+                let name = format!("slot {k} ({})", path.display());
+                if k > self.slot.n {
+                    o.beyond.push(format!(
+                        "{name} has cycle {} in progress, but the pool has --slots {} now: its VM and registrations stay until it finishes; run that slot (--slots {k} --slot {k}) until it does, or raise --slots again",
+                        state.cycle_id, self.slot.n
+                    ));
+                }
+                o.add(&name, &state);
+            }
+            // Another slot's holds are advice like this slot's own: a file that cannot be read
+            // is that slot's failure to report, not a reason to stop here.
+            match read_holds_file(&dir.join(HOLDS_FILE)) {
+                Ok(h) => o.held.extend(h.jobs.iter().map(|h| (h.job_id, h.until))),
+                Err(e) => log::warn!("{e}; slot {k}'s held jobs are not known here"),
             }
         }
         Ok(o)
@@ -439,10 +458,33 @@ impl StateStore for FileStore {
             .custom_flags(STATE_OPEN_FLAGS)
             .open(&path)
             .with_context(|| format!("cannot open the claims lock {}", path.display()))?;
-        // Held only to read the other slots' claims and write this one: never for long.
-        lock.lock()
-            .with_context(|| format!("cannot lock {}", path.display()))?;
-        if let Some(slot) = self.others()?.claimed.remove(&job_id) {
+        // Held only to read the other slots' claims and write this one: never for long. A holder
+        // that keeps it past CLAIMS_LOCK_WAIT is stuck: this claim fails (and the run with it)
+        // rather than wait without end.
+        let started = std::time::Instant::now();
+        loop {
+            match lock.try_lock() {
+                Ok(()) => break,
+                Err(fs::TryLockError::WouldBlock) if started.elapsed() < CLAIMS_LOCK_WAIT => {
+                    std::thread::sleep(std::time::Duration::from_millis(10));
+                }
+                Err(fs::TryLockError::WouldBlock) => {
+                    return Err(anyhow!(
+                        "another slot has held {} for {}s; is a run of this pool stuck? (`fuser {}` names it)",
+                        path.display(),
+                        CLAIMS_LOCK_WAIT.as_secs(),
+                        path.display()
+                    ));
+                }
+                Err(fs::TryLockError::Error(e)) => {
+                    return Err(anyhow!("cannot lock {}: {e}", path.display()));
+                }
+            }
+        }
+        let others = self
+            .others()
+            .with_context(|| format!("claiming job {job_id} needs the other slots' claims"))?;
+        if let Some(slot) = others.claimed.get(&job_id).cloned() {
             return Ok(Claim::HeldBy(slot));
         }
         self.save(state)?;
@@ -477,7 +519,7 @@ impl StateStore for FileStore {
 
     fn save_holds(&mut self, holds: &Holds) -> Result<()> {
         let path = self.dir.join(HOLDS_FILE);
-        if holds.jobs.is_empty() {
+        if holds.is_empty() {
             // Nothing held: no file (at rest the state directory holds only what must stay).
             return match fs::remove_file(&path) {
                 Ok(()) => Ok(()),
@@ -523,6 +565,7 @@ mod tests {
             launched_at: Some(Timestamp(1_760_000_002_000)),
             job_gone_since: None,
             connected: false,
+            busy: false,
             not_served: None,
             failed_start: false,
             stopped: None,
@@ -704,6 +747,7 @@ mod tests {
         let slot = |k| SlotDir {
             pool: pool.clone(),
             k,
+            n: 2,
         };
         let _l1 = take_lock(&slot(1)).unwrap();
         let _l2 = take_lock(&slot(2)).unwrap();
@@ -725,12 +769,12 @@ mod tests {
             one.load().unwrap().is_none(),
             "nothing written for the refused claim"
         );
-        assert_eq!(one.others().unwrap().claimed_jobs(), [5].into());
-        assert_eq!(two.others().unwrap().claimed_jobs(), Default::default());
+        assert_eq!(one.others().unwrap().claimed_jobs(now), [5].into());
+        assert_eq!(two.others().unwrap().claimed_jobs(now), Default::default());
         // Another job is free; and once slot 2 forgot its registration, so is job 5.
         s1.claim = Some(6);
         assert_eq!(one.save_claiming(&s1, 6).unwrap(), Claim::Saved);
-        assert_eq!(two.others().unwrap().claimed_jobs(), [6].into());
+        assert_eq!(two.others().unwrap().claimed_jobs(now), [6].into());
         two.remove().unwrap();
         s1.claim = Some(5);
         assert_eq!(one.save_claiming(&s1, 5).unwrap(), Claim::Saved);
@@ -761,6 +805,7 @@ mod tests {
             take_lock(&SlotDir {
                 pool: pool.clone(),
                 k,
+                n: 4,
             })
             .map(drop)
             .unwrap();
@@ -771,7 +816,7 @@ mod tests {
                 .map(|k| {
                     let (pool, barrier) = (pool.clone(), barrier.clone());
                     std::thread::spawn(move || {
-                        let mut store = FileStore::slot(SlotDir { pool, k });
+                        let mut store = FileStore::slot(SlotDir { pool, k, n: 4 });
                         let now = Timestamp(1_760_000_000_000);
                         let mut s = CycleState::new(format!("c{k}"), now);
                         s.registrations.push(Registration::intent(
@@ -795,6 +840,7 @@ mod tests {
                 FileStore::slot(SlotDir {
                     pool: pool.clone(),
                     k,
+                    n: 4,
                 })
                 .remove()
                 .unwrap();

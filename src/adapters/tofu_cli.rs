@@ -42,6 +42,10 @@ pub struct CliTofu {
     /// The pool's slot this tofu serves: `TF_VAR_slot`; slot K ≥ 2 runs in the workspace
     /// `slot-K` (slot 1 in the default one, as a pool without slots always did).
     pub slot: u32,
+    /// The pool has more than one slot: slot 1 names its workspace too (`TF_WORKSPACE=default`),
+    /// so that a workspace selected by hand (`tofu workspace select slot-2`) can never make it
+    /// act on another slot's VM.
+    pub pinned: bool,
     /// `TF_DATA_DIR` for slot K ≥ 2; slot 1 keeps the module directory's own `.terraform`.
     pub data_dir: Option<PathBuf>,
     pub stop: StopFlag,
@@ -86,11 +90,17 @@ impl CliTofu {
             ("TF_VAR_cycle_id".into(), cycle_id.into()),
             ("TF_VAR_slot".into(), self.slot.to_string()),
         ];
-        if let Some(workspace) = crate::core::slots::slot_dir_name(self.slot) {
-            env.push(("TF_WORKSPACE".into(), workspace));
+        match crate::core::slots::slot_dir_name(self.slot) {
+            Some(workspace) => env.push(("TF_WORKSPACE".into(), workspace)),
+            None if self.pinned => env.push(("TF_WORKSPACE".into(), "default".into())),
+            None => {}
         }
         if let Some(d) = &self.data_dir {
             env.push(("TF_DATA_DIR".into(), d.display().to_string()));
+            // A plugin cache is not safe for concurrent inits (terraform says so), and slot 1 may
+            // init next to this one: this slot keeps its providers in its own data directory.
+            // (Empty means no cache from the environment.)
+            env.push(("TF_PLUGIN_CACHE_DIR".into(), String::new()));
         }
         let spec = ChildSpec {
             program: self.bin.clone(),

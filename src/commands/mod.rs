@@ -88,6 +88,7 @@ pub(crate) fn slot_dir(local: &LocalArgs) -> Result<SlotDir, Fatal> {
     Ok(SlotDir {
         pool: state_dir(&local.state_dir),
         k: local.slot,
+        n: local.slots,
     })
 }
 
@@ -179,6 +180,8 @@ pub(crate) fn policy(a: &RunArgs, labels: &str) -> Policy {
         // Twice the longest a POST can take from our side: by then it has landed or never will.
         intent_settle: a.common.http_timeout.saturating_mul(2),
         job_pickup_timeout: a.job_pickup_timeout,
+        share: a.share,
+        take_over_after: a.take_over_after,
         sweep_min_age: crate::core::slots::sweep_min_age(
             a.registration_grace,
             a.launch_timeout,

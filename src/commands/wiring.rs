@@ -30,6 +30,7 @@ use crate::core::licence::{DestroyRecord, SweepLicence, without_cycle};
 use crate::core::ports::{Clock, Forgejo, Launcher, StateStore, Tofu};
 use crate::core::report::Report;
 use crate::core::secret::Secret;
+use crate::core::slots::Others;
 use crate::core::state::{CycleState, STATE_FILE};
 use crate::driver::cycle::{End, World};
 
@@ -139,20 +140,21 @@ pub(crate) fn cycle(a: &RunArgs, label_names: &[String]) -> Result<CycleRun, Fat
 /// A dry-run cycle: the world read from the fixture, or from Forgejo and the state directory;
 /// every write recorded in the plan instead.
 fn dry_cycle(c: &ForgejoArgs, label_names: &[String]) -> Result<CycleRun, Fatal> {
-    let (world, (cycle, holds), now, url) = match &c.fixture {
+    let (world, (cycle, holds, others), now, url) = match &c.fixture {
         Some(path) => {
             let fx = load_fixture(path, label_names)?;
             let now = fx.now.unwrap_or_else(wall_now);
-            let files = (fx.cycle, Holds::default());
+            let files = (fx.cycle, Holds::default(), Others::default());
             (fx.forgejo, files, now, FIXTURE_URL.to_string())
         }
         None => {
-            let (world, files, url) = dry_http(c, label_names, |dir, _| {
-                let cycle = read_state_file(&dir.join(STATE_FILE))
-                    .map_err(|e| Fatal(EXIT_FAILED, format!("{e:#}")))?;
+            let (world, files, url) = dry_http(c, label_names, |dir, slot| {
+                let failed = |e: anyhow::Error| Fatal(EXIT_FAILED, format!("{e:#}"));
+                let cycle = read_state_file(&dir.join(STATE_FILE)).map_err(failed)?;
                 let holds = read_holds_file(&dir.join(HOLDS_FILE))
                     .map_err(|e| Fatal(EXIT_FAILED, format!("{e:#}")))?;
-                Ok((cycle, holds))
+                let others = FileStore::slot(slot.clone()).others().map_err(failed)?;
+                Ok((cycle, holds, others))
             })?;
             (world, files, wall_now(), url)
         }
@@ -166,6 +168,7 @@ fn dry_cycle(c: &ForgejoArgs, label_names: &[String]) -> Result<CycleRun, Fatal>
             store: Box::new(MemoryStore {
                 state: cycle,
                 holds,
+                others,
             }),
             clock: Box::new(DryClock { now }),
         },
@@ -208,6 +211,7 @@ pub(crate) fn sweep(a: &SweepArgs) -> Result<SweepRun, Fatal> {
                 let store = MemoryStore {
                     state: None,
                     holds: Holds::default(),
+                    others: Others::default(),
                 };
                 (fx.forgejo, licence.map_err(refused)?, Box::new(store), now)
             }
@@ -375,6 +379,7 @@ pub(crate) fn tofu(a: &RunArgs, slot: &SlotDir, stop: StopFlag) -> CliTofu {
         bin: a.tofu_bin.clone(),
         dir: a.tofu_dir.clone(),
         slot: slot.k,
+        pinned: slot.n > 1,
         // Absolute: tofu runs with -chdir into the module directory.
         data_dir: (slot.k != 1).then(|| {
             let d = slot.dir().join(TOFU_DATA_DIR);

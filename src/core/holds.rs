@@ -39,10 +39,22 @@ pub struct Hold {
     pub times: u32,
 }
 
+/// A waiting job of another host's share (`--share`), and when this host first saw it waiting:
+/// it is served here only once it has waited `--take-over-after` (its host may be gone).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Seen {
+    pub job_id: i64,
+    pub handle: String,
+    pub first_seen: Timestamp,
+}
+
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Holds {
     pub version: u32,
     pub jobs: Vec<Hold>,
+    /// Jobs of other hosts' shares this host has seen waiting (`--share`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub others_shares: Vec<Seen>,
 }
 
 impl Default for Holds {
@@ -50,11 +62,97 @@ impl Default for Holds {
         Holds {
             version: HOLDS_VERSION,
             jobs: Vec::new(),
+            others_shares: Vec::new(),
         }
     }
 }
 
+/// `--share K/H`: this host serves at once the jobs whose id is `K - 1` modulo `H`; the others
+/// only once they have waited `--take-over-after`. `1/1` (the default) serves every job at once.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Share {
+    pub k: u32,
+    pub h: u32,
+}
+
+impl Default for Share {
+    fn default() -> Share {
+        Share { k: 1, h: 1 }
+    }
+}
+
+impl Share {
+    /// Most hosts one share may split the jobs between.
+    pub const MAX_HOSTS: u32 = 64;
+
+    /// Parses `K/H` (1 ≤ K ≤ H ≤ 64).
+    pub fn parse(s: &str) -> Result<Share> {
+        let bad = || {
+            anyhow!(
+                "{s:?} is not a share like 1/2: this host's number K and the number of hosts H, 1 <= K <= H <= {}",
+                Share::MAX_HOSTS
+            )
+        };
+        let (k, h) = s.split_once('/').ok_or_else(bad)?;
+        let k: u32 = k.trim().parse().map_err(|_| bad())?;
+        let h: u32 = h.trim().parse().map_err(|_| bad())?;
+        if k == 0 || k > h || h > Share::MAX_HOSTS {
+            return Err(bad());
+        }
+        Ok(Share { k, h })
+    }
+
+    /// Whether the job is in this host's share.
+    pub fn owns(self, job_id: i64) -> bool {
+        job_id.rem_euclid(i64::from(self.h)) == i64::from(self.k - 1)
+    }
+}
+
 impl Holds {
+    /// Nothing held and no other share's job remembered: no file.
+    pub fn is_empty(&self) -> bool {
+        self.jobs.is_empty() && self.others_shares.is_empty()
+    }
+
+    /// Remembers when each waiting job in `waiting` that is not in `share` was first seen. True
+    /// when something was added.
+    pub fn note_other_shares(&mut self, waiting: &[&Job], share: Share, now: Timestamp) -> bool {
+        let mut added = false;
+        for j in waiting {
+            if share.owns(j.id) || self.others_shares.iter().any(|s| s.handle == j.handle) {
+                continue;
+            }
+            // Full: the newest wait for room. Evicting the oldest would restart the very waits
+            // closest to their take-over, and a dead host's share would never be served.
+            if self.others_shares.len() >= MAX_HOLDS {
+                break;
+            }
+            self.others_shares.push(Seen {
+                job_id: j.id,
+                handle: j.handle.clone(),
+                first_seen: now,
+            });
+            added = true;
+        }
+        added
+    }
+
+    /// Whether this host may serve the job now: it is in `share`, or it has waited
+    /// `take_over_after` since this host first saw it (never before it was seen).
+    pub fn may_serve(
+        &self,
+        job: &Job,
+        share: Share,
+        take_over_after: Duration,
+        now: Timestamp,
+    ) -> bool {
+        share.owns(job.id)
+            || self
+                .others_shares
+                .iter()
+                .any(|s| s.handle == job.handle && now.since(s.first_seen) >= take_over_after)
+    }
+
     /// The job attempt with this handle is held at `now`.
     pub fn is_held(&self, handle: &str, now: Timestamp) -> bool {
         self.jobs
@@ -109,10 +207,13 @@ impl Holds {
     /// Forgets the holds of job attempts Forgejo no longer lists (`jobs` is a complete jobs
     /// list: done, cancelled, or re-run under a new handle). True when something changed.
     pub fn prune(&mut self, jobs: &[Job]) -> bool {
-        let before = self.jobs.len();
+        let before = (self.jobs.len(), self.others_shares.len());
         self.jobs
             .retain(|h| jobs.iter().any(|j| j.handle == h.handle && j.is_live()));
-        self.jobs.len() != before
+        // Another share's job is remembered while it waits (taken, done or gone: forgotten).
+        self.others_shares
+            .retain(|s| jobs.iter().any(|j| j.handle == s.handle && j.is_waiting()));
+        (self.jobs.len(), self.others_shares.len()) != before
     }
 
     /// The holds in effect at `now`.
@@ -232,6 +333,51 @@ mod tests {
         assert!(parse_holds("").is_err());
         assert!(parse_holds(r#"{"version": 2, "jobs": []}"#).is_err());
         assert!(parse_holds(r#"{"version": 1}"#).is_err());
+    }
+
+    #[test]
+    fn a_job_of_another_share_is_served_only_after_it_waited_the_take_over_time() {
+        let share = Share::parse("2/3").unwrap();
+        assert!(share.owns(4) && share.owns(7) && !share.owns(5) && !share.owns(6));
+        let wait = Duration::from_secs(2 * MIN);
+        let (mine, other) = (job(4, "waiting"), job(5, "waiting"));
+        let mut h = Holds::default();
+        assert!(h.may_serve(&mine, share, wait, t(0)));
+        assert!(
+            !h.may_serve(&other, share, wait, t(100)),
+            "never before it was seen"
+        );
+        assert!(h.note_other_shares(&[&mine, &other], share, t(0)));
+        assert!(
+            !h.note_other_shares(&[&other], share, t(1)),
+            "first seen stays"
+        );
+        assert_eq!(h.others_shares.len(), 1);
+        assert!(!h.may_serve(&other, share, wait, t(1)));
+        assert!(h.may_serve(&other, share, wait, t(2)));
+        // Taken by its host (running) or gone: forgotten.
+        assert!(h.prune(&[job(5, "running")]));
+        assert!(h.is_empty());
+        // 1/1 owns every job.
+        assert!((0..10).all(|id| Share::default().owns(id)));
+        for bad in ["0/2", "3/2", "1/65", "1", "a/b", "1/0", ""] {
+            assert!(Share::parse(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn a_full_list_of_other_shares_keeps_its_oldest_so_their_take_over_comes() {
+        let share = Share::parse("1/2").unwrap();
+        let jobs: Vec<Job> = (0..(MAX_HOLDS as i64 + 10))
+            .map(|i| job(2 * i + 1, "waiting"))
+            .collect();
+        let waiting: Vec<&Job> = jobs.iter().collect();
+        let mut h = Holds::default();
+        assert!(h.note_other_shares(&waiting, share, t(0)));
+        assert_eq!(h.others_shares.len(), MAX_HOLDS);
+        assert!(!h.note_other_shares(&waiting, share, t(1)));
+        assert!(h.others_shares.iter().all(|s| s.first_seen == t(0)));
+        assert!(h.may_serve(&jobs[0], share, Duration::from_secs(MIN), t(1)));
     }
 
     #[test]

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use serde::Serialize;
 
-use crate::core::holds::Holds;
+use crate::core::holds::{Holds, Share};
 use crate::core::licence::SweepLicence;
 use crate::core::model::{
     Deletable, Job, Runner, RunnerStatus, job_matches, may_delete, waiting_jobs,
@@ -56,6 +56,10 @@ pub struct Policy {
     /// How young a registration (by the time in its name) the sweep spares
     /// (`core::slots::sweep_min_age`).
     pub sweep_min_age: Duration,
+    /// This host's share of the jobs (`--share`), and how long another share's job waits before
+    /// this host serves it too (`--take-over-after`).
+    pub share: Share,
+    pub take_over_after: Duration,
 }
 
 /// The trust boundary within which a VM runs one job after another (`--reuse-within`).
@@ -315,6 +319,11 @@ pub enum Step {
     MarkConnected {
         id: i64,
     },
+    /// Forgejo reports the runner `active` for the first time: it took a job, and its claim on
+    /// the job it was registered for ends.
+    MarkBusy {
+        id: i64,
+    },
     MarkJobGone {
         id: i64,
     },
@@ -365,8 +374,8 @@ fn who(reg: &Registration, id: i64) -> String {
     format!("runner {id} {}", reg.name)
 }
 
-/// The waiting jobs a runner of ours could take, that are not held and that no other slot of the
-/// pool holds, oldest (lowest id) first.
+/// The waiting jobs a runner of ours could take, that are not held, that no other slot of the
+/// pool holds and that are this host's to serve now (`--share`), oldest (lowest id) first.
 pub fn servable_jobs<'a>(
     jobs: &'a [Job],
     obs: &Observation,
@@ -376,6 +385,10 @@ pub fn servable_jobs<'a>(
 ) -> Vec<&'a Job> {
     let mut w = waiting_jobs(jobs, &policy.label_names);
     w.retain(|j| !ctx.holds.is_held(&j.handle, now) && !obs.claimed_elsewhere.contains(&j.id));
+    w.retain(|j| {
+        ctx.holds
+            .may_serve(j, policy.share, policy.take_over_after, now)
+    });
     w
 }
 

@@ -42,13 +42,23 @@ pub struct Others {
     pub claimed: BTreeMap<i64, String>,
     /// Names of every registration in another slot's cycle.json, intents included.
     pub names: BTreeSet<String>,
+    /// Jobs another slot holds in its `held-jobs.json` (Forgejo did not give them to its runner),
+    /// and until when: not served here either until the hold ends.
+    pub held: Vec<(i64, Timestamp)>,
+    /// Slots beyond `--slots` whose cycle is still in progress, each said in words: its VM and
+    /// registrations stay until that slot runs again.
+    pub beyond: Vec<String>,
 }
 
 impl Others {
     /// Adds what the cycle of `slot` (its name, for messages) holds.
     pub fn add(&mut self, slot: &str, state: &CycleState) {
         for r in &state.registrations {
-            self.claimed.insert(r.job_id, slot.to_string());
+            // A runner that took a job claims none: the job it was registered for, if it still
+            // waits, will go to another runner.
+            if !r.busy {
+                self.claimed.insert(r.job_id, slot.to_string());
+            }
             self.names.insert(r.name.clone());
         }
         // The job a cycle was started for, until its first registration: only while the cycle
@@ -60,8 +70,14 @@ impl Others {
         }
     }
 
-    pub fn claimed_jobs(&self) -> BTreeSet<i64> {
-        self.claimed.keys().copied().collect()
+    /// The jobs this slot leaves alone at `now`: claimed by another slot, or held by one.
+    pub fn claimed_jobs(&self, now: Timestamp) -> BTreeSet<i64> {
+        let held = self.held.iter().filter(|(_, until)| now < *until);
+        self.claimed
+            .keys()
+            .copied()
+            .chain(held.map(|(job, _)| *job))
+            .collect()
     }
 }
 
@@ -113,11 +129,14 @@ pub fn sweep_min_age(
 /// Why the sweep leaves a registration alone although it passed the deletion gate.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Spared {
-    /// Its name shows it was created less than the minimum age ago (or in the future, or its
-    /// time cannot be read): its owner may still be starting it.
+    /// Its name shows it was created less than the minimum age ago (or a little in the future:
+    /// clocks differ): its owner may still be starting it.
     TooYoung,
     /// Another slot of this pool holds it in its cycle.json.
     HeldByAnotherSlot,
+    /// The time in its name cannot be read, or lies further in the future than clocks differ
+    /// ([`SWEEP_AGE_MARGIN`]): doubt, reported as such.
+    DoubtfulTime,
 }
 
 /// What a sweep must spare, and when it runs.
@@ -137,10 +156,9 @@ impl SweepGuard {
         }
         match registered_at(name) {
             None => None,
-            Some(Err(())) => Some(Spared::TooYoung),
-            Some(Ok(t)) if t > self.now || self.now.since(t) < self.min_age => {
-                Some(Spared::TooYoung)
-            }
+            Some(Err(())) => Some(Spared::DoubtfulTime),
+            Some(Ok(t)) if t > self.now.plus(SWEEP_AGE_MARGIN) => Some(Spared::DoubtfulTime),
+            Some(Ok(t)) if self.now.since(t) < self.min_age => Some(Spared::TooYoung),
             Some(Ok(_)) => None,
         }
     }
@@ -201,8 +219,13 @@ mod tests {
         assert_eq!(g.spares("ephemeral-20261201t201000z-ab12-3"), None);
         assert_eq!(
             g.spares("ephemeral-c-1-20269999t999999z"),
-            Some(Spared::TooYoung)
+            Some(Spared::DoubtfulTime)
         );
+        // Further ahead than clocks differ: doubt, not youth.
+        let ahead = |secs| registration_name("e-", "c", 1, now.plus(Duration::from_secs(secs)));
+        assert_eq!(g.spares(&ahead(60)), Some(Spared::TooYoung));
+        assert_eq!(g.spares(&ahead(61)), Some(Spared::DoubtfulTime));
+        assert_eq!(g.spares(&ahead(86_400)), Some(Spared::DoubtfulTime));
     }
 
     #[test]
@@ -214,13 +237,26 @@ mod tests {
             .push(Registration::intent("p-c1-1-x".into(), 5, "h5".into(), now));
         let mut o = Others::default();
         o.add("slot 2", &s);
-        assert_eq!(o.claimed_jobs(), [5, 7].into());
+        assert_eq!(o.claimed_jobs(now), [5, 7].into());
         assert_eq!(o.names, ["p-c1-1-x".to_string()].into());
         // Torn down: the job it started for is free; its registration still holds its job.
         s.phase = Phase::TearingDown;
         let mut o = Others::default();
         o.add("slot 2", &s);
-        assert_eq!(o.claimed_jobs(), [5].into());
+        assert_eq!(o.claimed_jobs(now), [5].into());
+        // A runner that took a job (any job) claims none; its name is still held.
+        s.registrations[0].busy = true;
+        let mut o = Others::default();
+        o.add("slot 2", &s);
+        assert_eq!(o.claimed_jobs(now), Default::default());
+        assert_eq!(o.names.len(), 1);
+        // Another slot's hold counts until it ends.
+        o.held.push((9, now.plus(Duration::from_secs(60))));
+        assert_eq!(o.claimed_jobs(now), [9].into());
+        assert_eq!(
+            o.claimed_jobs(now.plus(Duration::from_secs(60))),
+            Default::default()
+        );
     }
 
     #[test]

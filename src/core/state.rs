@@ -66,6 +66,11 @@ pub struct Registration {
     /// stays `offline` past the grace without ever connecting is a failed start.
     #[serde(default)]
     pub connected: bool,
+    /// Forgejo has reported the runner `active`: it took a job (an ephemeral runner's only one),
+    /// not necessarily the one it was registered for, so it claims no job from then on
+    /// (`core::slots`): its job, if still waiting, is any slot's to serve.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub busy: bool,
     /// Set when the VM was torn down because this runner sat idle while its job waited.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub not_served: Option<NotServed>,
@@ -139,6 +144,7 @@ impl Registration {
             launched_at: None,
             job_gone_since: None,
             connected: false,
+            busy: false,
             not_served: None,
             failed_start: false,
             stopped: None,

@@ -86,6 +86,14 @@ pub fn run(w: &mut World<'_>, cfg: &CycleConfig, report: &mut Report) -> End {
         report.fail(format!("{e}; {what}"));
         empty
     });
+    // A slot beyond --slots with a cycle in progress: its VM and registrations stay until that
+    // slot runs again, which no timer may do any more. Every slot says so, every run.
+    // (A failure to read the other slots is reported where it matters: at the jobs list.)
+    if let Ok(others) = w.store.others() {
+        for b in others.beyond {
+            report.fail(b);
+        }
+    }
     let mut d = Driver {
         w,
         cfg,
@@ -133,50 +141,56 @@ mod vm;
 /// cycle.json could not be written (reported): stop before the next side effect.
 struct SaveFailed;
 
+/// One write of cycle.json: what was done so far is in the audit trail (durably) before the
+/// state that follows from it; a failure is reported, and the run stops.
+fn write<T>(
+    report: &mut Report,
+    store: &mut dyn StateStore,
+    progressed: &mut bool,
+    write: impl FnOnce(&mut dyn StateStore) -> anyhow::Result<T>,
+) -> Result<T, SaveFailed> {
+    report.sync_audit();
+    match write(&mut *store) {
+        Ok(t) => {
+            *progressed = true;
+            Ok(t)
+        }
+        Err(e) => {
+            report.fail(format!(
+                "cannot write {}: {e:#}; stopping before any further side effect",
+                store.describe()
+            ));
+            report.outcome = "failed".into();
+            Err(SaveFailed)
+        }
+    }
+}
+
 impl Driver<'_, '_> {
     /// Writes cycle.json. `Err` when that failed: the failure is in the report already, and the
     /// run must stop before any further side effect.
     fn save(&mut self) -> Result<(), SaveFailed> {
-        // What was done so far is in the audit trail (durably) before the state that follows
-        // from it.
-        self.report.sync_audit();
         let Some(state) = &self.state else {
+            self.report.sync_audit();
             return Ok(());
         };
-        match self.w.store.save(state) {
-            Ok(()) => {
-                self.progressed = true;
-                Ok(())
-            }
-            Err(e) => {
-                self.report.fail(format!(
-                    "cannot write {}: {e:#}; stopping before any further side effect",
-                    self.w.store.describe()
-                ));
-                self.report.outcome = "failed".into();
-                Err(SaveFailed)
-            }
-        }
+        write(
+            self.report,
+            &mut *self.w.store,
+            &mut self.progressed,
+            |store| store.save(state),
+        )
     }
 
     /// Writes `state` (not yet this driver's), which claims `job_id`, unless another slot holds
     /// that job (`StateStore::save_claiming`). `Err` as for [`Self::save`].
     fn save_claiming(&mut self, state: &CycleState, job_id: i64) -> Result<Claim, SaveFailed> {
-        self.report.sync_audit();
-        match self.w.store.save_claiming(state, job_id) {
-            Ok(claim) => {
-                self.progressed = true;
-                Ok(claim)
-            }
-            Err(e) => {
-                self.report.fail(format!(
-                    "cannot write {}: {e:#}; stopping before any further side effect",
-                    self.w.store.describe()
-                ));
-                self.report.outcome = "failed".into();
-                Err(SaveFailed)
-            }
-        }
+        write(
+            self.report,
+            &mut *self.w.store,
+            &mut self.progressed,
+            |store| store.save_claiming(state, job_id),
+        )
     }
 
     /// Writes cycle.json on a path that ends the run either way: a failure is in the report
@@ -236,9 +250,16 @@ impl Driver<'_, '_> {
             match others.map(|o| (o, self.w.forgejo.list_jobs())) {
                 None => {}
                 Some((o, Ok(jobs))) => {
-                    obs.claimed_elsewhere = o.claimed_jobs();
-                    // A held job that is no longer listed (done, cancelled, re-run) is forgotten.
-                    if self.ctx.holds.prune(&jobs) {
+                    obs.claimed_elsewhere = o.claimed_jobs(self.w.clock.now());
+                    // A held job that is no longer listed (done, cancelled, re-run) is forgotten;
+                    // another share's waiting job is remembered from when it was first seen.
+                    let pruned = self.ctx.holds.prune(&jobs);
+                    let waiting =
+                        crate::core::model::waiting_jobs(&jobs, &self.cfg.policy.label_names);
+                    let now = self.w.clock.now();
+                    let share = self.cfg.policy.share;
+                    let noted = self.ctx.holds.note_other_shares(&waiting, share, now);
+                    if pruned || noted {
                         self.save_holds();
                     }
                     obs.jobs = Some(jobs);
@@ -301,7 +322,9 @@ impl Driver<'_, '_> {
             match step {
                 Step::Idle => {
                     self.report.outcome = "idle".into();
-                    log::info!("no waiting job matches the labels; nothing to do");
+                    log::info!(
+                        "no waiting job to serve (none matches the labels, or each is held, claimed by another slot or another host's share); nothing to do"
+                    );
                     return End::Done;
                 }
                 Step::GiveUp { why } => {
@@ -415,6 +438,14 @@ impl Driver<'_, '_> {
                 }
                 // The start worked: only failed starts in a row mean a broken VM.
                 s.start_failures = 0;
+                self.save().err().map(|_| End::Done)
+            }
+            Step::MarkBusy { id } => {
+                let s = self.state.as_mut()?;
+                if let Some(r) = s.registration_mut(id) {
+                    r.busy = true;
+                    log::info!("runner {id} ({}) took a job", r.name);
+                }
                 self.save().err().map(|_| End::Done)
             }
             Step::MarkJobGone { id } | Step::ClearJobGone { id } => {
@@ -610,6 +641,8 @@ mod tests {
                 intent_settle: Duration::from_secs(10),
                 job_pickup_timeout: Duration::from_secs(600),
                 sweep_min_age: Duration::from_secs(420),
+                share: Default::default(),
+                take_over_after: Duration::from_secs(120),
                 reuse_within: crate::core::planner::ReuseWithin::Repo,
             },
             poll_interval: Duration::from_secs(5),

@@ -186,33 +186,42 @@ pub fn sweep_with(
     };
     let sel = select(&listing, prefix, cap, &guard);
     for (r, why) in &sel.spared {
-        let (list, what) = match why {
-            Spared::TooYoung => (
-                &mut report.spared_young,
-                "its name shows it is too young to judge",
-            ),
-            Spared::HeldByAnotherSlot => (
-                &mut report.spared_held,
-                "another slot of this pool holds it",
-            ),
+        let name = r.name.as_deref().unwrap_or("?");
+        let list = match why {
+            Spared::TooYoung => {
+                log::info!(
+                    "sweep: not deleting offline runner {} ({name}): its name shows it is too young to judge",
+                    r.id
+                );
+                &mut report.spared_young
+            }
+            Spared::HeldByAnotherSlot => {
+                log::info!(
+                    "sweep: not deleting offline runner {} ({name}): another slot of this pool holds it",
+                    r.id
+                );
+                &mut report.spared_held
+            }
+            Spared::DoubtfulTime => {
+                log::warn!(
+                    "sweep: not deleting runner {} ({name}): the time in its name cannot be read or lies in the future; delete it by hand once you know it is dead",
+                    r.id
+                );
+                &mut report.skipped_doubtful
+            }
         };
-        log::info!(
-            "sweep: not deleting offline runner {} ({}): {what}",
-            r.id,
-            r.name.as_deref().unwrap_or("?")
-        );
         list.push(swept(r));
     }
     report.found = sel.found;
     report.left_over_cap = sel.left_over_cap;
-    report.skipped_doubtful = sel.doubtful.iter().map(swept).collect();
-    for r in &report.skipped_doubtful {
+    for r in sel.doubtful.iter().map(swept) {
         log::warn!(
             "sweep: not deleting runner {} ({}): status {} is not exactly \"offline\"",
             r.runner_id,
             r.name.as_deref().unwrap_or("?"),
             r.status
         );
+        report.skipped_doubtful.push(r);
     }
     for (target, r) in &sel.delete {
         on_delete(&swept(r), None);

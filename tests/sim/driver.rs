@@ -59,6 +59,8 @@ pub fn config(max_jobs: u32) -> CycleConfig {
             intent_settle: Duration::from_millis(2 * HTTP_TIMEOUT_MS as u64),
             job_pickup_timeout: Duration::from_millis(PICKUP_MS as u64),
             sweep_min_age: Duration::from_secs(420),
+            share: Default::default(),
+            take_over_after: Duration::from_secs(120),
             reuse_within: ReuseWithin::Repo,
         },
         poll_interval: Duration::from_millis(POLL_MS as u64),

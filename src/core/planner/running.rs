@@ -83,6 +83,9 @@ pub(super) fn decide_running(
         if !reg.connected && (up || runner.labels.is_some()) {
             return Step::MarkConnected { id };
         }
+        if runner.status == RunnerStatus::Active && !reg.busy {
+            return Step::MarkBusy { id };
+        }
         match &runner.status {
             RunnerStatus::Active => waiting_on.push(format!("{} (active)", who(reg, id))),
             RunnerStatus::Idle => {

@@ -44,6 +44,8 @@ fn policy() -> Policy {
         intent_settle: Duration::ZERO,
         job_pickup_timeout: Duration::from_secs(PICKUP as u64 / 1000),
         sweep_min_age: Duration::from_secs(420),
+        share: Default::default(),
+        take_over_after: Duration::from_secs(120),
         reuse_within: ReuseWithin::Repo,
     }
 }
@@ -89,6 +91,8 @@ fn reg(id: i64, launch: Launch, launched_at: Option<Timestamp>) -> Registration 
         launched_at,
         job_gone_since: None,
         connected: launch == Launch::Done,
+        // As if seen active already (only `MarkBusy`'s test starts without).
+        busy: launch == Launch::Done,
         not_served: None,
         failed_start: false,
         stopped: None,
@@ -567,10 +571,15 @@ fn running_launch_not_done_with_odd_status_waits() {
 
 #[test]
 fn running_active_runner_waits() {
-    let st = state_with(
+    let mut st = state_with(
         Phase::Running,
         vec![gone_since(reg(1, Launch::Done, Some(at(MIN))), at(MIN))],
     );
+    // Seen active for the first time: it took a job, and claims none from now on.
+    st.registrations[0].busy = false;
+    let o = obs(None, vec![seen(ours(1, RunnerStatus::Active))]);
+    assert_eq!(plan(&st, &o, &ctx(), at(MIN + 1)), Step::MarkBusy { id: 1 });
+    st.registrations[0].busy = true;
     for jobs in [
         None,
         Some(vec![]),
@@ -2331,5 +2340,29 @@ fn a_job_another_slot_holds_gets_no_cycle_and_no_runner_here() {
         Step::Teardown {
             reason: TeardownReason::Idle
         }
+    );
+}
+
+#[test]
+fn another_hosts_share_is_served_only_after_the_take_over_wait() {
+    let mut p = policy();
+    p.share = crate::core::holds::Share::parse("1/2").unwrap();
+    p.take_over_after = Duration::from_secs(120);
+    // Job 6 is this host's (6 mod 2 = 0), job 5 the other host's.
+    let both = obs(Some(vec![waiting_debian(5), waiting_debian(6)]), vec![]);
+    let mut c = ctx();
+    assert_eq!(
+        decide(None, &both, &c, &p, at(0)),
+        Step::StartCycle { job_id: 6 }
+    );
+    let other = obs(Some(vec![waiting_debian(5)]), vec![]);
+    assert_eq!(decide(None, &other, &c, &p, at(0)), Step::Idle);
+    let jobs = [waiting_debian(5)];
+    let waiting: Vec<&Job> = jobs.iter().collect();
+    assert!(c.holds.note_other_shares(&waiting, p.share, at(0)));
+    assert_eq!(decide(None, &other, &c, &p, at(MIN)), Step::Idle);
+    assert_eq!(
+        decide(None, &other, &c, &p, at(2 * MIN)),
+        Step::StartCycle { job_id: 5 }
     );
 }
