@@ -145,16 +145,7 @@ impl Host {
 
     /// Runs the script; (success, stdout + stderr).
     fn script(&self, args: &[&str]) -> (bool, String) {
-        self.script_with(args, None)
-    }
-
-    /// Runs the script, with PLAYBOOK (for `play`) when given; (success, stdout + stderr).
-    fn script_with(&self, args: &[&str], playbook: Option<&Path>) -> (bool, String) {
-        let mut cmd = Command::new(&self.script);
-        if let Some(book) = playbook {
-            cmd.env("PLAYBOOK", book);
-        }
-        let out = cmd
+        let out = Command::new(&self.script)
             .args(args)
             .stdin(Stdio::null())
             .output()
@@ -169,18 +160,18 @@ impl Host {
 
     /// ansible-playbook with these variables; (success, output, changed count).
     fn play(&self, name: &str, vars: &str) -> (bool, String, usize) {
-        self.play_with(name, vars, None)
+        self.play_with(name, vars, &[])
     }
 
-    fn play_with(&self, name: &str, vars: &str, playbook: Option<&Path>) -> (bool, String, usize) {
+    /// The same, with more arguments for ansible-playbook.
+    fn play_with(&self, name: &str, vars: &str, more: &[&str]) -> (bool, String, usize) {
         let started = Instant::now();
         let file = self.work.join(format!("{name}.yml"));
         fs::write(&file, vars).unwrap();
         // --diff shows the content of every changed file, except where the role says no_log.
-        let (ok, out) = self.script_with(
-            &["play", path_str(&self.work), path_str(&file), "--diff"],
-            playbook,
-        );
+        let mut args = vec!["play", path_str(&self.work), path_str(&file), "--diff"];
+        args.extend_from_slice(more);
+        let (ok, out) = self.script(&args);
         fs::write(self.work.join(format!("{name}.log")), &out).unwrap();
         eprintln!("play {name}: ok={ok} in {:.1?}", started.elapsed());
         let changed = out
@@ -196,15 +187,6 @@ impl Host {
             })
             .sum();
         (ok, out, changed)
-    }
-
-    /// Another playbook of tests/role/ (not site.yml) with these variables.
-    fn play_book(&self, name: &str, playbook: &str, vars: &str) -> (bool, String, usize) {
-        self.play_with(
-            name,
-            vars,
-            Some(&manifest().join("tests/role").join(playbook)),
-        )
     }
 
     /// Runs a shell command inside the container; (success, stdout + stderr).
@@ -1370,19 +1352,29 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
         "enabled"
     );
     // A cycle that began after preflight looked (a run the timer started during the play): the
-    // retirement stops the slot, looks again and keeps everything of it.
-    let (ok, out, _) = host.play_book(
+    // play after preflight (skipped: the configuration from its first task on, the slot to retire
+    // named as preflight would) stops the slot, looks again and keeps everything of it, and fails
+    // before the pool's environment changes (under slots: 1, slot 1 would stop at slot 2's
+    // cycle.json).
+    let (ok, out, _) = host.play_with(
         "retire-busy-slot",
-        "retire_slots.yml",
         &format!("{gpu_one_slot}__ci_ephemeral_provisioner_retired_slots: [gpu.2]\n"),
+        &["--start-at-task=ci_ephemeral_provisioner : Create the configuration directories"],
     );
     assert!(
-        !ok && out.contains("Slot 2 of pool gpu (ci-ephemeral-provisioner@gpu.2) began a cycle while it was being retired"),
+        !ok && out.contains(
+            "Slot 2 of pool gpu (ci-ephemeral-provisioner@gpu.2) began a cycle while it was being retired"
+        ),
         "{out}"
     );
     assert!(
         host.file(slot_2_unit).exists() && host.file(&format!("{slot_2}/cycle.json")).exists(),
         "a slot with a cycle in progress lost its files:\n{out}"
+    );
+    assert!(
+        host.read("etc/ci-ephemeral-provisioner/pools/gpu/provisioner.env")
+            .contains("\nCI_EPHEMERAL_PROVISIONER_SLOTS=\"2\"\n"),
+        "the pool's slots changed although a slot could not be retired:\n{out}"
     );
     // Once the cycle has ended: retired.
     fs::remove_file(host.file(&format!("{slot_2}/cycle.json"))).unwrap();

@@ -3,7 +3,7 @@
 # with systemd-nspawn, sharing the host's network, sshd on 127.0.0.1:$SSH_PORT.
 #
 #   role_e2e.sh boot WORK ROOTFS   prepare ROOTFS (keys, sshd, tofu, fake forgejo-runner), boot it
-#   role_e2e.sh play WORK VARS     ansible-playbook site.yml (or $PLAYBOOK) against it, with -e @VARS
+#   role_e2e.sh play WORK VARS     ansible-playbook site.yml against it, with -e @VARS
 #   role_e2e.sh exec WORK CMD...   run CMD inside the container (nsenter into all its namespaces)
 #   role_e2e.sh down WORK          stop the container (SIGTERM to nspawn = clean poweroff), tidy cgroups
 #
@@ -90,7 +90,7 @@ play)
     export ANSIBLE_HOST_KEY_CHECKING=False ANSIBLE_NOCOLOR=1 ANSIBLE_FORCE_COLOR=0 ANSIBLE_PIPELINING=True
     export ANSIBLE_ROLES_PATH="$here/roles"
     exec "${ANSIBLE_VENV:?ANSIBLE_VENV must name a venv with ansible-core}/bin/ansible-playbook" \
-        -i "$work/inventory.ini" "${PLAYBOOK:-$here/site.yml}" -e "@$vars" "$@"
+        -i "$work/inventory.ini" "$here/site.yml" -e "@$vars" "$@"
     ;;
 exec)
     cpid=$(container_pid) || { echo "the container is not running" >&2; exit 1; }
