@@ -1,6 +1,8 @@
 //! Deterministic simulation of the real cycle code (`cycle::run`, the planner, the sweep)
 //! against a simulated Forgejo, tofu, launch command, clock and cycle.json, all driven by one
-//! seed. Same seed, same trace, byte for byte.
+//! seed: one to three slots on each of one or two hosts, each slot with its own cycle.json,
+//! held-jobs.json, lock and VMs, racing against the one Forgejo. Same seed, same trace, byte
+//! for byte.
 //!
 //! - `cargo test --release --test sim -- --nocapture`: `SIM_SEEDS` seeds (default 10,000 in
 //!   release, 200 in debug) from `SIM_START` (default 0) on `SIM_THREADS` threads.
@@ -83,6 +85,8 @@ const CRASH_POINTS: &[&str] = &[
     "after save(destroyed)",
     "before GET runner page",
     "after GET runner page",
+    "before read others",
+    "after read others",
     "before DELETE runner (sweep)",
     "after DELETE runner (sweep)",
     "before remove",
@@ -125,6 +129,7 @@ const FAULTS: &[&str] = &[
     "cycle.json remove fails",
     "held-jobs.json read fails",
     "held-jobs.json write fails",
+    "another slot's cycle.json read fails",
     "stop signal (SIGTERM)",
 ];
 
@@ -209,6 +214,18 @@ fn simulation() {
         "  {} invocations, {} steps, {} VMs created, {} jobs run by our runners, {} racing invocations refused by cycle.lock",
         stats.invocations, stats.steps, stats.vms_created, stats.jobs_served, stats.races_refused
     );
+    println!("  seeds by hosts and slots:");
+    for (k, v) in &stats.topologies {
+        println!("    {v:>9}  {k}");
+    }
+    println!(
+        "  runs of a slot nested in another's: {} at an instant, {} while it waited; claims refused (another slot held the job): {}; registrations a sweep spared: {} too young by their name, {} held by another slot",
+        stats.slot_runs_nested,
+        stats.slot_runs_nested_waiting,
+        stats.claims_refused,
+        stats.spared_young,
+        stats.spared_held
+    );
     println!(
         "  faults injected: {} in total",
         stats.faults.values().sum::<u64>()
@@ -285,6 +302,13 @@ fn simulation() {
             stats.seeds
         );
         assert!(stats.races_refused > 0, "no racing invocation was tried");
+        assert!(
+            stats.slot_runs_nested > 0 && stats.claims_refused > 0 && stats.spared_held > 0,
+            "slots never ran nested ({}), never had a claim refused ({}) or a sweep never spared another slot's registration ({})",
+            stats.slot_runs_nested,
+            stats.claims_refused,
+            stats.spared_held
+        );
     }
 }
 
@@ -348,12 +372,12 @@ fn a_lost_post_is_not_forgotten_when_a_listed_row_has_no_name() {
             "h".into(),
             Timestamp(now - 300_000),
         ));
-        s.write_disk(&st);
-        s.create_vm("c1");
-        let id = s.srv_register(&name);
+        s.write_disk(0, &st);
+        s.create_vm(0, "c1");
+        let id = s.srv_register(0, &name);
         s.nameless.push(id);
     }
-    driver::invoke(&sim, false);
+    driver::invoke(&sim, 0, world::Started::Timer);
     let s = sim.borrow();
     assert!(
         s.violation.is_none(),
@@ -361,7 +385,7 @@ fn a_lost_post_is_not_forgotten_when_a_listed_row_has_no_name() {
         s.violation,
         s.trace_tail()
     );
-    let kept = s
+    let kept = s.slots[0]
         .disk
         .as_ref()
         .is_some_and(|(_, st)| st.registrations.iter().any(|r| r.name == name));
@@ -470,8 +494,8 @@ fn a_never_connected_runner_whose_delete_answer_was_lost_is_still_a_failed_start
         // Another waiting job: a VM taken for sound would register a runner for it.
         s.new_job(&[world::LABEL]);
         let handle = s.forgejo.jobs[&job].handle.clone();
-        s.create_vm("c1");
-        let id = s.srv_register(&name);
+        s.create_vm(0, "c1");
+        let id = s.srv_register(0, &name);
         let mut st = CycleState::new("c1".into(), Timestamp(now - 20 * 60_000));
         st.runner_prefix = world::PREFIX.into();
         st.phase = Phase::Running;
@@ -497,13 +521,13 @@ fn a_never_connected_runner_whose_delete_answer_was_lost_is_still_a_failed_start
             failed_start: false,
             stopped: None,
         });
-        s.write_disk(&st);
+        s.write_disk(0, &st);
         s.forced_faults.push((
             "DELETE runner (never_connected)".into(),
             world::ApiFault::ResetApplied,
         ));
     }
-    driver::invoke(&sim, false);
+    driver::invoke(&sim, 0, world::Started::Timer);
     let s = sim.borrow();
     assert!(
         s.violation.is_none(),

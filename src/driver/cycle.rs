@@ -183,14 +183,18 @@ impl Driver<'_, '_> {
     }
 
     /// Writes `state` (not yet this driver's), which claims `job_id`, unless another slot holds
-    /// that job (`StateStore::save_claiming`). `Err` as for [`Self::save`].
+    /// that job (`StateStore::save_claiming`). `Err` as for [`Self::save`]. A refused claim
+    /// writes nothing, so it is no progress: were it refused again and again (the planner
+    /// choosing a job the store says another slot holds), the runaway guard stops the run.
     fn save_claiming(&mut self, state: &CycleState, job_id: i64) -> Result<Claim, SaveFailed> {
-        write(
-            self.report,
-            &mut *self.w.store,
-            &mut self.progressed,
-            |store| store.save_claiming(state, job_id),
-        )
+        let mut wrote = false;
+        let claim = write(self.report, &mut *self.w.store, &mut wrote, |store| {
+            store.save_claiming(state, job_id)
+        })?;
+        if claim == Claim::Saved {
+            self.progressed |= wrote;
+        }
+        Ok(claim)
     }
 
     /// Writes cycle.json on a path that ends the run either way: a failure is in the report
@@ -611,25 +615,8 @@ mod tests {
         }
     }
 
-    #[test]
-    fn a_long_busy_queue_is_progress_not_a_runaway() {
-        // Each launched runner is given its job by Forgejo's rule and runs it at once: the job
-        // ends and Forgejo deletes the registration, one step after another without a wait.
-        let shared = ModelForgejo::new("debian");
-        let jobs = MAX_STEPS_WITHOUT_WAIT as usize * 2;
-        for i in 0..jobs {
-            let runs_on = vec!["debian".to_string()];
-            shared
-                .server()
-                .forgejo
-                .add_job(format!("h{i}"), runs_on, 1, 1);
-        }
-        let mut forgejo = shared.clone();
-        let mut launcher = shared.clone();
-        let mut tofu = NoopTofu;
-        let mut store = MemoryStore::default();
-        let mut clock = shared.clone();
-        let cfg = CycleConfig {
+    fn test_config() -> CycleConfig {
+        CycleConfig {
             policy: Policy {
                 runner_prefix: "ephemeral-".into(),
                 label_names: vec!["debian".into()],
@@ -649,7 +636,100 @@ mod tests {
             labels: "debian".into(),
             forgejo_url: "https://forgejo.invalid".into(),
             sweep_max_deletions: 50,
+        }
+    }
+
+    /// A store whose claims are all refused although it names no other slot's claim (planner
+    /// and store disagree: a bug). Panics instead of looping for ever.
+    #[derive(Default)]
+    struct RefusingStore {
+        inner: MemoryStore,
+        refused: u32,
+    }
+
+    impl StateStore for RefusingStore {
+        fn load(&mut self) -> anyhow::Result<Option<CycleState>> {
+            self.inner.load()
+        }
+        fn save(&mut self, state: &CycleState) -> anyhow::Result<()> {
+            self.inner.save(state)
+        }
+        fn remove(&mut self) -> anyhow::Result<()> {
+            self.inner.remove()
+        }
+        fn describe(&self) -> String {
+            self.inner.describe()
+        }
+        fn load_holds(&mut self) -> Result<crate::core::holds::Holds, HoldsError> {
+            self.inner.load_holds()
+        }
+        fn save_holds(&mut self, holds: &crate::core::holds::Holds) -> anyhow::Result<()> {
+            self.inner.save_holds(holds)
+        }
+        fn save_claiming(&mut self, _: &CycleState, _: i64) -> anyhow::Result<Claim> {
+            self.refused += 1;
+            assert!(
+                self.refused < 10 * MAX_STEPS_WITHOUT_WAIT,
+                "the run never stopped refusing claims"
+            );
+            Ok(Claim::HeldBy("slot 2 (test)".into()))
+        }
+    }
+
+    /// Found with the simulation (the planner's filter of other slots' claims removed): every
+    /// step chose the job, every claim was refused, and a refusal counted as progress, so the
+    /// runaway guard never stopped the run.
+    #[test]
+    fn a_claim_refused_again_and_again_is_a_runaway_not_progress() {
+        let shared = ModelForgejo::new("debian");
+        let runs_on = vec!["debian".to_string()];
+        shared.server().forgejo.add_job("h1".into(), runs_on, 1, 1);
+        let mut forgejo = shared.clone();
+        let mut launcher = shared.clone();
+        let mut tofu = NoopTofu;
+        let mut store = RefusingStore::default();
+        let mut clock = shared.clone();
+        let cfg = test_config();
+        let mut report = Report::new("run", false, clock.now());
+        let mut world = super::World {
+            forgejo: &mut forgejo,
+            tofu: &mut tofu,
+            launcher: &mut launcher,
+            store: &mut store,
+            clock: &mut clock,
         };
+        assert_eq!(run(&mut world, &cfg, &mut report), End::Done);
+        assert_eq!(report.outcome, "failed");
+        assert!(
+            report
+                .failures
+                .iter()
+                .any(|f| f.contains("steps without progress")),
+            "{:?}",
+            report.failures
+        );
+        assert!(store.inner.state.is_none());
+    }
+
+    #[test]
+    fn a_long_busy_queue_is_progress_not_a_runaway() {
+        // Each launched runner is given its job by Forgejo's rule and runs it at once: the job
+        // ends and Forgejo deletes the registration, one step after another without a wait.
+        let shared = ModelForgejo::new("debian");
+        let jobs = MAX_STEPS_WITHOUT_WAIT as usize * 2;
+        for i in 0..jobs {
+            let runs_on = vec!["debian".to_string()];
+            shared
+                .server()
+                .forgejo
+                .add_job(format!("h{i}"), runs_on, 1, 1);
+        }
+        let mut forgejo = shared.clone();
+        let mut launcher = shared.clone();
+        let mut tofu = NoopTofu;
+        let mut store = MemoryStore::default();
+        let mut clock = shared.clone();
+        let cfg = test_config();
         let mut report = Report::new("run", false, clock.now());
         let mut world = super::World {
             forgejo: &mut forgejo,

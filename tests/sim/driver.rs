@@ -1,6 +1,7 @@
-//! Runs one seed: invocations of the real `cycle::run` (as the systemd timer would start them),
-//! killed and restarted from what cycle.json holds, raced by a second invocation, until the
-//! faulty period ends; then the world goes quiet and the runs must converge to rest.
+//! Runs one seed: invocations of the real `cycle::run` (as the systemd timers of the seed's slots
+//! would start them), killed and restarted from what their cycle.json holds, raced by a second
+//! invocation, interleaved with runs of the other slots, until the faulty period ends; then the
+//! world goes quiet and the runs of every slot must converge to rest.
 
 use std::cell::RefCell;
 use std::panic::{self, AssertUnwindSafe};
@@ -9,6 +10,7 @@ use std::sync::Once;
 use std::time::Duration;
 
 use ci_ephemeral_provisioner::adapters::files::{StateDirError, lock_state_dir};
+use ci_ephemeral_provisioner::core::holds::Share;
 use ci_ephemeral_provisioner::core::planner::Policy;
 use ci_ephemeral_provisioner::core::planner::ReuseWithin;
 use ci_ephemeral_provisioner::core::report::Report;
@@ -22,7 +24,7 @@ use super::ports::{
     Killed, Livelock, Port, Shared, SimClock, SimForgejo, SimLauncher, SimStore, SimTofu,
 };
 use super::world::{
-    HTTP_TIMEOUT_MS, Invocation, LABEL, PICKUP_MS, POLL_MS, PREFIX, Sim, Stats, T0,
+    HTTP_TIMEOUT_MS, Invocation, LABEL, PICKUP_MS, POLL_MS, Sim, Started, Stats, T0,
 };
 
 const MIN: i64 = 60_000;
@@ -38,18 +40,31 @@ pub const MAX_QUIET_RUNS: u32 = 150;
 const AT_REST_RUNS: u32 = 3;
 
 thread_local! {
-    /// The state directory whose `cycle.lock` the invocations take (one per test thread).
-    static LOCK_DIR: tempfile::TempDir = tempfile::tempdir().expect("a temporary directory");
+    /// The state directories whose `cycle.lock` the invocations take, one per slot (per test
+    /// thread; made as seeds need them).
+    static LOCK_DIRS: RefCell<Vec<tempfile::TempDir>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Takes slot `slot`'s `cycle.lock`, as `run` does.
+fn lock_slot(slot: usize) -> Result<impl Sized + use<>, StateDirError> {
+    LOCK_DIRS.with(|d| {
+        let mut d = d.borrow_mut();
+        while d.len() <= slot {
+            d.push(tempfile::tempdir().expect("a temporary directory"));
+        }
+        lock_state_dir(d[slot].path())
+    })
 }
 
 /// The configuration every simulated invocation runs with (short durations keep seeds cheap;
 /// the decisions are the same as with the defaults). `--max-jobs-per-vm` is the seed's: 3, or 6
-/// (more than `MAX_START_FAILURES`, so that the broken-VM rule is not hidden by the job cap).
-pub fn config(max_jobs: u32) -> CycleConfig {
+/// (more than `MAX_START_FAILURES`, so that the broken-VM rule is not hidden by the job cap);
+/// the prefix and `--share` are the host's.
+pub fn config(max_jobs: u32, prefix: &str, share: Share) -> CycleConfig {
     let m = |n: u64| Duration::from_secs(60 * n);
     CycleConfig {
         policy: Policy {
-            runner_prefix: PREFIX.into(),
+            runner_prefix: prefix.into(),
             label_names: vec![LABEL.into()],
             max_jobs_per_vm: max_jobs,
             idle_timeout: m(3),
@@ -59,7 +74,7 @@ pub fn config(max_jobs: u32) -> CycleConfig {
             intent_settle: Duration::from_millis(2 * HTTP_TIMEOUT_MS as u64),
             job_pickup_timeout: Duration::from_millis(PICKUP_MS as u64),
             sweep_min_age: Duration::from_secs(420),
-            share: Default::default(),
+            share,
             take_over_after: Duration::from_secs(120),
             reuse_within: ReuseWithin::Repo,
         },
@@ -85,59 +100,94 @@ pub fn quiet_kills() {
     });
 }
 
-/// A second invocation while one runs (a manual run, a second timer): it must be refused by
-/// `cycle.lock`; if it were not, it would run for real against the same world.
-pub fn race(sim: &Shared) {
-    invoke(sim, true);
+/// A second invocation of `slot` while one runs (a manual run, a second timer): it must be
+/// refused by `cycle.lock`; if it were not, it would run for real against the same world.
+pub fn race(sim: &Shared, slot: usize, instant: bool) {
+    invoke_with(sim, slot, Started::Race, instant);
 }
 
-/// One process: take the lock as `run` does, then the real `cycle::run`.
-pub fn invoke(sim: &Shared, nested: bool) {
-    let mut lock = LOCK_DIR.with(|d| lock_state_dir(d.path()));
+/// A run of `slot` (whose process is not running) while another slot's run is at a step
+/// boundary: the two slots' processes at once, as their timers start them; `instant`: see
+/// `Invocation::instant`.
+pub fn nested(sim: &Shared, slot: usize, instant: bool) {
+    invoke_with(sim, slot, Started::Nested, instant);
+}
+
+/// One process of `slot`: take the slot's lock as `run` does, then the real `cycle::run`.
+pub fn invoke(sim: &Shared, slot: usize, started: Started) {
+    invoke_with(sim, slot, started, false);
+}
+
+fn invoke_with(sim: &Shared, slot: usize, started: Started, instant: bool) {
+    let race = started == Started::Race;
+    let mut lock = lock_slot(slot);
     // A timer run is never raced in the simulation, yet once in a million seeds the kernel
     // reported the lock of the previous, closed run as still held; try again as systemd would.
     for _ in 0..50 {
-        if nested || lock.is_ok() {
+        if race || lock.is_ok() {
             break;
         }
         std::thread::sleep(Duration::from_millis(10));
-        lock = LOCK_DIR.with(|d| lock_state_dir(d.path()));
+        lock = lock_slot(slot);
     }
     let lock = match lock {
         Ok(l) => l,
         Err(e) => {
             let mut s = sim.borrow_mut();
-            if nested && matches!(e, StateDirError::Locked(_)) {
+            if race && matches!(e, StateDirError::Locked(_)) {
                 s.stats.races_refused += 1;
                 s.log(format!("second invocation refused by cycle.lock: {e}"));
-            } else if nested {
+            } else if race {
                 // Only another holder may refuse a racing run; anything else is a broken lock.
                 s.violate(format!("a racing run could not take cycle.lock: {e}"));
             } else {
-                s.violate(format!("a timer run could not take cycle.lock: {e}"));
+                let who = s.slot_name(slot);
+                s.violate(format!(
+                    "a {} run of {who} could not take its cycle.lock: {e}",
+                    if started == Started::Nested {
+                        "nested"
+                    } else {
+                        "timer"
+                    }
+                ));
             }
             return;
         }
     };
-    let inv = {
+    let (inv, cfg) = {
         let mut s = sim.borrow_mut();
         let now = s.now;
         s.invs.push(Invocation {
-            nested,
+            slot,
+            started,
+            instant,
             started_at: now,
             ..Invocation::default()
         });
         s.stats.invocations += 1;
+        if started == Started::Nested && instant {
+            s.stats.slot_runs_nested += 1;
+        } else if started == Started::Nested {
+            s.stats.slot_runs_nested_waiting += 1;
+        }
         let inv = s.invs.len() - 1;
+        s.stack.push(inv);
+        let who = if s.slots.len() > 1 {
+            format!(" ({})", s.slot_name(slot))
+        } else {
+            String::new()
+        };
         s.log(format!(
-            "invocation {inv} starts{}",
-            if nested {
-                " (racing the running one)"
-            } else {
-                ""
+            "invocation {inv}{who} starts{}",
+            match started {
+                Started::Timer => "",
+                Started::Race => " (racing the running one)",
+                Started::Nested if instant => " (nested, at an instant of another slot's run)",
+                Started::Nested => " (nested, while another slot's run waits)",
             }
         ));
-        inv
+        let host = &s.hosts[s.slots[slot].host];
+        (inv, config(s.max_jobs, host.prefix, host.share))
     };
     let port = Port {
         sim: sim.clone(),
@@ -148,7 +198,6 @@ pub fn invoke(sim: &Shared, nested: bool) {
     let mut launcher = SimLauncher(port.clone());
     let mut store = SimStore(port.clone());
     let mut clock = SimClock(port);
-    let cfg = config(sim.borrow().max_jobs);
     let mut report = Report::new("run", false, Timestamp(sim.borrow().now));
     let sim_time = Rc::clone(sim);
     report.set_clock(Box::new(move || Timestamp(sim_time.borrow().now)));
@@ -164,6 +213,19 @@ pub fn invoke(sim: &Shared, nested: bool) {
     }));
     drop(lock);
     let mut s = sim.borrow_mut();
+    s.stack.pop();
+    if started == Started::Nested && !instant {
+        // The runs it interrupted did not see Forgejo meanwhile (the invariant on waits next
+        // to an unserved job counts from now for them, as after an API fault).
+        let now = s.now;
+        for i in s.stack.clone() {
+            s.invs[i].last_fault_at = now;
+        }
+    }
+    if let Some(sw) = &report.sweep {
+        s.stats.spared_young += sw.spared_young.len() as u64;
+        s.stats.spared_held += sw.spared_held.len() as u64;
+    }
     match result {
         Ok(end) => {
             s.log(format!(
@@ -225,28 +287,54 @@ pub fn run_seed_with(
     let fault_end = {
         let mut s = sim.borrow_mut();
         let cfg = s.cfg;
-        s.log(format!("seed {seed}: {cfg:?}"));
+        let topology = s.topology();
+        s.log(format!("seed {seed}: {topology}; {cfg:?}"));
         T0 + s.rng.range(20 * MIN, 120 * MIN)
     };
+    let n_slots = sim.borrow().slots.len();
     let mut runs = 0;
     while sim.borrow().violation.is_none() && sim.borrow().now < fault_end && runs < MAX_FAULTY_RUNS
     {
-        invoke(&sim, false);
+        // The timer of some slot fires (with nothing else running: other slots' runs start
+        // nested, at this run's step boundaries).
+        let slot = if n_slots == 1 {
+            0
+        } else {
+            sim.borrow_mut().rng.below(n_slots as u64) as usize
+        };
+        invoke(&sim, slot, Started::Timer);
         runs += 1;
         gap(&sim, 30_000, 3 * MIN);
     }
     sim.borrow_mut().go_quiet();
     let mut at_rest = 0;
     let mut quiet_runs = 0;
+    // The host whose slots' timers fire first in a round.
+    let mut first = 0;
     while sim.borrow().violation.is_none() && at_rest < AT_REST_RUNS && quiet_runs < MAX_QUIET_RUNS
     {
-        invoke(&sim, false);
+        // Every slot's timer fires once a minute.
+        let order: Vec<usize> = {
+            let s = sim.borrow();
+            let n = s.hosts.len();
+            (0..n)
+                .flat_map(|h| s.hosts[(first + h) % n].slots.clone())
+                .collect()
+        };
+        for slot in order {
+            invoke(&sim, slot, Started::Timer);
+        }
         quiet_runs += 1;
         gap(&sim, MIN, MIN + 1);
         let left = sim.borrow().leftovers();
         match left {
             None => at_rest += 1,
             Some(_) => at_rest = 0,
+        }
+        // A host that has not swept since its registrations leaked (another host took the one
+        // last job) gets a job of its own: its slots' timers fire first next round.
+        if let Some(h) = sim.borrow_mut().host_left_behind() {
+            first = h;
         }
     }
     let mut s = sim.borrow_mut();

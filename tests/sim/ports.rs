@@ -15,6 +15,7 @@ use ci_ephemeral_provisioner::core::model::Job;
 use ci_ephemeral_provisioner::core::model::Runner;
 use ci_ephemeral_provisioner::core::model::RunnerStatus;
 use ci_ephemeral_provisioner::core::ports::ApiError;
+use ci_ephemeral_provisioner::core::ports::Claim;
 use ci_ephemeral_provisioner::core::ports::Clock;
 use ci_ephemeral_provisioner::core::ports::Deleted;
 use ci_ephemeral_provisioner::core::ports::Forgejo;
@@ -30,11 +31,12 @@ use ci_ephemeral_provisioner::core::ports::StateStore;
 use ci_ephemeral_provisioner::core::ports::StepError;
 use ci_ephemeral_provisioner::core::ports::Tofu;
 use ci_ephemeral_provisioner::core::secret::Secret;
+use ci_ephemeral_provisioner::core::slots::Others;
 use ci_ephemeral_provisioner::core::state::CycleState;
 use ci_ephemeral_provisioner::core::state::Phase;
 use ci_ephemeral_provisioner::core::time::Timestamp;
 
-use super::world::{ApiFault, HTTP_TIMEOUT_MS, Sim};
+use super::world::{ApiFault, HTTP_TIMEOUT_MS, Sim, Started};
 
 pub type Shared = Rc<RefCell<Sim>>;
 
@@ -54,10 +56,32 @@ pub struct Port {
 }
 
 impl Port {
-    /// A step boundary: counts the step, maybe races a second invocation, maybe raises a stop,
-    /// maybe kills the process here.
+    /// The slot this invocation runs.
+    fn slot(&self) -> usize {
+        self.sim.borrow().slot_of(self.inv)
+    }
+
+    /// This invocation takes no time (`Invocation::instant`).
+    fn instant(&self) -> bool {
+        self.sim.borrow().invs[self.inv].instant
+    }
+
+    /// Time passes until `to` for this invocation (none for a run at an instant).
+    fn take_until(&self, s: &mut Sim, to: i64, ours: bool) {
+        if !s.invs[self.inv].instant {
+            s.advance(to, ours);
+        }
+    }
+
+    /// A step boundary: counts the step, maybe races a second invocation of this slot, maybe
+    /// runs another slot meanwhile, maybe raises a stop, maybe kills the process here.
     fn boundary(&self, when: &'static str, point: &str) {
-        let (kill, race) = {
+        // The boundaries at which this run waits anyway (a run nested there may take its time).
+        let waits = matches!(
+            (when, point),
+            ("before", "tofu apply" | "tofu destroy" | "launch") | ("", "sleep")
+        );
+        let (kill, race, nest, instant) = {
             let mut s = self.sim.borrow_mut();
             s.step += 1;
             s.stats.steps += 1;
@@ -79,7 +103,18 @@ impl Port {
                     s.log(format!("SIGTERM {when} {point}"));
                 }
             }
-            let race = on && !s.invs[self.inv].nested && s.rng.chance(cfg.race);
+            let race = on && s.invs[self.inv].started != Started::Race && s.rng.chance(cfg.race);
+            // Another slot (of any host) whose process is not running now starts a run, which
+            // ends before this one goes on: it sees this slot's state exactly as it is here.
+            let nest = if on && s.rng.chance(cfg.interleave) {
+                let idle: Vec<usize> = (0..s.slots.len())
+                    .filter(|k| !s.stack.iter().any(|i| s.invs[*i].slot == *k))
+                    .collect();
+                (!idle.is_empty()).then(|| idle[s.rng.below(idle.len() as u64) as usize])
+            } else {
+                None
+            };
+            let instant = s.invs[self.inv].instant || !waits;
             let kill = on && s.rng.chance(cfg.crash);
             if kill {
                 let key = if when.is_empty() {
@@ -91,12 +126,18 @@ impl Port {
                     s.log(format!("KILLED {key}"));
                 }
                 *s.stats.crashes.entry(key).or_default() += 1;
-                s.starts_uncertain();
+                let slot = s.slot_of(self.inv);
+                s.starts_uncertain(slot);
             }
-            (kill, race)
+            (kill, race, nest, instant)
         };
         if race {
-            super::driver::race(&self.sim);
+            let slot = self.slot();
+            let instant = self.instant();
+            super::driver::race(&self.sim, slot, instant);
+        }
+        if let Some(other) = nest {
+            super::driver::nested(&self.sim, other, instant);
         }
         if kill {
             std::panic::panic_any(Killed);
@@ -147,7 +188,8 @@ impl Port {
             if fault == Some(ApiFault::LatePost)
                 && let Some(name) = late_name
             {
-                s.schedule_late_post(name);
+                let slot = s.slot_of(self.inv);
+                s.schedule_late_post(slot, name);
             }
             let latency = match fault {
                 Some(ApiFault::Timeout | ApiFault::TimeoutApplied | ApiFault::LatePost) => {
@@ -156,7 +198,7 @@ impl Port {
                 _ => s.rng.range(5, 120),
             };
             let now = s.now;
-            s.advance(now + latency, false);
+            self.take_until(&mut s, now + latency, false);
             if fault.is_some() {
                 let now = s.now;
                 s.invs[self.inv].last_fault_at = now;
@@ -258,8 +300,7 @@ impl Forgejo for SimForgejo {
             true,
             None,
             |s, _| {
-                let destroy_ok = s.invs[inv].destroy_ok;
-                if s.srv_delete(id, reason, destroy_ok) {
+                if s.srv_delete(inv, id, reason) {
                     Deleted::Now
                 } else {
                     Deleted::AlreadyGone
@@ -278,7 +319,8 @@ impl Forgejo for SimForgejo {
             true,
             Some(name),
             |s, _| {
-                let id = s.srv_register(name);
+                let slot = s.slot_of(inv);
+                let id = s.srv_register(slot, name);
                 s.log(format!("forgejo: registered {name} as runner {id}"));
                 NewRunner {
                     id,
@@ -356,7 +398,22 @@ impl SimTofu {
         let mut s = self.0.sim.borrow_mut();
         let d = s.rng.range(lo, hi);
         let to = s.now + d;
-        s.advance(to, true);
+        self.0.take_until(&mut s, to, true);
+    }
+
+    /// A run at an instant is stopped before a tofu apply or destroy (`Invocation::instant`):
+    /// tofu is interrupted at its start and does nothing.
+    fn cut(&self, what: &str) -> Option<StepError> {
+        if !self.0.instant() {
+            return None;
+        }
+        let mut s = self.0.sim.borrow_mut();
+        s.invs[self.0.inv].stop = true;
+        s.log(format!("the nested run is stopped before tofu {what}"));
+        Some(StepError {
+            message: format!("tofu {what} was interrupted by a stop request"),
+            interrupted: true,
+        })
     }
 }
 
@@ -367,6 +424,9 @@ impl Tofu for SimTofu {
 
     fn apply(&mut self, cycle_id: &str) -> Result<(), StepError> {
         self.0.boundary("before", "tofu apply");
+        if let Some(e) = self.cut("apply") {
+            return Err(e);
+        }
         let stop = self.0.stop();
         let fault = self.fault(
             "tofu apply fails after creating the VM",
@@ -378,7 +438,8 @@ impl Tofu for SimTofu {
             _ => !stop || self.0.sim.borrow_mut().rng.chance(0.5),
         };
         if create {
-            self.0.sim.borrow_mut().create_vm(cycle_id);
+            let slot = self.0.slot();
+            self.0.sim.borrow_mut().create_vm(slot, cycle_id);
         }
         let result = if stop {
             Err(StepError {
@@ -435,6 +496,9 @@ impl Tofu for SimTofu {
 
     fn destroy(&mut self, cycle_id: &str, _reason: &str) -> Result<(), StepError> {
         self.0.boundary("before", "tofu destroy");
+        if let Some(e) = self.cut("destroy") {
+            return Err(e);
+        }
         let stop = self.0.stop();
         let fault = self.fault(
             "tofu destroy fails after the VM is gone",
@@ -447,7 +511,8 @@ impl Tofu for SimTofu {
             TofuFault::None => !stop || self.0.sim.borrow_mut().rng.chance(0.5),
         };
         if gone {
-            self.0.sim.borrow_mut().destroy_vms();
+            let slot = self.0.slot();
+            self.0.sim.borrow_mut().destroy_vms(slot);
         }
         let result = if stop {
             Err(StepError {
@@ -494,11 +559,9 @@ impl Launcher for SimLauncher {
                 let id = req.runner_id;
                 s.violate(format!("launch of runner {id} got the wrong token"));
             }
-            let vm = s
-                .disk
-                .as_ref()
-                .map(|(_, st)| st.cycle_id.clone())
-                .unwrap_or_default();
+            let slot = s.slot_of(self.0.inv);
+            let vm = current_vm(&s, slot);
+            s.check_launch(self.0.inv, req.runner_id, req.job_id);
             let p = s.cfg.launch;
             let fault = if s.faults_on && s.rng.chance(p) {
                 let f = s
@@ -510,12 +573,12 @@ impl Launcher for SimLauncher {
                 None
             };
             let d = s.rng.range(1_000, 15_000);
-            let vm_ok = s.vm_exists(&vm);
+            let vm_ok = s.vm_exists(slot, &vm);
             if vm_ok && fault != Some("launch fails") {
                 s.start_runner_process(req.runner_id, req.job_handle, &vm, req.labels);
             }
             let to = s.now + d;
-            s.advance(to, true);
+            self.0.take_until(&mut s, to, true);
             let r = if !vm_ok {
                 Err(StepError::failed(format!("launch: VM {vm} is unreachable")))
             } else if stop {
@@ -549,7 +612,8 @@ impl Launcher for SimLauncher {
         self.0.boundary("before", "check");
         let result = {
             let mut s = self.0.sim.borrow_mut();
-            let r = if !vm_call(&mut s, "check cannot tell (exit 1)", 3_000) {
+            let slot = s.slot_of(self.0.inv);
+            let r = if !vm_call(&self.0, &mut s, slot, "check cannot tell (exit 1)", 3_000) {
                 ProcessCheck::Unknown {
                     why: "check exited with status 1".into(),
                     interrupted: false,
@@ -572,7 +636,8 @@ impl Launcher for SimLauncher {
         self.0.boundary("before", "stop");
         let result = {
             let mut s = self.0.sim.borrow_mut();
-            let r = if !vm_call(&mut s, "stop fails (exit 1)", 5_000) {
+            let slot = s.slot_of(self.0.inv);
+            let r = if !vm_call(&self.0, &mut s, slot, "stop fails (exit 1)", 5_000) {
                 Err(StepError::failed("stop exited with status 1"))
             } else {
                 s.stop_runner_process(req.runner_id);
@@ -592,29 +657,40 @@ impl Launcher for SimLauncher {
 
 /// One check or stop over SSH: it takes a while (up to `max_ms`), fails now and then (`fault`),
 /// and cannot reach a VM that is gone. Whether it reached the VM and worked.
-fn vm_call(s: &mut Sim, fault: &'static str, max_ms: i64) -> bool {
-    let vm = current_vm(s);
+fn vm_call(port: &Port, s: &mut Sim, slot: usize, fault: &'static str, max_ms: i64) -> bool {
+    let vm = current_vm(s, slot);
     let p = s.cfg.launch;
     let failed = s.faults_on && s.rng.chance(p);
     if failed {
         s.count_fault(fault);
     }
     let to = s.now + s.rng.range(200, max_ms);
-    s.advance(to, true);
-    s.vm_exists(&vm) && !failed
+    port.take_until(s, to, true);
+    s.vm_exists(slot, &vm) && !failed
 }
 
-/// The VM of the cycle on disk: where the launch command reaches.
-fn current_vm(s: &Sim) -> String {
-    s.disk
+/// The VM of the cycle on `slot`'s disk: where the launch command reaches.
+fn current_vm(s: &Sim, slot: usize) -> String {
+    let cycle = s.slots[slot]
+        .disk
         .as_ref()
         .map(|(_, st)| st.cycle_id.clone())
-        .unwrap_or_default()
+        .unwrap_or_default();
+    s.vm_key(slot, &cycle)
 }
 
 // -- cycle.json ---------------------------------------------------------------------------------------------
 
 pub struct SimStore(pub Port);
+
+fn phase_name(phase: Phase) -> &'static str {
+    match phase {
+        Phase::Applying => "applying",
+        Phase::Running => "running",
+        Phase::TearingDown => "tearing_down",
+        Phase::Destroyed => "destroyed",
+    }
+}
 
 impl SimStore {
     fn disk_fault(&self, what: &'static str) -> bool {
@@ -626,6 +702,77 @@ impl SimStore {
         }
         f
     }
+
+    /// What the other slots of this slot's pool hold, as `FileStore::others` reads their
+    /// cycle.json files: `Others::add` on what `parse_state` gave for the bytes last written
+    /// (parsed once, when written: the same bytes parse the same); a read that fails is an
+    /// error naming a slot.
+    fn read_others(&self) -> anyhow::Result<Others> {
+        if self.disk_fault("another slot's cycle.json read fails") {
+            let mut s = self.0.sim.borrow_mut();
+            // The run then lists no jobs: it did not see Forgejo cleanly (`check_not_served`).
+            let now = s.now;
+            s.invs[self.0.inv].last_fault_at = now;
+            let me = s.slot_of(self.0.inv);
+            let other = s.hosts[s.slots[me].host]
+                .slots
+                .iter()
+                .find(|k| **k != me)
+                .map_or(0, |k| s.slots[*k].k);
+            bail!(
+                "slot {other}'s cycle.json cannot be read, so what it holds is unknown: I/O error"
+            );
+        }
+        let s = self.0.sim.borrow();
+        let me = s.slot_of(self.0.inv);
+        let mut o = Others::default();
+        for &k in &s.hosts[s.slots[me].host].slots {
+            if k == me {
+                continue;
+            }
+            let sl = &s.slots[k];
+            let Some((_, state)) = &sl.disk else { continue };
+            o.add(&format!("slot {} ({})", sl.k, sl.describe()), state);
+        }
+        Ok(o)
+    }
+
+    /// This slot is alone in its pool: the store's defaults (`others` holds nothing, a claim is
+    /// a save), as for `FileStore` of a pool without other slot directories.
+    fn alone(&self) -> bool {
+        let s = self.0.sim.borrow();
+        let me = s.slot_of(self.0.inv);
+        s.hosts[s.slots[me].host].slots.len() == 1
+    }
+
+    /// cycle.json written (after the boundary before it and a write fault were passed).
+    fn write(&self, what: &str, state: &CycleState) {
+        let mut s = self.0.sim.borrow_mut();
+        let slot = s.slot_of(self.0.inv);
+        s.write_disk(slot, state);
+        if s.tracing {
+            let regs: Vec<String> = state
+                .registrations
+                .iter()
+                .map(|r| match r.id {
+                    Some(id) => format!("{id}:{:?}", r.launch).to_lowercase(),
+                    None => format!("?{}", r.name.rsplit('-').next().unwrap_or("")),
+                })
+                .collect();
+            s.log(format!("{what} [{}]", regs.join(" ")));
+        }
+    }
+
+    /// A write of cycle.json that fails: the run stops before recording what it did, so it may
+    /// lose count of failed starts.
+    fn write_failed(&self, what: &str) -> anyhow::Error {
+        let mut s = self.0.sim.borrow_mut();
+        let slot = s.slot_of(self.0.inv);
+        s.starts_uncertain(slot);
+        s.log(format!("{what} -> err"));
+        let path = s.slots[slot].describe();
+        anyhow::anyhow!("cannot write {path}: No space left on device")
+    }
 }
 
 impl StateStore for SimStore {
@@ -635,8 +782,9 @@ impl StateStore for SimStore {
             self.0.sim.borrow_mut().log("load -> err");
             bail!("cannot read sim/cycle.json: I/O error");
         }
+        let slot = self.0.slot();
         let s = self.0.sim.borrow();
-        let text = s
+        let text = s.slots[slot]
             .disk
             .as_ref()
             .map(|(b, _)| String::from_utf8(b.clone()).expect("utf-8"));
@@ -645,46 +793,77 @@ impl StateStore for SimStore {
             None => Ok(None),
             Some(t) => ci_ephemeral_provisioner::core::state::parse_state(&t).map(Some),
         };
-        let phase = self.0.sim.borrow().disk_phase();
+        let phase = self.0.sim.borrow().disk_phase(slot);
         self.0.sim.borrow_mut().log(format!("load -> {phase}"));
         r
     }
 
     fn save(&mut self, state: &CycleState) -> anyhow::Result<()> {
-        let phase = match state.phase {
-            Phase::Applying => "applying",
-            Phase::Running => "running",
-            Phase::TearingDown => "tearing_down",
-            Phase::Destroyed => "destroyed",
-        };
-        let what = format!("save({phase})");
+        let what = format!("save({})", phase_name(state.phase));
         self.0.boundary("before", &what);
         if self.disk_fault("cycle.json write fails") {
-            let mut s = self.0.sim.borrow_mut();
-            // The run stops before recording what it did: it may lose count of failed starts.
-            s.starts_uncertain();
-            s.log(format!("{what} -> err"));
-            drop(s);
-            bail!("cannot write sim/cycle.json: No space left on device");
+            return Err(self.write_failed(&what));
         }
-        {
-            let mut s = self.0.sim.borrow_mut();
-            s.write_disk(state);
-            if s.tracing {
-                let regs: Vec<String> = state
-                    .registrations
-                    .iter()
-                    .map(|r| match r.id {
-                        Some(id) => format!("{id}:{:?}", r.launch).to_lowercase(),
-                        None => format!("?{}", r.name.rsplit('-').next().unwrap_or("")),
-                    })
-                    .collect();
-                s.log(format!("{what} [{}]", regs.join(" ")));
-            }
-        }
+        self.write(&what, state);
         self.0.checked(&what);
         self.0.boundary("after", &what);
         Ok(())
+    }
+
+    /// Under the pool's claims lock: read the other slots' claims and write this one, or not.
+    /// Atomic here (no step boundary between the read and the write), with the boundaries and
+    /// faults of `save` around it, and a read of the others that can fail as in `others`.
+    fn save_claiming(&mut self, state: &CycleState, job_id: i64) -> anyhow::Result<Claim> {
+        if self.alone() {
+            return self.save(state).map(|()| Claim::Saved);
+        }
+        let what = format!("save({})", phase_name(state.phase));
+        self.0.boundary("before", &what);
+        let mut others = self.read_others().inspect_err(|_| {
+            self.0
+                .sim
+                .borrow_mut()
+                .log(format!("{what} -> err (others)"));
+        })?;
+        if let Some(by) = others.claimed.remove(&job_id) {
+            let mut s = self.0.sim.borrow_mut();
+            s.stats.claims_refused += 1;
+            s.log(format!("{what} refused: job {job_id} is held by {by}"));
+            drop(s);
+            self.0.boundary("after", &what);
+            return Ok(Claim::HeldBy(by));
+        }
+        if self.disk_fault("cycle.json write fails") {
+            return Err(self.write_failed(&what));
+        }
+        self.write(&format!("{what} claiming job {job_id}"), state);
+        self.0.checked(&what);
+        self.0.boundary("after", &what);
+        Ok(Claim::Saved)
+    }
+
+    fn others(&mut self) -> anyhow::Result<Others> {
+        if self.alone() {
+            return Ok(Others::default());
+        }
+        self.0.boundary("before", "read others");
+        let r = self.read_others();
+        {
+            let mut s = self.0.sim.borrow_mut();
+            if s.tracing {
+                let text = match &r {
+                    Ok(o) => format!(
+                        "read others -> claimed {:?}, {} name(s)",
+                        o.claimed.keys().collect::<Vec<_>>(),
+                        o.names.len()
+                    ),
+                    Err(_) => "read others -> err".to_string(),
+                };
+                s.log(text);
+            }
+        }
+        self.0.boundary("after", "read others");
+        r
     }
 
     fn remove(&mut self) -> anyhow::Result<()> {
@@ -694,8 +873,9 @@ impl StateStore for SimStore {
             bail!("cannot remove sim/cycle.json: I/O error");
         }
         {
+            let slot = self.0.slot();
             let mut s = self.0.sim.borrow_mut();
-            s.disk = None;
+            s.slots[slot].disk = None;
             s.log("remove cycle.json");
         }
         self.0.checked("remove");
@@ -704,23 +884,25 @@ impl StateStore for SimStore {
     }
 
     fn describe(&self) -> String {
-        "sim/cycle.json".into()
+        let s = self.0.sim.borrow();
+        s.slots[s.slot_of(self.0.inv)].describe()
     }
 
     fn load_holds(&mut self) -> Result<Holds, HoldsError> {
         self.0.boundary("before", "load holds");
+        let slot = self.0.slot();
         if self.disk_fault("held-jobs.json read fails") {
             let mut s = self.0.sim.borrow_mut();
             let inv = self.0.inv;
             s.invs[inv].holds_read_failed = true;
-            s.holds_lost = true;
+            s.slots[slot].holds_lost = true;
             s.log("load holds -> err");
             return Err(HoldsError::Unreadable(
                 "cannot read sim/held-jobs.json: I/O error".into(),
             ));
         }
         let s = self.0.sim.borrow();
-        let text = s
+        let text = s.slots[slot]
             .holds_disk
             .as_ref()
             .map(|(b, _)| String::from_utf8(b.clone()).expect("utf-8"));
@@ -733,15 +915,16 @@ impl StateStore for SimStore {
 
     fn save_holds(&mut self, holds: &Holds) -> anyhow::Result<()> {
         self.0.boundary("before", "save(holds)");
+        let slot = self.0.slot();
         if self.disk_fault("held-jobs.json write fails") {
             let mut s = self.0.sim.borrow_mut();
-            s.holds_lost = true;
+            s.slots[slot].holds_lost = true;
             s.log("save(holds) -> err");
             bail!("cannot write sim/held-jobs.json: No space left on device");
         }
         {
             let mut s = self.0.sim.borrow_mut();
-            s.write_holds(holds);
+            s.write_holds(slot, holds);
             if s.tracing {
                 let held: Vec<String> = holds
                     .jobs
@@ -773,6 +956,17 @@ impl Clock for SimClock {
         self.0.boundary("", "sleep");
         if self.0.stop() {
             return Sleep::Interrupted;
+        }
+        {
+            // A nested run of another slot ends at its first wait if it runs at an instant, at
+            // one of its waits if not (it is asked to stop), so that the run it interrupted
+            // goes on soon; its next run resumes.
+            let mut s = self.0.sim.borrow_mut();
+            let i = &s.invs[inv];
+            if i.started == Started::Nested && (i.instant || s.rng.chance(0.5)) {
+                s.log("the nested run is stopped at its wait");
+                return Sleep::Interrupted;
+            }
         }
         {
             let mut s = self.0.sim.borrow_mut();

@@ -1,7 +1,7 @@
 //! The simulated world: Forgejo (runners, jobs, its own clean-ups), the runner processes on our
-//! VM, other pools and persistent runners, the VM module's state, cycle.json and held-jobs.json
-//! on disk, time, the fault plan, the statistics and the trace. Everything random comes from one
-//! seeded `Rng`.
+//! VMs, other pools and persistent runners, the seed's hosts and their slots (each slot's VMs,
+//! cycle.json and held-jobs.json on disk), time, the fault plan, the statistics and the trace.
+//! Everything random comes from one seeded `Rng`.
 //!
 //! Forgejo's rows and rules are the tests' one model of Forgejo, `tests/support/forgejo_model.rs`
 //! (registration, the runner list, deletion, status, the assignment of tasks, their end, the
@@ -12,6 +12,7 @@
 use std::collections::{BTreeMap, VecDeque};
 
 use ci_ephemeral_provisioner::core::holds::Holds;
+use ci_ephemeral_provisioner::core::holds::Share;
 use ci_ephemeral_provisioner::core::holds::parse_holds;
 use ci_ephemeral_provisioner::core::model::Job;
 use ci_ephemeral_provisioner::core::model::Runner;
@@ -26,8 +27,12 @@ use super::forgejo_model::{Forgejo, JobRow, NewRunner, RunnerRow, Scope};
 use super::forgejo_rules as rules;
 use super::rng::Rng;
 
+/// The prefix of the first host's pool (and of the legacy registrations from before).
 pub const PREFIX: &str = "ephemeral-a-";
 pub const OTHER_PREFIX: &str = "ephemeral-b-";
+/// The prefix of each host's pool: none starts with another's (docs/operating.md, "Several
+/// hosts"), and none with `OTHER_PREFIX`.
+pub const HOST_PREFIXES: &[&str] = &[PREFIX, "ephemeral-c-"];
 pub const LABEL: &str = "debian";
 pub const HTTP_TIMEOUT_MS: i64 = 30_000;
 /// `--poll-interval` and `--job-pickup-timeout` of every simulated run (`driver::config`).
@@ -154,8 +159,8 @@ enum Bg {
     OtherConnect(i64),
     OtherDone(i64),
     LegacyFinish(i64),
-    /// A POST whose client gave up lands now.
-    LatePost(String),
+    /// A POST whose client gave up lands now (the slot that sent it, the name).
+    LatePost(usize, String),
 }
 
 /// Fault rates of one seed (all zero once the world goes quiet).
@@ -173,6 +178,9 @@ pub struct FaultCfg {
     pub queued: f64,
     /// Share of VMs on which no runner ever connects.
     pub broken_vm: f64,
+    /// At a step boundary: a run of another slot (of any host) starts, nested, and runs while
+    /// this one waits (0 with a single slot).
+    pub interleave: f64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -260,6 +268,17 @@ pub struct Stats {
     pub quiet_runs_max: u32,
     /// Runners whose launch exited 0 and which never connected, by the reason of their deletion.
     pub never_connected_deleted: BTreeMap<String, u64>,
+    /// Seeds by their hosts and slots (`Sim::topology`).
+    pub topologies: BTreeMap<String, u64>,
+    /// Runs of a slot started nested at another slot's step boundary: at an instant, and while
+    /// the other one waited (`Invocation::instant`).
+    pub slot_runs_nested: u64,
+    pub slot_runs_nested_waiting: u64,
+    /// `save_claiming` answers `HeldBy`: another slot held the job.
+    pub claims_refused: u64,
+    /// Registrations a sweep spared: too young by their name, held by another slot.
+    pub spared_young: u64,
+    pub spared_held: u64,
 }
 
 impl Stats {
@@ -288,16 +307,45 @@ impl Stats {
         for (k, v) in &o.never_connected_deleted {
             *self.never_connected_deleted.entry(k.clone()).or_default() += v;
         }
+        for (k, v) in &o.topologies {
+            *self.topologies.entry(k.clone()).or_default() += v;
+        }
+        self.slot_runs_nested += o.slot_runs_nested;
+        self.slot_runs_nested_waiting += o.slot_runs_nested_waiting;
+        self.claims_refused += o.claims_refused;
+        self.spared_young += o.spared_young;
+        self.spared_held += o.spared_held;
     }
+}
+
+/// How an invocation was started.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Started {
+    /// By its slot's timer, with nothing else running.
+    #[default]
+    Timer,
+    /// A second invocation of the slot of a running one (it must be refused by `cycle.lock`).
+    Race,
+    /// A run of another slot, at a step boundary of a running one.
+    Nested,
 }
 
 /// Per invocation (process) of the provisioner.
 #[derive(Default)]
 pub struct Invocation {
+    /// The slot it runs (an index into `Sim::slots`).
+    pub slot: usize,
     pub destroy_ok: bool,
     pub stop: bool,
     pub steps: u64,
-    pub nested: bool,
+    pub started: Started,
+    /// A run at an instant: nested where the run it interrupts does not wait (between two
+    /// steps, at a cycle.json write, around a request), it takes no time (its requests, tofu
+    /// output, launch, check and stop are instantaneous) and ends at its first wait or tofu
+    /// apply or destroy, so that the interrupted run goes on as if the other slot's process had
+    /// run beside it. (A run nested while the interrupted one waits — its poll sleep, tofu
+    /// apply or destroy, a launch — takes its time.)
+    pub instant: bool,
     pub started_at: i64,
     /// When its last API request with a fault ended (0: none yet).
     pub last_fault_at: i64,
@@ -314,6 +362,52 @@ struct VmStarts {
     /// invariant is not checked on this VM. (A DELETE whose answer was lost is no excuse: the
     /// failed start is counted and recorded before the DELETE is sent.)
     uncertain: bool,
+}
+
+/// One host's pool (`--state-dir`, its prefix, `--share`).
+pub struct Host {
+    pub prefix: &'static str,
+    pub share: Share,
+    /// Its slots, in order (`--slot 1` first): indices into `Sim::slots`.
+    pub slots: Vec<usize>,
+}
+
+/// One slot of one host's pool: its own directory (cycle.json, held-jobs.json, cycle.lock) and
+/// its own tofu workspace (its VMs).
+#[derive(Default)]
+pub struct Slot {
+    /// An index into `Sim::hosts`.
+    pub host: usize,
+    /// `--slot K`, from 1.
+    pub k: u32,
+    /// cycle.json: the bytes written and what they parse to.
+    pub disk: Option<(Vec<u8>, CycleState)>,
+    /// held-jobs.json: the bytes written and what they parse to (none: no file).
+    pub holds_disk: Option<(Vec<u8>, Holds)>,
+    /// A hold may have been lost in this slot: a write of held-jobs.json failed, or a read failed
+    /// (the run then replaces the file by none, `cycle::run`).
+    pub holds_lost: bool,
+    /// The VMs of its tofu workspace (`Sim::vm_key`).
+    pub vms: Vec<String>,
+}
+
+impl Slot {
+    /// Whether its cycle.json holds the registration `id` (or, POST unanswered, `name`).
+    pub fn holds(&self, id: i64, name: &str) -> bool {
+        self.disk.as_ref().is_some_and(|(_, s)| {
+            s.registrations
+                .iter()
+                .any(|g| g.id == Some(id) || (g.id.is_none() && g.name == name))
+        })
+    }
+
+    /// The cycle.json path its store names (`FileStore`: slot 1 in the pool's directory).
+    pub fn describe(&self) -> String {
+        match self.k {
+            1 => "sim/cycle.json".to_string(),
+            k => format!("sim/slot-{k}/cycle.json"),
+        }
+    }
 }
 
 pub struct Sim {
@@ -335,20 +429,18 @@ pub struct Sim {
     /// Faults a targeted test forces on the next request at a step boundary (its point, e.g.
     /// `DELETE runner (never_connected)`), whatever the fault plan says.
     pub forced_faults: Vec<(String, ApiFault)>,
-    /// The VM module's resources: cycle ids of existing VMs.
-    pub vms: Vec<String>,
+    /// The hosts, each one pool of one or more slots against the one Forgejo.
+    pub hosts: Vec<Host>,
+    pub slots: Vec<Slot>,
+    /// The invocations running now, outermost first.
+    pub stack: Vec<usize>,
+    /// For each job: the runners our launches were for, and the slot that launched each.
+    launches: BTreeMap<i64, Vec<(usize, i64)>>,
     /// VMs on which no runner ever connects.
     broken_vms: Vec<String>,
     vm_starts: BTreeMap<String, VmStarts>,
     /// Runners whose launch exited 0, and their VM.
     launched_ok: BTreeMap<i64, String>,
-    /// cycle.json: the bytes written and what they parse to.
-    pub disk: Option<(Vec<u8>, CycleState)>,
-    /// held-jobs.json: the bytes written and what they parse to (none: no file).
-    pub holds_disk: Option<(Vec<u8>, Holds)>,
-    /// A hold may have been lost in this seed: a write of held-jobs.json failed, or a read failed
-    /// (the run then replaces the file by none, `cycle::run`).
-    pub holds_lost: bool,
     pub cfg: FaultCfg,
     /// `--max-jobs-per-vm` of this seed.
     pub max_jobs: u32,
@@ -365,8 +457,8 @@ pub struct Sim {
     pub echo: bool,
     /// Trace lines are built (replays, the determinism test, re-runs of a failing seed).
     pub tracing: bool,
-    /// Ids of the registrations our POSTs created (live or not).
-    ours: Vec<i64>,
+    /// Ids of the registrations our POSTs created (live or not), and the slot whose POST it was.
+    ours: BTreeMap<i64, usize>,
 }
 
 impl Sim {
@@ -375,7 +467,7 @@ impl Sim {
     pub fn new(seed: u64, trace_cap: usize, tracing: bool, echo: bool) -> Sim {
         let mut rng = Rng::new(seed);
         let levels = |rng: &mut Rng, xs: &[f64]| xs[rng.below(xs.len() as u64) as usize];
-        let cfg = FaultCfg {
+        let mut cfg = FaultCfg {
             api: levels(&mut rng, &[0.0, 0.02, 0.08, 0.2]),
             crash: levels(&mut rng, &[0.0, 0.003, 0.01, 0.03]),
             tofu: levels(&mut rng, &[0.0, 0.1, 0.3]),
@@ -386,7 +478,45 @@ impl Sim {
             signal: levels(&mut rng, &[0.0, 0.0, 0.003]),
             queued: levels(&mut rng, &[0.0, 0.1, 0.3]),
             broken_vm: levels(&mut rng, &[0.0, 0.0, 0.1, 0.3]),
+            interleave: 0.0,
         };
+        // Hosts and slots: one host of one slot in two seeds of five (the single pool of
+        // before), up to two hosts of up to three slots.
+        let n_hosts = if rng.chance(0.2) { 2 } else { 1 };
+        let share = n_hosts > 1 && rng.chance(0.5);
+        let mut hosts = Vec::new();
+        let mut slots = Vec::new();
+        for (h, prefix) in HOST_PREFIXES.iter().enumerate().take(n_hosts) {
+            let n = if h == 0 {
+                rng.pick(&[1, 1, 1, 1, 1, 2, 2, 2, 3, 3])
+            } else {
+                rng.pick(&[1, 2])
+            };
+            let mut host = Host {
+                prefix,
+                share: if share {
+                    Share {
+                        k: h as u32 + 1,
+                        h: n_hosts as u32,
+                    }
+                } else {
+                    Share::default()
+                },
+                slots: Vec::new(),
+            };
+            for k in 1..=n {
+                host.slots.push(slots.len());
+                slots.push(Slot {
+                    host: h,
+                    k,
+                    ..Slot::default()
+                });
+            }
+            hosts.push(host);
+        }
+        if slots.len() > 1 {
+            cfg.interleave = levels(&mut rng, &[0.005, 0.02, 0.05]);
+        }
         let max_jobs = rng.pick(&[3, 6]);
         let mean_arrival_ms = rng.range(2 * MIN, 15 * MIN);
         let mut sim = Sim {
@@ -401,13 +531,13 @@ impl Sim {
             nameless: Vec::new(),
             forced_faults: Vec::new(),
             random_ties: std::env::var("SIM_RANDOM_TIES").is_ok_and(|v| v == "1"),
-            vms: Vec::new(),
+            hosts,
+            slots,
+            stack: Vec::new(),
+            launches: BTreeMap::new(),
             broken_vms: Vec::new(),
             vm_starts: BTreeMap::new(),
             launched_ok: BTreeMap::new(),
-            disk: None,
-            holds_disk: None,
-            holds_lost: false,
             cfg,
             max_jobs,
             faults_on: true,
@@ -425,10 +555,52 @@ impl Sim {
             trace_hash: 0xcbf2_9ce4_8422_2325,
             echo,
             tracing: tracing || echo,
-            ours: Vec::new(),
+            ours: BTreeMap::new(),
         };
+        let topology = sim.topology();
+        sim.stats.topologies.insert(topology, 1);
         sim.populate();
         sim
+    }
+
+    /// The seed's hosts and slots, e.g. `2 hosts: 3+1 slots, --share`.
+    pub fn topology(&self) -> String {
+        let slots: Vec<String> = self
+            .hosts
+            .iter()
+            .map(|h| h.slots.len().to_string())
+            .collect();
+        match self.hosts.len() {
+            1 => format!(
+                "1 host: {} slot{}",
+                slots[0],
+                if slots[0] == "1" { "" } else { "s" }
+            ),
+            n => format!(
+                "{n} hosts: {} slots{}",
+                slots.join("+"),
+                if self.hosts[0].share.h > 1 {
+                    ", --share"
+                } else {
+                    ""
+                }
+            ),
+        }
+    }
+
+    /// `slot K` or, with several hosts, `host H slot K`, for messages.
+    pub fn slot_name(&self, slot: usize) -> String {
+        let s = &self.slots[slot];
+        if self.hosts.len() > 1 {
+            format!("host {} slot {}", s.host + 1, s.k)
+        } else {
+            format!("slot {}", s.k)
+        }
+    }
+
+    /// The slot of invocation `inv`.
+    pub fn slot_of(&self, inv: usize) -> usize {
+        self.invs[inv].slot
     }
 
     // -- trace ------------------------------------------------------------------------------------
@@ -913,8 +1085,8 @@ impl Sim {
                     self.final_update_task(id);
                 }
             }
-            Bg::LatePost(name) => {
-                let id = self.srv_register(&name);
+            Bg::LatePost(slot, name) => {
+                let id = self.srv_register(slot, &name);
                 self.log(format!(
                     "forgejo: the late POST of {name} lands as runner {id}"
                 ));
@@ -1023,35 +1195,50 @@ impl Sim {
 
     // -- the VM and its runner processes ----------------------------------------------------------
 
-    pub fn vm_exists(&self, cycle_id: &str) -> bool {
-        self.vms.iter().any(|v| v == cycle_id)
+    /// The VM of `cycle_id` in `slot`'s tofu workspace, as the world tells VMs apart: by its
+    /// cycle id, and with several slots by its slot too (each slot's workspace has a state of
+    /// its own; two slots' cycle ids can be the same, see docs/testing.md).
+    pub fn vm_key(&self, slot: usize, cycle_id: &str) -> String {
+        if self.slots.len() == 1 {
+            cycle_id.to_string()
+        } else {
+            format!("{cycle_id} ({})", self.slot_name(slot))
+        }
     }
 
-    pub fn create_vm(&mut self, cycle_id: &str) {
-        if self.vm_exists(cycle_id) {
+    /// Whether `slot`'s tofu workspace has the VM `vm` (`vm_key`).
+    pub fn vm_exists(&self, slot: usize, vm: &str) -> bool {
+        self.slots[slot].vms.iter().any(|v| v == vm)
+    }
+
+    /// `tofu apply` in `slot`'s workspace. Invariant: never two VMs in one slot.
+    pub fn create_vm(&mut self, slot: usize, cycle_id: &str) {
+        let vm = self.vm_key(slot, cycle_id);
+        if self.vm_exists(slot, &vm) {
             return;
         }
-        if !self.vms.is_empty() {
-            let others = self.vms.join(", ");
+        if !self.slots[slot].vms.is_empty() {
+            let others = self.slots[slot].vms.join(", ");
+            let name = self.slot_name(slot);
             self.violate(format!(
-                "two VMs of one pool at once: applying {cycle_id} while {others} exists"
+                "two VMs in one slot ({name}) at once: applying {cycle_id} while {others} exists"
             ));
         }
         self.stats.vms_created += 1;
-        self.vms.push(cycle_id.to_string());
-        self.vm_starts
-            .insert(cycle_id.to_string(), VmStarts::default());
+        self.slots[slot].vms.push(vm.clone());
+        self.vm_starts.insert(vm.clone(), VmStarts::default());
         if self.faults_on && self.rng.chance(self.cfg.broken_vm) {
             self.count_fault("VM broken: no runner on it ever connects");
-            self.broken_vms.push(cycle_id.to_string());
+            self.broken_vms.push(vm.clone());
         }
-        self.log(format!("tofu: VM {cycle_id} created"));
+        self.log(format!("tofu: VM {vm} created"));
     }
 
-    /// `tofu destroy` of the module: every VM goes, and every runner process on it stops.
-    pub fn destroy_vms(&mut self) {
+    /// `tofu destroy` of the module in `slot`'s workspace: its VMs go, and every runner process
+    /// on them stops.
+    pub fn destroy_vms(&mut self, slot: usize) {
         let now = self.now;
-        for vm in std::mem::take(&mut self.vms) {
+        for vm in std::mem::take(&mut self.slots[slot].vms) {
             self.log(format!("tofu: VM {vm} destroyed"));
             self.vm_starts.remove(&vm);
             self.broken_vms.retain(|v| *v != vm);
@@ -1076,10 +1263,12 @@ impl Sim {
         }
     }
 
-    /// The provisioner may have lost count of the starts on the VM that exists now.
-    pub fn starts_uncertain(&mut self) {
-        for v in self.vm_starts.values_mut() {
-            v.uncertain = true;
+    /// The provisioner may have lost count of the starts on the VM `slot` has now.
+    pub fn starts_uncertain(&mut self, slot: usize) {
+        for vm in &self.slots[slot].vms {
+            if let Some(v) = self.vm_starts.get_mut(vm) {
+                v.uncertain = true;
+            }
         }
     }
 
@@ -1267,22 +1456,43 @@ impl Sim {
         self.forgejo.live(id)
     }
 
-    /// `DELETE …/runners/{id}` as applied by the server; checks the deletion invariants.
-    pub fn srv_delete(&mut self, id: i64, reason: &str, destroy_ok: bool) -> bool {
+    /// `DELETE …/runners/{id}` sent by invocation `inv`, as applied by the server; checks the
+    /// deletion invariants.
+    pub fn srv_delete(&mut self, inv: usize, id: i64, reason: &str) -> bool {
         let Some(r) = self.live(id) else {
             return false;
         };
         let status = status_of(r, self.now);
         let (name, owner, never_connected) = (r.name.clone(), r.extra, r.labels.is_none());
+        let destroy_ok = self.invs[inv].destroy_ok;
+        let slot = self.slot_of(inv);
+        let host = self.slots[slot].host;
+        let prefix = self.hosts[host].prefix;
+        // Never another slot's registration while that slot's cycle.json holds it, and never
+        // another host's at all.
+        if let Some(&by) = self.ours.get(&id)
+            && by != slot
+        {
+            let (me, them) = (self.slot_name(slot), self.slot_name(by));
+            if self.slots[by].host != host {
+                self.violate(format!(
+                    "{me} deleted runner {id} ({name}), which another host's {them} registered (reason {reason})"
+                ));
+            } else if self.slots[by].holds(id, &name) {
+                self.violate(format!(
+                    "{me} deleted runner {id} ({name}) while {them}, which registered it, holds it in its cycle.json (reason {reason})"
+                ));
+            }
+        }
         if status != RunnerStatus::Offline {
             self.violate(format!(
                 "deleted runner {id} ({name}, {owner:?}) while it was {} (reason {reason})",
                 status.as_str()
             ));
         }
-        if !name.starts_with(PREFIX) {
+        if !name.starts_with(prefix) {
             self.violate(format!(
-                "deleted runner {id} ({name}, {owner:?}) without our prefix (reason {reason})"
+                "deleted runner {id} ({name}, {owner:?}) without our prefix {prefix} (reason {reason})"
             ));
         }
         if !matches!(owner, Owner::Ours | Owner::Legacy) {
@@ -1310,15 +1520,16 @@ impl Sim {
         true
     }
 
-    pub fn srv_register(&mut self, name: &str) -> i64 {
+    /// A POST of `slot`'s lands: the registration it creates.
+    pub fn srv_register(&mut self, slot: usize, name: &str) -> i64 {
         let id = self.add_runner(name.to_string(), Owner::Ours, true);
-        self.ours.push(id);
+        self.ours.insert(id, slot);
         id
     }
 
-    pub fn schedule_late_post(&mut self, name: &str) {
+    pub fn schedule_late_post(&mut self, slot: usize, name: &str) {
         let at = self.now + HTTP_TIMEOUT_MS + self.rng.range(0, HTTP_TIMEOUT_MS - SEC);
-        self.schedule(at, Bg::LatePost(name.to_string()));
+        self.schedule(at, Bg::LatePost(slot, name.to_string()));
     }
 
     /// One page of `GET /admin/actions/runners` (no `visible`: every runner of the world is an
@@ -1359,33 +1570,56 @@ impl Sim {
     // -- invariants ---------------------------------------------------------------------------------
 
     /// Never a registration forgotten while Forgejo still lists it: every live registration we
-    /// created is in cycle.json on disk, by id or (POST unanswered) by name.
+    /// created is in the cycle.json of the slot that created it, by id or (POST unanswered) by
+    /// name.
     pub fn check_remembered(&mut self, after: &str) {
-        let mut missing: Option<(i64, String)> = None;
-        for id in &self.ours {
+        let mut missing: Option<(i64, String, usize)> = None;
+        for (id, &slot) in &self.ours {
             let r = &self.forgejo.runners[id];
             if r.deleted {
                 continue;
             }
-            let known = self.disk.as_ref().is_some_and(|(_, s)| {
-                s.registrations
-                    .iter()
-                    .any(|g| g.id == Some(r.id) || (g.id.is_none() && g.name == r.name))
-            });
-            if !known {
-                missing = Some((r.id, r.name.clone()));
+            if !self.slots[slot].holds(r.id, &r.name) {
+                missing = Some((r.id, r.name.clone(), slot));
                 break;
             }
         }
-        if let Some((id, name)) = missing {
-            let state = match &self.disk {
+        if let Some((id, name, slot)) = missing {
+            let state = match &self.slots[slot].disk {
                 None => "no cycle.json".to_string(),
                 Some((_, s)) => format!("cycle.json of {} ({:?})", s.cycle_id, s.phase),
             };
+            let who = self.slot_name(slot);
             self.violate(format!(
-                "registration {id} ({name}) forgotten while Forgejo still lists it; {state}; after {after}"
+                "registration {id} ({name}) forgotten while Forgejo still lists it; {who}: {state}; after {after}"
             ));
         }
+    }
+
+    /// At the launch of runner `id` for job `job` by invocation `inv`: never two runners of one
+    /// host launched for one job. A registration this host launched earlier for the same job
+    /// that Forgejo still has (not deleted: its runner may still take the job) is one too many:
+    /// the host's slots claim a job before registering for it, and hold the claim until the
+    /// registration is forgotten, which only follows its deletion.
+    pub fn check_launch(&mut self, inv: usize, id: i64, job: i64) {
+        let slot = self.slot_of(inv);
+        let host = self.slots[slot].host;
+        let earlier = self.launches.get(&job).and_then(|l| {
+            l.iter()
+                .find(|(s, other)| {
+                    *other != id
+                        && self.slots[*s].host == host
+                        && self.forgejo.live(*other).is_some()
+                })
+                .copied()
+        });
+        if let Some((by, other)) = earlier {
+            let (me, them) = (self.slot_name(slot), self.slot_name(by));
+            self.violate(format!(
+                "two runners of one host launched for job {job}: {me} launches runner {id} while runner {other}, launched by {them} for the same job, is still registered"
+            ));
+        }
+        self.launches.entry(job).or_default().push((slot, id));
     }
 
     /// A job Forgejo still lists (waiting or running) under this handle.
@@ -1401,24 +1635,30 @@ impl Sim {
     /// job — unless Forgejo no longer lists it (the hold is then pruned) or a hold may have
     /// been lost in this seed (a failed write or read of held-jobs.json: the run goes on without).
     pub fn check_hold_written(&mut self, after: &str) {
-        if self.holds_lost {
-            return;
-        }
-        let Some((_, st)) = &self.disk else { return };
-        let missing = st.registrations.iter().find(|g| {
-            g.not_served == Some(NotServed::PickupTimeout)
-                && self.listed(g.job_id, &g.job_handle).is_some()
-                && !self
-                    .holds_disk
-                    .as_ref()
-                    .is_some_and(|(_, h)| h.jobs.iter().any(|h| h.handle == g.job_handle))
-        });
-        if let Some(g) = missing {
-            let what = format!(
-                "cycle.json records the pickup timeout of job {} (registration {}), but held-jobs.json does not hold it; after {after}",
-                g.job_id, g.name
-            );
-            self.violate(what);
+        for slot in 0..self.slots.len() {
+            let sl = &self.slots[slot];
+            if sl.holds_lost {
+                continue;
+            }
+            let Some((_, st)) = &sl.disk else { continue };
+            let missing = st.registrations.iter().find(|g| {
+                g.not_served == Some(NotServed::PickupTimeout)
+                    && self.listed(g.job_id, &g.job_handle).is_some()
+                    && !sl
+                        .holds_disk
+                        .as_ref()
+                        .is_some_and(|(_, h)| h.jobs.iter().any(|h| h.handle == g.job_handle))
+            });
+            if let Some(g) = missing {
+                let what = format!(
+                    "{}'s cycle.json records the pickup timeout of job {} (registration {}), but its held-jobs.json does not hold it; after {after}",
+                    self.slot_name(slot),
+                    g.job_id,
+                    g.name
+                );
+                self.violate(what);
+                return;
+            }
         }
     }
 
@@ -1429,13 +1669,15 @@ impl Sim {
     ///   launch exited 0) and never connected, unless the provisioner may have lost count.
     pub fn check_before_post(&mut self, inv: usize, name: &str) {
         let now = self.now;
-        let Some((_, st)) = &self.disk else { return };
+        let sl = &self.slots[self.slot_of(inv)];
+        let Some((_, st)) = &sl.disk else { return };
         let Some(reg) = st.registrations.iter().find(|g| g.name == name) else {
             return;
         };
-        let (job_id, handle, vm) = (reg.job_id, reg.job_handle.clone(), st.cycle_id.clone());
+        let (job_id, handle) = (reg.job_id, reg.job_handle.clone());
+        let vm = self.vm_key(self.slot_of(inv), &st.cycle_id);
         if !self.invs[inv].holds_read_failed
-            && let Some((_, h)) = &self.holds_disk
+            && let Some((_, h)) = &sl.holds_disk
             && let Some(hold) = h
                 .jobs
                 .iter()
@@ -1465,7 +1707,9 @@ impl Sim {
     /// its last API fault, whichever is later: a run that did not see Forgejo cleanly may wait.
     pub fn check_not_served(&mut self, inv: usize) {
         let now = self.now;
-        let Some((_, st)) = &self.disk else { return };
+        let Some((_, st)) = &self.slots[self.slot_of(inv)].disk else {
+            return;
+        };
         if st.phase != Phase::Running {
             return;
         }
@@ -1535,7 +1779,7 @@ impl Sim {
 
     // -- cycle.json and held-jobs.json --------------------------------------------------------------
 
-    pub fn write_disk(&mut self, state: &CycleState) {
+    pub fn write_disk(&mut self, slot: usize, state: &CycleState) {
         let mut bytes = serde_json::to_vec_pretty(state).expect("cycle state encodes");
         bytes.push(b'\n');
         let text = std::str::from_utf8(&bytes).expect("utf-8");
@@ -1546,13 +1790,13 @@ impl Sim {
                 state.clone()
             }
         };
-        self.disk = Some((bytes, parsed));
+        self.slots[slot].disk = Some((bytes, parsed));
     }
 
     /// Writes held-jobs.json (removes it when nothing is held, as `FsStore` does).
-    pub fn write_holds(&mut self, holds: &Holds) {
+    pub fn write_holds(&mut self, slot: usize, holds: &Holds) {
         if holds.jobs.is_empty() {
-            self.holds_disk = None;
+            self.slots[slot].holds_disk = None;
             return;
         }
         let bytes = serde_json::to_vec_pretty(holds).expect("holds encode");
@@ -1563,11 +1807,11 @@ impl Sim {
                 holds.clone()
             }
         };
-        self.holds_disk = Some((bytes, parsed));
+        self.slots[slot].holds_disk = Some((bytes, parsed));
     }
 
-    pub fn disk_phase(&self) -> &'static str {
-        match &self.disk {
+    pub fn disk_phase(&self, slot: usize) -> &'static str {
+        match &self.slots[slot].disk {
             None => "none",
             Some((_, s)) => match s.phase {
                 Phase::Applying => "applying",
@@ -1580,17 +1824,49 @@ impl Sim {
 
     // -- quiescence -----------------------------------------------------------------------------------
 
-    /// `None` at rest; else what is left.
+    /// In the quiet period, with several hosts: when every slot is idle (no cycle.json) and no
+    /// job of ours waits, but a registration with some host's prefix is left (only that host's
+    /// sweep may delete it), a job arrives for that host to serve (the host that takes the one
+    /// last job of `go_quiet` runs the last cycle, and only its sweep runs). Which host, if any.
+    pub fn host_left_behind(&mut self) -> Option<usize> {
+        if self.hosts.len() == 1
+            || self.slots.iter().any(|s| s.disk.is_some())
+            || self.srv_list_jobs().iter().any(|j| j.is_waiting())
+        {
+            return None;
+        }
+        let h = self.hosts.iter().position(|h| {
+            self.forgejo
+                .runners
+                .values()
+                .any(|r| !r.deleted && r.name.starts_with(h.prefix))
+        })?;
+        let j = self.new_job(&[LABEL]);
+        self.log(format!(
+            "QUIET: registrations with host {}'s prefix are left; job {j} arrives, its slots' timers fire first",
+            h + 1
+        ));
+        Some(h)
+    }
+
+    /// `None` at rest; else what is left, in any slot of any host.
     pub fn leftovers(&self) -> Option<String> {
         let mut left = Vec::new();
-        if let Some((_, s)) = &self.disk {
-            left.push(format!("cycle.json of {} ({:?})", s.cycle_id, s.phase));
-        }
-        if !self.vms.is_empty() {
-            left.push(format!("VM {}", self.vms.join(", ")));
+        for (i, sl) in self.slots.iter().enumerate() {
+            if let Some((_, s)) = &sl.disk {
+                left.push(format!(
+                    "{}: cycle.json of {} ({:?})",
+                    self.slot_name(i),
+                    s.cycle_id,
+                    s.phase
+                ));
+            }
+            if !sl.vms.is_empty() {
+                left.push(format!("{}: VM {}", self.slot_name(i), sl.vms.join(", ")));
+            }
         }
         for r in self.forgejo.runners.values() {
-            if !r.deleted && r.name.starts_with(PREFIX) {
+            if !r.deleted && self.hosts.iter().any(|h| r.name.starts_with(h.prefix)) {
                 left.push(format!(
                     "registration {} ({}, {:?}, {})",
                     r.id,
@@ -1608,7 +1884,10 @@ impl Sim {
         if waiting > 0 {
             left.push(format!("{waiting} waiting job(s) of ours"));
         }
-        if let Some((_, h)) = &self.holds_disk {
+        for (i, sl) in self.slots.iter().enumerate() {
+            let Some((_, h)) = &sl.holds_disk else {
+                continue;
+            };
             let stale: Vec<String> = h
                 .jobs
                 .iter()
@@ -1617,7 +1896,8 @@ impl Sim {
                 .collect();
             if !stale.is_empty() {
                 left.push(format!(
-                    "held-jobs.json holds job(s) {} that Forgejo no longer lists",
+                    "{}: held-jobs.json holds job(s) {} that Forgejo no longer lists",
+                    self.slot_name(i),
                     stale.join(", ")
                 ));
             }
