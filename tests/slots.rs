@@ -123,6 +123,14 @@ fn three_slots_serve_six_jobs_three_at_a_time_each_once_and_leave_nothing() {
     for (k, out) in outs.iter().enumerate() {
         assert_eq!(out.code, Some(0), "slot {}: {out:?}", k + 1);
         assert_eq!(out.json()["outcome"], "cycle_finished", "slot {}", k + 1);
+        // Slot K >= 2's cycle ids name it: no two slots' cycles (nor names) share one.
+        let id = out.json()["cycle_id"].as_str().unwrap().to_string();
+        assert_eq!(
+            id.ends_with(&format!("-s{}", k + 1)),
+            k >= 1,
+            "slot {}: {id}",
+            k + 1
+        );
     }
 
     // Each job once: six launches, one per job, and every job done.

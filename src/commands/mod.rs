@@ -203,6 +203,7 @@ pub(crate) fn cycle_config(
         labels,
         forgejo_url,
         sweep_max_deletions: a.common.sweep_max_deletions,
+        slot: a.common.local.slot,
     }
 }
 

@@ -26,6 +26,10 @@ pub struct CycleConfig {
     pub labels: String,
     pub forgejo_url: String,
     pub sweep_max_deletions: usize,
+    /// The pool's slot this run serves (`--slot`): slot K ≥ 2's cycle ids end in `-sK`, so that
+    /// two slots' cycles (and their registrations' names) never share an id, whatever the clock
+    /// and the random part say.
+    pub slot: u32,
 }
 
 /// The implementations this run uses, chosen once in `main`.
@@ -636,6 +640,7 @@ mod tests {
             labels: "debian".into(),
             forgejo_url: "https://forgejo.invalid".into(),
             sweep_max_deletions: 50,
+            slot: 1,
         }
     }
 

@@ -60,7 +60,7 @@ fn lock_slot(slot: usize) -> Result<impl Sized + use<>, StateDirError> {
 /// the decisions are the same as with the defaults). `--max-jobs-per-vm` is the seed's: 3, or 6
 /// (more than `MAX_START_FAILURES`, so that the broken-VM rule is not hidden by the job cap);
 /// the prefix and `--share` are the host's.
-pub fn config(max_jobs: u32, prefix: &str, share: Share) -> CycleConfig {
+pub fn config(max_jobs: u32, prefix: &str, share: Share, slot: u32) -> CycleConfig {
     let m = |n: u64| Duration::from_secs(60 * n);
     CycleConfig {
         policy: Policy {
@@ -82,6 +82,7 @@ pub fn config(max_jobs: u32, prefix: &str, share: Share) -> CycleConfig {
         labels: format!("{LABEL}:host"),
         forgejo_url: "https://forgejo.sim".into(),
         sweep_max_deletions: 50,
+        slot,
     }
 }
 
@@ -187,7 +188,10 @@ fn invoke_with(sim: &Shared, slot: usize, started: Started, instant: bool) {
             }
         ));
         let host = &s.hosts[s.slots[slot].host];
-        (inv, config(s.max_jobs, host.prefix, host.share))
+        (
+            inv,
+            config(s.max_jobs, host.prefix, host.share, s.slots[slot].k),
+        )
     };
     let port = Port {
         sim: sim.clone(),

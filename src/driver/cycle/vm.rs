@@ -12,7 +12,10 @@ impl Driver<'_, '_> {
         if let Err(e) = self.w.launcher.check_config() {
             return Some(End::Config(format!("a job is waiting but {e:#}")));
         }
-        let id = self.w.clock.new_cycle_id(now);
+        let id = match self.cfg.slot {
+            0 | 1 => self.w.clock.new_cycle_id(now),
+            k => format!("{}-s{k}", self.w.clock.new_cycle_id(now)),
+        };
         log::info!("starting cycle {id}");
         let mut state = CycleState::new(id.clone(), now);
         state
