@@ -150,6 +150,36 @@ mutate "hold-not-written" src/driver/cycle.rs \
         let e = self.report.event("hold_job", true, detail);' \
     '        let e = self.report.event("hold_job", true, detail);'
 
+# Slots of one host (the simulation's N slots per host): the claims ignored, as by a store
+# without them: the planner's filter of the jobs the other slots claimed (read before the jobs)
+# and the check under the claims lock, both for a new cycle and for a registration's intent.
+mutate "claims-ignored" src/core/planner.rs \
+    ' && !obs.claimed_elsewhere.contains(&j.id)' \
+    '' \
+    src/driver/cycle/vm.rs \
+    '        match self.save_claiming(&state, job_id) {' \
+    '        match self.w.store.save(&state).map(|()| Claim::Saved).map_err(|_| SaveFailed) {' \
+    src/driver/cycle/registrations.rs \
+    '        match self.save_claiming(&s, job_id) {' \
+    '        match self.w.store.save(&s).map(|()| Claim::Saved).map_err(|_| SaveFailed) {'
+
+# The check under the claims lock alone: the planner's filter was read before the jobs, and
+# another slot may claim the job in between.
+mutate "register-without-claims-lock" src/driver/cycle/registrations.rs \
+    '        match self.save_claiming(&s, job_id) {' \
+    '        match self.w.store.save(&s).map(|()| Claim::Saved).map_err(|_| SaveFailed) {'
+
+mutate "sweep-ignores-held" src/core/slots.rs \
+    '        if self.held.contains(name) {
+            return Some(Spared::HeldByAnotherSlot);
+        }
+' \
+    ''
+
+mutate "sweep-spares-every-name" src/core/slots.rs \
+    '        if self.held.contains(name) {' \
+    '        if !name.is_empty() {'
+
 if ((missed)); then
     echo "$missed mutation(s) not caught" >&2
     exit 1
