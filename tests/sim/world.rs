@@ -1197,7 +1197,7 @@ impl Sim {
 
     /// The VM of `cycle_id` in `slot`'s tofu workspace, as the world tells VMs apart: by its
     /// cycle id, and with several slots by its slot too (each slot's workspace has a state of
-    /// its own; two slots' cycle ids can be the same, see docs/testing.md).
+    /// its own; two hosts' slots K make cycle ids of one form, which can be the same).
     pub fn vm_key(&self, slot: usize, cycle_id: &str) -> String {
         if self.slots.len() == 1 {
             cycle_id.to_string()
