@@ -241,3 +241,50 @@ fn dry_run_is_a_usage_error() {
         "{out:?}"
     );
 }
+
+/// A scope Forgejo does not know fails the token scope check with what is missing: an
+/// organization, a repository's owner, a repository (or its Actions unit). The control: the
+/// same scopes once they exist pass.
+#[test]
+fn a_scope_that_does_not_exist_fails_with_its_name() {
+    let env = Env::new();
+    let scope_line = |scope: &str| {
+        // (No tofu: only the token scope line matters here.)
+        let out = check(&env, &["--scope", scope, "--tofu-bin", "/nonexistent/tofu"]);
+        line(&out.stdout, "token scope").to_string()
+    };
+    for (scope, says) in [
+        (
+            "org/acme",
+            "Forgejo says organization acme does not exist (404 GetOrgByName): --scope org/acme",
+        ),
+        (
+            "repo/acme/app",
+            "Forgejo says user or organization acme does not exist (404 GetUserByName)",
+        ),
+    ] {
+        let l = scope_line(scope);
+        assert!(l.starts_with("FAIL  ") && l.contains(says), "{scope}: {l}");
+    }
+    env.fake.add_org("acme");
+    assert!(scope_line("org/acme").starts_with("ok    "));
+    let l = scope_line("repo/acme/app");
+    assert!(
+        l.starts_with("FAIL  ")
+            && l.contains("repository acme/app does not exist, is not visible to the token's user or has Actions disabled"),
+        "{l}"
+    );
+    env.fake.add_repo("acme/app");
+    assert!(scope_line("repo/acme/app").starts_with("ok    "));
+    env.fake.set_repo_actions("acme/app", false);
+    assert!(scope_line("repo/acme/app").contains("has Actions disabled"));
+    // Renamed, its old name redirects (307, not followed): the error says so.
+    env.fake.rename_owner("acme", "acme-corp", true);
+    let l = scope_line("org/acme");
+    assert!(
+        l.starts_with("FAIL  ")
+            && l.contains("HTTP 307 redirect to /api/v1/orgs/acme-corp/actions/runners")
+            && l.contains("set --scope to its new name"),
+        "{l}"
+    );
+}

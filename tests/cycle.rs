@@ -1846,3 +1846,115 @@ fn a_failed_registration_whose_body_holds_a_token_never_shows_it() {
     }
     env.assert_at_rest();
 }
+
+/// An organization renamed mid-cycle, its old name's redirect gone: every route of
+/// `--scope org/acme` answers Forgejo's 404 `GetOrgByName` (`orgAssignment`), which is not the
+/// runner's own 404 and proves nothing about it. The registration stays in cycle.json, the run
+/// fails naming the scope, `check` says the scope does not exist; with `--scope` set to the new
+/// name, the next run ends the cycle as usual.
+#[test]
+fn a_renamed_org_mid_cycle_never_makes_a_registration_be_forgotten() {
+    let env = Env::new();
+    let org = env.fake.add_org("acme");
+    let repo = env.fake.add_repo("acme/app");
+    env.set_launch_mode("take");
+    let (job, _) = env.fake.add_scoped_job(&["debian"], org, repo);
+    let mut c = env.cmd("run");
+    c.args(["--scope", "org/acme", "--output", "json"]);
+    c.stdout(std::process::Stdio::piped());
+    c.stderr(std::process::Stdio::null());
+    let child = c.spawn().unwrap();
+    wait_for("the runner to take its job", || {
+        job_status(&env, job) == "running"
+    });
+    let runner = env.our_runners()[0];
+    env.fake.rename_owner("acme", "acme-corp", false);
+    let out = output_of(child);
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(out.status.code(), Some(1), "{report}");
+    let named =
+        "Forgejo says organization acme does not exist (404 GetOrgByName): --scope org/acme";
+    assert!(
+        report["failures"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|f| f.as_str().unwrap().contains(named)),
+        "{report}"
+    );
+    assert!(events(&report, "forget_runner").is_empty(), "{report}");
+    assert_eq!(env.cycle_json().unwrap()["registrations"][0]["id"], runner);
+    assert!(env.fake.runner(runner).is_some(), "it still exists");
+    assert_eq!(env.live_vms().len(), 1, "its VM still runs it");
+
+    let mut c = env.cmd("check");
+    c.args(["--scope", "org/acme", "--tofu-bin", "/nonexistent/tofu"]);
+    let out = env.exec(c);
+    assert_eq!(out.code, Some(1), "{out:?}");
+    let line = out
+        .stdout
+        .lines()
+        .find(|l| l.starts_with("FAIL  token scope: "))
+        .unwrap_or_else(|| panic!("{out:?}"));
+    assert!(line.contains(named), "{line}");
+
+    // The job ends; Forgejo removes the registration; under the new name the cycle ends.
+    let uuid = env.fake.runner(runner).unwrap().uuid;
+    let token = fs::read_to_string(env.vm.join("runners").join(&uuid)).unwrap();
+    ureq::post(format!("{}/_fake/finish", env.fake.url()))
+        .header("X-Runner-UUID", &uuid)
+        .send(token.as_bytes())
+        .unwrap();
+    fs::remove_file(env.vm.join("runners").join(&uuid)).unwrap();
+    let out = env.run(&["--scope", "org/acme-corp"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    env.assert_at_rest();
+}
+
+/// A DELETE answered with the scope's 404 (`GetOrgByName`: the organization was not found for
+/// that request) did not delete anything, and is not the runner's "already gone": the
+/// registration is kept and deleted for real next time.
+#[test]
+fn a_delete_answered_with_the_scopes_404_is_not_already_gone() {
+    let env = Env::new();
+    let org = env.fake.add_org("acme");
+    let repo = env.fake.add_repo("acme/app");
+    env.set_launch_mode("noop"); // never connects: deleted after the grace
+    env.fake.add_scoped_job(&["debian"], org, repo);
+    let body = serde_json::json!({
+        "message": "GetOrgByName",
+        "url": support::fake_forgejo::SWAGGER_URL,
+        "errors": ["user redirect does not exist [name: acme]"],
+    });
+    env.fake.inject(
+        "DELETE",
+        "/actions/runners/",
+        Fault::StatusBody(404, body.to_string()),
+        1,
+    );
+    let out = env.run(&[
+        "--scope",
+        "org/acme",
+        "--output",
+        "json",
+        "--max-jobs-per-vm",
+        "1",
+    ]);
+    let report = out.json();
+    assert_eq!(out.code, Some(1), "{report}");
+    assert!(
+        report["failures"].as_array().unwrap().iter().any(|f| f
+            .as_str()
+            .unwrap()
+            .contains("Forgejo says organization acme does not exist")),
+        "{report}"
+    );
+    let deletes: Vec<(bool, &str)> = events(&report, "delete_runner")
+        .iter()
+        .map(|e| (e["ok"] == true, e["detail"].as_str().unwrap_or("")))
+        .collect();
+    assert_eq!(deletes.len(), 2, "{report}");
+    assert!(!deletes[0].0, "{report}");
+    assert_eq!(deletes[1], (true, "deleted"), "{report}");
+    env.assert_at_rest();
+}

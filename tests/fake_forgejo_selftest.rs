@@ -21,6 +21,7 @@ struct Resp {
     content_type: String,
     total_count: Option<String>,
     link: Option<String>,
+    location: Option<String>,
     body: String,
 }
 
@@ -42,6 +43,7 @@ impl Api {
     fn new(fake: &FakeForgejo, token: Option<&str>) -> Api {
         let agent = ureq::Agent::config_builder()
             .http_status_as_error(false)
+            .max_redirects(0)
             .timeout_global(Some(Duration::from_secs(5)))
             .build()
             .into();
@@ -99,12 +101,14 @@ impl Api {
         let content_type = header("content-type").unwrap_or_default();
         let total_count = header("x-total-count");
         let link = header("link");
+        let location = header("location");
         let body = resp.into_body().read_to_string()?;
         Ok(Resp {
             status,
             content_type,
             total_count,
             link,
+            location,
             body,
         })
     }
@@ -415,9 +419,10 @@ fn rows_that_tie_are_reordered_by_inserts_and_deletes() {
 #[test]
 fn scopes_filter_lists_and_single_gets() {
     let fake = FakeForgejo::start(TOKEN);
-    let org_id = fake.org_id("acme");
+    let org_id = fake.add_org("acme");
     assert_eq!(fake.org_id("acme"), org_id, "stable");
-    let repo_id = fake.repo_id("acme/app");
+    let repo_id = fake.add_repo("acme/app");
+    assert_eq!(fake.repo_id("acme/app"), repo_id);
     let instance = fake.add_runner("instance", true, Conn::NeverConnected);
     let user = fake.add_scoped_runner("user", 1, 0, true, Conn::NeverConnected);
     let org = fake.add_scoped_runner("org", org_id, 0, true, Conn::NeverConnected);
@@ -484,6 +489,105 @@ fn scopes_filter_lists_and_single_gets() {
     assert_eq!((s.owner_id, s.repo_id), (0, repo_id));
     let (id, _, _) = api.register("/api/v1/user/actions/runners", "u", false);
     assert_eq!(fake.runner(id).expect("exists").owner_id, 1);
+}
+
+/// No organization, user (but the token's) or repository exists until the test creates it.
+/// Every runner route of an unknown one answers the assignment's 404 (routers/api/v1/api.go
+/// `orgAssignment`, `repoAssignment`, `reqOwner(unit.TypeActions)`; the body is
+/// services/context/api.go's `APINotFound`, the only one with `errors`), never a runner's; an
+/// owner's old name answers 307 to its new one while its redirect lasts, 404 once it is gone,
+/// and its runners stay its own; a deleted organization takes its runners with it.
+#[test]
+fn unknown_renamed_and_deleted_scopes_answer_as_forgejo_does() {
+    let fake = FakeForgejo::start(TOKEN);
+    let api = Api::admin(&fake);
+    let not_found = |r: &Resp, message: &str, errors: Value| {
+        assert_eq!(r.status, 404, "body: {}", r.body);
+        assert_eq!(
+            r.json(),
+            json!({"message": message, "url": SWAGGER_URL, "errors": errors})
+        );
+    };
+    let every_route = |base: &str| {
+        vec![
+            api.get(base),
+            api.get(&format!("{base}/5")),
+            api.delete(&format!("{base}/5")),
+            api.post(base, r#"{"name":"x","ephemeral":true}"#),
+            api.get(&format!("{base}/jobs?labels=debian")),
+        ]
+    };
+    let no_acme = json!(["user redirect does not exist [name: acme]"]);
+    for r in every_route("/api/v1/orgs/acme/actions/runners") {
+        not_found(&r, "GetOrgByName", no_acme.clone());
+    }
+    // A user is not an organization.
+    fake.add_user("bob");
+    not_found(
+        &api.get("/api/v1/orgs/bob/actions/runners"),
+        "GetOrgByName",
+        json!(["user redirect does not exist [name: bob]"]),
+    );
+    // A repository: its owner first, then the repository, then its Actions unit.
+    for r in every_route("/api/v1/repos/acme/app/actions/runners") {
+        not_found(&r, "GetUserByName", no_acme.clone());
+    }
+    let target = "The target couldn't be found.";
+    not_found(
+        &api.get("/api/v1/repos/bob/app/actions/runners"),
+        target,
+        json!([]),
+    );
+    not_found(
+        &api.get(&format!(
+            "/api/v1/repos/{}/app/actions/runners",
+            support::fake_forgejo::TOKEN_USER_NAME
+        )),
+        target,
+        json!([]),
+    );
+    fake.add_repo("bob/app");
+    assert_eq!(api.get("/api/v1/repos/bob/app/actions/runners").status, 200);
+    fake.set_repo_actions("bob/app", false);
+    not_found(
+        &api.get("/api/v1/repos/bob/app/actions/runners"),
+        target,
+        json!([]),
+    );
+    assert!(fake.runners().is_empty(), "nothing was registered");
+
+    // Created, it answers; renamed, its old name redirects (query kept) while the redirect lasts.
+    let org = fake.add_org("acme");
+    let (id, _, _) = api.register("/api/v1/orgs/acme/actions/runners", "ephemeral-1", true);
+    assert_eq!(fake.runner(id).unwrap().owner_id, org);
+    fake.rename_owner("acme", "acme-corp", true);
+    let r = api.get("/api/v1/orgs/acme/actions/runners?page=1&limit=50");
+    assert_eq!(r.status, 307, "{}", r.body);
+    assert_eq!(
+        r.location.as_deref(),
+        Some("/api/v1/orgs/acme-corp/actions/runners?page=1&limit=50")
+    );
+    assert_eq!(
+        ids(&api.get("/api/v1/orgs/acme-corp/actions/runners").json()),
+        vec![id]
+    );
+    // Renamed again without a redirect for the old name: 404, and the runner lives on.
+    fake.rename_owner("acme-corp", "acme-inc", false);
+    not_found(
+        &api.get(&format!("/api/v1/orgs/acme-corp/actions/runners/{id}")),
+        "GetOrgByName",
+        json!(["user redirect does not exist [name: acme-corp]"]),
+    );
+    let base = "/api/v1/orgs/acme-inc/actions/runners";
+    assert_eq!(api.get(&format!("{base}/{id}")).status, 200);
+    // Deleted: its routes answer 404 and its runners are gone.
+    fake.delete_owner("acme-inc");
+    not_found(
+        &api.get(&format!("{base}/{id}")),
+        "GetOrgByName",
+        json!(["user redirect does not exist [name: acme-inc]"]),
+    );
+    assert!(fake.runner(id).is_none());
 }
 
 #[test]
@@ -626,6 +730,7 @@ fn bad_token_is_401_and_read_only_token_is_403_on_writes() {
 #[test]
 fn jobs_are_null_when_empty_and_match_runs_on_subset() {
     let fake = FakeForgejo::start(TOKEN);
+    fake.add_org("acme");
     let api = Api::admin(&fake);
     let jobs = format!("{ADMIN}/jobs");
     let r = api.get(&jobs);
@@ -1012,6 +1117,9 @@ fn unknown_paths_and_methods() {
 /// over REST, declaring its labels by connecting, asks for the case's job.
 fn fake_takes(c: &forgejo_rules::Case) -> bool {
     let fake = FakeForgejo::start(TOKEN);
+    fake.add_org("acme");
+    fake.add_repo("acme/app");
+    fake.add_repo("acme/other");
     let api = Api::admin(&fake);
     let repo = "/api/v1/repos/acme/app/actions/runners";
     let (id, uuid, token) = match c.same_repo {

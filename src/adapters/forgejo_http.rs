@@ -227,10 +227,21 @@ impl HttpForgejo {
                 ))
             })?;
         if (300..400).contains(&status) {
-            return Err(err(format!(
-                "HTTP {status} redirect to {}; set --forgejo-url to the address Forgejo really answers on",
-                location.as_deref().unwrap_or("(no Location)")
-            )));
+            let to = location.as_deref().unwrap_or("(no Location)");
+            // A renamed organization, user or repository: Forgejo sends its old name's requests
+            // to the new one (routers/api/v1/api.go `orgAssignment`, `repoAssignment`:
+            // `RedirectToUser`, `RedirectToRepo`, 307), to a path of its own API.
+            let moved = to.starts_with('/') || to.starts_with(&self.base_url);
+            return Err(err(if moved && to.contains("/api/v1/") {
+                format!(
+                    "HTTP {status} redirect to {to}: Forgejo knows what --scope names ({}) by another name now (renamed?); set --scope to its new name",
+                    self.scope
+                )
+            } else {
+                format!(
+                    "HTTP {status} redirect to {to}; set --forgejo-url to the address Forgejo really answers on"
+                )
+            }));
         }
         Ok((status, total, text))
     }
@@ -256,8 +267,24 @@ impl HttpForgejo {
     }
 
     fn status_error(&self, request: String, status: u16, body: &str) -> ApiError {
+        if let Some(e) = self.no_scope(&request, status, body) {
+            return e;
+        }
         let message = first_message(body).unwrap_or_else(|| snippet(body));
         self.status_error_saying(request, status, message)
+    }
+
+    /// A 404 of the route itself, not of a runner: the scope's organization, user or repository
+    /// is not there (for this token). Its error names the scope and what to fix.
+    fn no_scope(&self, request: &str, status: u16, body: &str) -> Option<ApiError> {
+        match (status, not_found(body, None)) {
+            (404, NotFound::NoScope(message)) => Some(ApiError {
+                status: Some(404),
+                request: request.to_string(),
+                detail: self.scope.missing(&message),
+            }),
+            _ => None,
+        }
     }
 
     /// [`Self::status_error`] with the message already chosen.
@@ -334,24 +361,47 @@ fn body_hint(e: &ureq::Error) -> String {
     }
 }
 
-/// A 404 means "gone" only when Forgejo itself said so: its error body (`APIError`) is a JSON
-/// object with a string `message` and a `url`. A proxy's or gateway's 404 proves nothing about
-/// the runner.
-fn is_forgejo_error(body: &str) -> bool {
-    serde_json::from_str::<Value>(body).ok().is_some_and(|v| {
-        v.get("message").is_some_and(Value::is_string) && v.get("url").is_some_and(Value::is_string)
-    })
+/// What one of Forgejo's 404s says (v15.0.3). Only [`NotFound::Gone`] proves a runner gone.
+#[derive(Debug, PartialEq, Eq)]
+enum NotFound {
+    /// `GetRunnerNotFound` / `DeleteRunnerNotFound` (routers/api/v1/shared/runners.go): an
+    /// `APIError` (`message`, `url`) whose message is the error of `GetVisibleRunnerByID`
+    /// (models/actions/runner.go) for exactly this id: `runner with ID <id>: resource does not
+    /// exist`. Forgejo gives it only once the route's scope was found.
+    Gone,
+    /// `ctx.NotFound(…)` (services/context/api.go: an `APINotFound`, which alone has `errors`)
+    /// before the handler ran: the route's assignment found no organization (`orgAssignment`:
+    /// "GetOrgByName"), no owner (`repoAssignment`: "GetUserByName") or no repository, or
+    /// Actions are off there (`reqOwner(unit.TypeActions)`; routers/api/v1/api.go). It says
+    /// nothing about any runner. The message.
+    NoScope(String),
+    /// Another error of Forgejo's: "No permission to delete this runner" (a 404 for a runner
+    /// that exists), or a runner-not-found for another id. The message.
+    Other(String),
+    /// Not Forgejo's error body: a proxy's or gateway's 404 proves nothing.
+    NotForgejo,
 }
 
-/// A DELETE's 404 proves the runner gone only when it is Forgejo's own error and not its
-/// "No permission to delete this runner" (also a 404, for a runner that exists but that this
-/// scope may not edit).
-fn forgejo_says_gone(body: &str) -> bool {
-    is_forgejo_error(body)
-        && !serde_json::from_str::<Value>(body)
-            .ok()
-            .and_then(|v| v.get("message").and_then(Value::as_str).map(str::to_string))
-            .is_some_and(|m| m.contains("No permission"))
+/// Reads a 404's body; `id`: the runner the request named, if any.
+fn not_found(body: &str, id: Option<i64>) -> NotFound {
+    let Ok(Value::Object(v)) = serde_json::from_str::<Value>(body) else {
+        return NotFound::NotForgejo;
+    };
+    let (Some(message), Some(_)) = (
+        v.get("message").and_then(Value::as_str),
+        v.get("url").and_then(Value::as_str),
+    ) else {
+        return NotFound::NotForgejo;
+    };
+    if v.get("errors").is_some_and(Value::is_array) {
+        return NotFound::NoScope(message.to_string());
+    }
+    match id {
+        Some(id) if message == format!("runner with ID {id}: resource does not exist") => {
+            NotFound::Gone
+        }
+        _ => NotFound::Other(message.to_string()),
+    }
 }
 
 fn not_forgejo_404(request: String, body: &str) -> ApiError {
@@ -423,8 +473,13 @@ impl Forgejo for HttpForgejo {
                 }
                 Ok(Some(r))
             }
-            404 if is_forgejo_error(&body) => Ok(None),
-            404 => Err(not_forgejo_404(format!("GET {url}"), &body)),
+            404 => match not_found(&body, Some(id)) {
+                NotFound::Gone => Ok(None),
+                NotFound::NotForgejo => Err(not_forgejo_404(format!("GET {url}"), &body)),
+                NotFound::NoScope(_) | NotFound::Other(_) => {
+                    Err(self.status_error(format!("GET {url}"), status, &body))
+                }
+            },
             _ => Err(self.status_error(format!("GET {url}"), status, &body)),
         }
     }
@@ -437,11 +492,13 @@ impl Forgejo for HttpForgejo {
             // Forgejo answers 204 and nothing else on success: any other 2xx (a proxy's page,
             // say) proves nothing, and the registration must not be forgotten on it.
             204 => Ok(Deleted::Now),
-            404 if forgejo_says_gone(&body) => Ok(Deleted::AlreadyGone),
-            404 if is_forgejo_error(&body) => {
-                Err(self.status_error(format!("DELETE {url}"), status, &body))
-            }
-            404 => Err(not_forgejo_404(format!("DELETE {url}"), &body)),
+            404 => match not_found(&body, Some(target.id())) {
+                NotFound::Gone => Ok(Deleted::AlreadyGone),
+                NotFound::NotForgejo => Err(not_forgejo_404(format!("DELETE {url}"), &body)),
+                NotFound::NoScope(_) | NotFound::Other(_) => {
+                    Err(self.status_error(format!("DELETE {url}"), status, &body))
+                }
+            },
             _ => Err(self.status_error(format!("DELETE {url}"), status, &body)),
         }
     }
@@ -455,6 +512,9 @@ impl Forgejo for HttpForgejo {
         });
         let (status, _, text) = self.send("POST", &url, Some(&body))?;
         let request = format!("POST {url}");
+        if let Some(e) = self.no_scope(&request, status, &text) {
+            return Err(e);
+        }
         if status != 201 && status != 200 {
             // Never a piece of the body: when its insert fails, Forgejo writes its error and
             // then the answer it would have given, runner token and all
@@ -591,30 +651,65 @@ mod tests {
     }
 
     #[test]
-    fn only_forgejos_own_404_means_gone() {
-        assert!(is_forgejo_error(
-            r#"{"message":"runner with ID 5: resource does not exist","url":"https://f.example/api/swagger"}"#
+    fn only_forgejos_runner_not_found_for_that_id_means_gone() {
+        let url = r#""url": "https://f.example/api/swagger""#;
+        let body = |message: &str| format!(r#"{{"message": "{message}", {url}}}"#);
+        let gone = body("runner with ID 5: resource does not exist");
+        assert_eq!(not_found(&gone, Some(5)), NotFound::Gone);
+        // Another id's answer, or no id at all, proves nothing about this one.
+        assert!(matches!(not_found(&gone, Some(55)), NotFound::Other(_)));
+        assert!(matches!(not_found(&gone, None), NotFound::Other(_)));
+        assert!(matches!(
+            not_found(&body("No permission to delete this runner"), Some(5)),
+            NotFound::Other(_)
         ));
-        // A gateway's JSON 404 (Kong's, say) is not Forgejo's.
-        assert!(!is_forgejo_error(
-            r#"{"message":"no Route matched with those values"}"#
-        ));
-        assert!(!is_forgejo_error("<html><body>404 Not Found</body></html>"));
-        assert!(!is_forgejo_error(""));
-        assert!(!is_forgejo_error(r#"{"error":"not found"}"#));
-        assert!(!is_forgejo_error(r#"{"message": 404}"#));
+        // The scope's assignment (ctx.NotFound): an unknown organization, owner or repository.
+        for (b, message) in [
+            (
+                format!(
+                    r#"{{"message": "GetOrgByName", {url}, "errors": ["user redirect does not exist [name: acme]"]}}"#
+                ),
+                "GetOrgByName",
+            ),
+            (
+                format!(r#"{{"message": "The target couldn't be found.", {url}, "errors": []}}"#),
+                "The target couldn't be found.",
+            ),
+        ] {
+            assert_eq!(not_found(&b, Some(5)), NotFound::NoScope(message.into()));
+        }
+        // A gateway's JSON 404 (Kong's, say), a web server's page: not Forgejo's.
+        for b in [
+            r#"{"message":"no Route matched with those values"}"#,
+            "<html><body>404 Not Found</body></html>",
+            "",
+            r#"{"error":"not found"}"#,
+            r#"{"message": 404, "url": "x"}"#,
+            "404 page not found",
+        ] {
+            assert_eq!(not_found(b, Some(5)), NotFound::NotForgejo, "{b}");
+        }
     }
 
     #[test]
-    fn a_delete_404_is_gone_only_when_forgejo_says_it_does_not_exist() {
-        let url = r#""url": "https://f.example/api/swagger""#;
-        assert!(forgejo_says_gone(&format!(
-            r#"{{"message": "runner with ID 7: resource does not exist", {url}}}"#
-        )));
-        assert!(!forgejo_says_gone(&format!(
-            r#"{{"message": "No permission to delete this runner", {url}}}"#
-        )));
-        assert!(!forgejo_says_gone("<html>404 Not Found</html>"));
+    fn a_missing_scope_is_named_with_what_to_fix() {
+        let org = Scope::parse("org/acme").unwrap().missing("GetOrgByName");
+        assert!(
+            org.starts_with("Forgejo says organization acme does not exist (404 GetOrgByName)"),
+            "{org}"
+        );
+        assert!(org.contains("--scope org/acme"), "{org}");
+        let owner = Scope::parse("repo/acme/app")
+            .unwrap()
+            .missing("GetUserByName");
+        assert!(owner.contains("acme does not exist"), "{owner}");
+        let repo = Scope::parse("repo/acme/app")
+            .unwrap()
+            .missing("The target couldn't be found.");
+        assert!(
+            repo.contains("repository acme/app does not exist") && repo.contains("Actions"),
+            "{repo}"
+        );
     }
 
     /// A loopback HTTP/1.1 server answering every request `[]` on keep-alive connections; counts

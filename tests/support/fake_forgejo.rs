@@ -29,7 +29,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde_json::{Value, json};
 
-use super::forgejo_model::{self as model, Forgejo, JobRow, NewRunner, Scope, ScopeKind};
+use super::forgejo_model::{self as model, Assigned, Forgejo, JobRow, NewRunner, Scope, ScopeKind};
 use super::forgejo_rules as rules;
 
 /// `url` of every API error body.
@@ -40,11 +40,11 @@ pub const DEFAULT_ROOT_URL: &str = "http://forgejo.invalid/";
 pub const FORGEJO_VERSION: &str = "15.0.3+gitea-1.22.0";
 /// Id of the user who owns the API token (the `/user/...` scope).
 pub const TOKEN_USER_ID: i64 = 1;
+/// Its name (it exists from the start; no other user, organization or repository does).
+pub const TOKEN_USER_NAME: &str = "ci-admin";
 
 const JSON_CONTENT_TYPE: &str = "application/json;charset=utf-8";
 const WORKER_THREADS: usize = 8;
-const FIRST_ORG_ID: i64 = 100;
-const FIRST_REPO_ID: i64 = 1000;
 
 /// How a runner registration is connected, for seeding state.
 #[derive(Clone, Debug, PartialEq)]
@@ -252,8 +252,6 @@ struct World {
     root_url: String,
     /// Forgejo's rows and rules.
     forgejo: Forgejo<FakeRow>,
-    orgs: Vec<String>,
-    repos: Vec<String>,
     deleted_ids: Vec<i64>,
     /// (id, name, computed status) of each API deletion, at the moment it happened.
     deletions: Vec<(i64, String, String)>,
@@ -343,9 +341,12 @@ impl World {
             token: token.to_string(),
             read_only_token: None,
             root_url: DEFAULT_ROOT_URL.to_string(),
-            forgejo: Forgejo::default(),
-            orgs: Vec::new(),
-            repos: Vec::new(),
+            forgejo: {
+                let mut f = Forgejo::default();
+                f.accounts
+                    .add_account(Some(TOKEN_USER_ID), TOKEN_USER_NAME, false);
+                f
+            },
             deleted_ids: Vec::new(),
             deletions: Vec::new(),
             requests: Vec::new(),
@@ -394,30 +395,6 @@ impl World {
     fn runner_token(&mut self) -> String {
         let b: [u8; 20] = self.random_bytes();
         hex(&b)
-    }
-
-    // -- scopes ---------------------------------------------------------------------------------
-
-    fn org_id(&mut self, org: &str) -> i64 {
-        let idx = match self.orgs.iter().position(|o| o == org) {
-            Some(i) => i,
-            None => {
-                self.orgs.push(org.to_string());
-                self.orgs.len() - 1
-            }
-        };
-        FIRST_ORG_ID + idx as i64
-    }
-
-    fn repo_id(&mut self, full_name: &str) -> i64 {
-        let idx = match self.repos.iter().position(|r| r == full_name) {
-            Some(i) => i,
-            None => {
-                self.repos.push(full_name.to_string());
-                self.repos.len() - 1
-            }
-        };
-        FIRST_REPO_ID + idx as i64
     }
 
     // -- rows -----------------------------------------------------------------------------------
@@ -492,8 +469,16 @@ impl World {
             .map(|s| percent_decode(s, false))
             .collect();
         let segs: Vec<&str> = segs.iter().map(String::as_str).collect();
-        // The rows a route reads, and the token scope its writes need.
-        let (scope, write_scope, rest): (Scope, &str, &[&str]) = match segs.as_slice() {
+        // The route, and the token scope its writes need; its scope is looked up after the
+        // token's checks (`tokenRequiresScopes` comes before `orgAssignment`/`repoAssignment`,
+        // routers/api/v1/api.go).
+        enum Route<'a> {
+            Admin,
+            User,
+            Org(&'a str),
+            Repo(&'a str, &'a str),
+        }
+        let (route, write_scope, rest): (Route, &str, &[&str]) = match segs.as_slice() {
             ["version"] => {
                 return if inc.method == "GET" {
                     Reply::json(200, &json!({"version": self.forgejo_version}))
@@ -501,39 +486,16 @@ impl World {
                     Reply::method_not_allowed()
                 };
             }
-            ["admin", "actions", "runners", rest @ ..] => (Scope::ADMIN, "write:admin", rest),
+            ["admin", "actions", "runners", rest @ ..] => (Route::Admin, "write:admin", rest),
             // Legacy path, deprecated in 15 but still routed.
-            ["admin", "runners", "jobs"] => (Scope::ADMIN, "write:admin", &["jobs"][..]),
-            ["user", "actions", "runners", rest @ ..] => (
-                Scope {
-                    kind: ScopeKind::Owner,
-                    owner_id: TOKEN_USER_ID,
-                    repo_id: 0,
-                    repo_owner_id: 0,
-                },
-                "write:user",
-                rest,
-            ),
-            ["orgs", org, "actions", "runners", rest @ ..] => (
-                Scope {
-                    kind: ScopeKind::Owner,
-                    owner_id: self.org_id(org),
-                    repo_id: 0,
-                    repo_owner_id: 0,
-                },
-                "write:organization",
-                rest,
-            ),
-            ["repos", owner, repo, "actions", "runners", rest @ ..] => (
-                Scope {
-                    kind: ScopeKind::Repo,
-                    owner_id: 0,
-                    repo_id: self.repo_id(&format!("{owner}/{repo}")),
-                    repo_owner_id: self.org_id(owner),
-                },
-                "write:repository",
-                rest,
-            ),
+            ["admin", "runners", "jobs"] => (Route::Admin, "write:admin", &["jobs"][..]),
+            ["user", "actions", "runners", rest @ ..] => (Route::User, "write:user", rest),
+            ["orgs", org, "actions", "runners", rest @ ..] => {
+                (Route::Org(org), "write:organization", rest)
+            }
+            ["repos", owner, repo, "actions", "runners", rest @ ..] => {
+                (Route::Repo(owner, repo), "write:repository", rest)
+            }
             _ => return Reply::not_found(),
         };
 
@@ -565,6 +527,41 @@ impl World {
                 ),
             );
         }
+
+        // The scope's rows: an organization, owner or repository Forgejo does not know ends
+        // the request before its handler (`Assigned`).
+        let accounts = &self.forgejo.accounts;
+        let assigned = match route {
+            Route::Admin => Assigned::Scope(Scope::ADMIN),
+            Route::User => Assigned::Scope(Scope {
+                kind: ScopeKind::Owner,
+                owner_id: TOKEN_USER_ID,
+                repo_id: 0,
+                repo_owner_id: 0,
+            }),
+            Route::Org(org) => accounts.assign_org(org),
+            Route::Repo(owner, repo) => accounts.assign_repo(owner, repo, TOKEN_USER_ID),
+        };
+        let scope = match assigned {
+            Assigned::Scope(s) => s,
+            Assigned::NotFound { message, errors } => {
+                return Reply::json(
+                    404,
+                    &json!({"message": message, "url": SWAGGER_URL, "errors": errors}),
+                );
+            }
+            Assigned::Renamed { old, new } => {
+                // `RedirectToUser`: the first occurrence of the old name in the escaped path
+                // replaced by the new one, the query kept, 307.
+                let mut to = inc.path.replacen(&old, &new, 1);
+                if !inc.query.is_empty() {
+                    to = format!("{to}?{}", inc.query);
+                }
+                let mut reply = Reply::empty(307);
+                reply.headers.push(("Location", to));
+                return reply;
+            }
+        };
 
         match op {
             Op::List => self.list_runners(inc, scope, now),
@@ -976,15 +973,66 @@ impl FakeForgejo {
         self.world().root_url = root;
     }
 
-    /// The owner id the fake uses for `/orgs/{org}/...` (allocated on first sight).
-    pub fn org_id(&self, org: &str) -> i64 {
-        self.world().org_id(org)
+    /// An organization Forgejo knows from now on; its id. Until a test creates one, no
+    /// organization, user (but the token's, `TOKEN_USER_NAME`) or repository exists: its routes
+    /// answer 404 as Forgejo does (`forgejo_model::Accounts`).
+    pub fn add_org(&self, name: &str) -> i64 {
+        self.world().forgejo.accounts.add_account(None, name, true)
     }
 
-    /// The repo id the fake uses for `/repos/{owner}/{repo}/...` (`owner_repo` = "owner/repo",
-    /// allocated on first sight).
+    /// A user (not the token's); its id.
+    pub fn add_user(&self, name: &str) -> i64 {
+        self.world().forgejo.accounts.add_account(None, name, false)
+    }
+
+    /// A repository `owner/name` (the owner must exist), Actions enabled; its id.
+    pub fn add_repo(&self, owner_repo: &str) -> i64 {
+        let (owner, name) = owner_repo
+            .split_once('/')
+            .unwrap_or_else(|| panic!("fake forgejo: {owner_repo} is not OWNER/NAME"));
+        self.world().forgejo.accounts.add_repo(owner, name)
+    }
+
+    /// The id of an organization or user. Panics on an unknown name.
+    pub fn org_id(&self, name: &str) -> i64 {
+        self.world()
+            .forgejo
+            .accounts
+            .by_name(name)
+            .unwrap_or_else(|| panic!("fake forgejo: no organization or user {name}"))
+            .id
+    }
+
+    /// The id of a repository `owner/name`. Panics on an unknown one.
     pub fn repo_id(&self, owner_repo: &str) -> i64 {
-        self.world().repo_id(owner_repo)
+        let (owner, name) = owner_repo.split_once('/').unwrap_or((owner_repo, ""));
+        self.world()
+            .forgejo
+            .accounts
+            .repo(owner, name)
+            .unwrap_or_else(|| panic!("fake forgejo: no repository {owner_repo}"))
+            .id
+    }
+
+    /// Renames an organization or user: its runners stay its own. With `redirect`, the old
+    /// name's routes answer 307 to the new one's; without, the redirect is gone (more renames
+    /// than `[service] MAX_USER_REDIRECTS` keeps) and they answer 404.
+    pub fn rename_owner(&self, old: &str, new: &str, redirect: bool) {
+        self.world().forgejo.accounts.rename(old, new, redirect);
+    }
+
+    /// Deletes an organization or user, and its runners with it (as Forgejo does).
+    pub fn delete_owner(&self, name: &str) {
+        let now = now_ms();
+        self.world().forgejo.delete_account(name, now);
+    }
+
+    /// Turns a repository's Actions unit off or on: off, its runner routes answer 404.
+    pub fn set_repo_actions(&self, owner_repo: &str, enabled: bool) {
+        let id = self.repo_id(owner_repo);
+        if let Some(r) = self.world().forgejo.accounts.repos.get_mut(&id) {
+            r.actions = enabled;
+        }
     }
 
     /// An instance-scope runner (owner 0, repo 0).

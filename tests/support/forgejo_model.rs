@@ -265,6 +265,8 @@ pub struct Forgejo<X> {
     /// `[api] MAX_RESPONSE_ITEMS` of this instance: 50 unless its app.ini says otherwise
     /// (`modules/setting/api.go` maps the whole `[api]` section).
     pub max_response_items: i64,
+    /// The users, organizations and repositories the routes of a scope name (see `Accounts`).
+    pub accounts: Accounts,
 }
 
 impl<X> Default for Forgejo<X> {
@@ -277,6 +279,7 @@ impl<X> Default for Forgejo<X> {
             next_task_id: 1,
             rows_version: 0,
             max_response_items: rules::MAX_RESPONSE_ITEMS,
+            accounts: Accounts::default(),
         }
     }
 }
@@ -620,5 +623,220 @@ impl<X> Forgejo<X> {
             .filter(|j| j.is_running() && now - j.started > timeout)
             .map(|j| j.id)
             .collect()
+    }
+}
+
+// -- users, organizations and repositories: the scope a route names --------------------------------
+
+/// A user or an organization (Forgejo keeps both in `user`, models/user/user.go).
+#[derive(Clone, Debug)]
+pub struct Account {
+    pub id: i64,
+    pub name: String,
+    pub is_org: bool,
+}
+
+/// A repository and whether its Actions unit is enabled.
+#[derive(Clone, Debug)]
+pub struct RepoRow {
+    pub id: i64,
+    pub owner_id: i64,
+    pub name: String,
+    pub actions: bool,
+}
+
+/// The `user`, `user_redirect` and `repository` rows the scoped routes look up. Nothing exists
+/// until a test creates it: an organization or repository that nobody created is one Forgejo
+/// does not know.
+#[derive(Clone, Debug, Default)]
+pub struct Accounts {
+    pub accounts: BTreeMap<i64, Account>,
+    /// `user_redirect` (models/user/redirect.go): an old lower-case name and the account it
+    /// now names.
+    pub redirects: BTreeMap<String, i64>,
+    pub repos: BTreeMap<i64, RepoRow>,
+    next_id: i64,
+}
+
+/// What a scoped route's assignment middleware (`orgAssignment`, `repoAssignment` and
+/// `reqOwner(unit.TypeActions)` in routers/api/v1/api.go) makes of the path's names.
+#[derive(Clone, Debug)]
+pub enum Assigned {
+    /// Found: the rows the handler reads.
+    Scope(Scope),
+    /// A renamed user or organization (`RedirectToUser`, services/context/context_response.go):
+    /// 307 to the same path with the new name in place of the old one.
+    Renamed { old: String, new: String },
+    /// `ctx.NotFound(objs...)` (services/context/api.go): the body `APINotFound` with this
+    /// `message` and `errors`; the handler never runs.
+    NotFound {
+        message: String,
+        errors: Vec<String>,
+    },
+}
+
+/// `error.not_found` of the default locale (options/locale/locale_en-US.ini): the message of
+/// a `ctx.NotFound()` without a string.
+pub const NOT_FOUND_MESSAGE: &str = "The target couldn't be found.";
+
+impl Accounts {
+    fn next(&mut self) -> i64 {
+        self.next_id = self.next_id.max(99) + 1;
+        self.next_id
+    }
+
+    /// A user or organization with this id (the token's user has a fixed one).
+    pub fn add_account(&mut self, id: Option<i64>, name: &str, is_org: bool) -> i64 {
+        let id = id.unwrap_or_else(|| self.next());
+        assert!(
+            self.by_name(name).is_none(),
+            "forgejo model: {name} exists already"
+        );
+        self.accounts.insert(
+            id,
+            Account {
+                id,
+                name: name.to_string(),
+                is_org,
+            },
+        );
+        id
+    }
+
+    /// A repository `owner/name` (its owner must exist), Actions enabled.
+    pub fn add_repo(&mut self, owner: &str, name: &str) -> i64 {
+        let owner_id = self
+            .by_name(owner)
+            .unwrap_or_else(|| panic!("forgejo model: no user or organization {owner}"))
+            .id;
+        let id = self.next();
+        self.repos.insert(
+            id,
+            RepoRow {
+                id,
+                owner_id,
+                name: name.to_string(),
+                actions: true,
+            },
+        );
+        id
+    }
+
+    /// `GetUserByName`: case-insensitive.
+    pub fn by_name(&self, name: &str) -> Option<&Account> {
+        self.accounts
+            .values()
+            .find(|a| a.name.eq_ignore_ascii_case(name))
+    }
+
+    /// `repo_model.GetRepositoryByName`: case-insensitive.
+    pub fn repo(&self, owner: &str, name: &str) -> Option<&RepoRow> {
+        let owner = self.by_name(owner)?;
+        self.repos
+            .values()
+            .find(|r| r.owner_id == owner.id && r.name.eq_ignore_ascii_case(name))
+    }
+
+    /// `renameUser` (services/user/user.go): the account takes the new name, and
+    /// `NewUserRedirect` points the old one at it, unless `redirect` is false: the old name's
+    /// redirect is gone (`LimitUserRedirects` keeps only `[service] MAX_USER_REDIRECTS` of them).
+    pub fn rename(&mut self, old: &str, new: &str, redirect: bool) {
+        let id = self
+            .by_name(old)
+            .unwrap_or_else(|| panic!("forgejo model: no user or organization {old}"))
+            .id;
+        self.redirects.remove(&new.to_lowercase());
+        self.redirects.remove(&old.to_lowercase());
+        if redirect {
+            self.redirects.insert(old.to_lowercase(), id);
+        }
+        if let Some(a) = self.accounts.get_mut(&id) {
+            a.name = new.to_string();
+        }
+    }
+
+    /// `LookupUserRedirect` (services/redirect/user.go): the account an old name now names,
+    /// or `ErrUserRedirectNotExist` (models/user/redirect.go), whose text the 404 carries.
+    fn lookup_redirect(&self, name: &str) -> Result<&Account, String> {
+        let lower = name.to_lowercase();
+        self.redirects
+            .get(&lower)
+            .and_then(|id| self.accounts.get(id))
+            .ok_or_else(|| format!("user redirect does not exist [name: {lower}]"))
+    }
+
+    /// `orgAssignment(true)`: `GetOrgByName`, else the old name's redirect, else
+    /// `ctx.NotFound("GetOrgByName", err)` with the redirect's error.
+    pub fn assign_org(&self, name: &str) -> Assigned {
+        match self.by_name(name).filter(|a| a.is_org) {
+            Some(org) => Assigned::Scope(Scope {
+                kind: ScopeKind::Owner,
+                owner_id: org.id,
+                repo_id: 0,
+                repo_owner_id: 0,
+            }),
+            None => self.renamed_or("GetOrgByName", name),
+        }
+    }
+
+    /// `repoAssignment()` then `reqOwner(unit.TypeActions)`: the owner (the token's user, `doer`,
+    /// by its own name; else `GetUserByName`, else its redirect, else `ctx.NotFound
+    /// ("GetUserByName", err)`), then the repository (else, without a repository redirect,
+    /// `ctx.NotFound()`), then its Actions unit (else `ctx.NotFound()`).
+    pub fn assign_repo(&self, owner: &str, name: &str, doer: i64) -> Assigned {
+        let found = self
+            .accounts
+            .get(&doer)
+            .filter(|d| d.name.eq_ignore_ascii_case(owner))
+            .or_else(|| self.by_name(owner));
+        if found.is_none() {
+            return self.renamed_or("GetUserByName", owner);
+        }
+        match self.repo(owner, name) {
+            Some(r) if r.actions => Assigned::Scope(Scope {
+                kind: ScopeKind::Repo,
+                owner_id: 0,
+                repo_id: r.id,
+                repo_owner_id: r.owner_id,
+            }),
+            _ => Assigned::NotFound {
+                message: NOT_FOUND_MESSAGE.to_string(),
+                errors: Vec::new(),
+            },
+        }
+    }
+
+    fn renamed_or(&self, message: &str, name: &str) -> Assigned {
+        match self.lookup_redirect(name) {
+            Ok(a) => Assigned::Renamed {
+                old: name.to_string(),
+                new: a.name.clone(),
+            },
+            Err(e) => Assigned::NotFound {
+                message: message.to_string(),
+                errors: vec![e],
+            },
+        }
+    }
+}
+
+impl<X> Forgejo<X> {
+    /// `DeleteOrganization` / `DeleteUser` (models/organization/org.go, services/user/delete.go:
+    /// `DeleteBeans(..., &ActionRunner{OwnerID})`): the account goes, and its runners with it.
+    pub fn delete_account(&mut self, name: &str, now: i64) {
+        let Some(id) = self.accounts.by_name(name).map(|a| a.id) else {
+            panic!("forgejo model: no user or organization {name}");
+        };
+        self.accounts.accounts.remove(&id);
+        self.accounts.redirects.retain(|_, to| *to != id);
+        let runners: Vec<i64> = self
+            .runners
+            .values()
+            .filter(|r| !r.deleted && r.owner_id == id && r.repo_id == 0)
+            .map(|r| r.id)
+            .collect();
+        for r in runners {
+            self.delete(r, now);
+        }
     }
 }

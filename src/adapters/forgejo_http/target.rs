@@ -44,6 +44,27 @@ impl Scope {
         }
     }
 
+    /// Why every route of this scope answered 404 with Forgejo's `ctx.NotFound(message)` (see
+    /// `NotFound::NoScope`), and what to fix: the scope's organization, owner or repository is
+    /// not there for this token. Registrations made in it are kept: nothing here says they are
+    /// gone.
+    pub(super) fn missing(&self, message: &str) -> String {
+        match self {
+            Scope::Org(n) => format!(
+                "Forgejo says organization {n} does not exist (404 {message}): --scope {self} names no organization the token's user can see; if it was renamed or deleted, set --scope to the organization the pool's runners belong to"
+            ),
+            Scope::Repo(o, _) if message == "GetUserByName" => format!(
+                "Forgejo says user or organization {o} does not exist (404 {message}): --scope {self} names no owner; if it was renamed or deleted, set --scope to the repository the pool's runners belong to"
+            ),
+            Scope::Repo(o, n) => format!(
+                "Forgejo says repository {o}/{n} does not exist, is not visible to the token's user or has Actions disabled (404 {message}): check --scope {self} (renamed or deleted?) and the repository's Actions setting"
+            ),
+            Scope::Admin | Scope::User => format!(
+                "Forgejo says the route of --scope {self} does not exist (404 {message}): Forgejo 15 or newer is required; check --forgejo-url"
+            ),
+        }
+    }
+
     /// The token scope Forgejo asks for on writes, for error hints.
     pub(super) fn write_scope(&self) -> &'static str {
         match self {
@@ -51,6 +72,18 @@ impl Scope {
             Scope::User => "write:user",
             Scope::Org(_) => "write:organization",
             Scope::Repo(..) => "write:repository",
+        }
+    }
+}
+
+/// As `--scope` takes it: `org/acme`.
+impl std::fmt::Display for Scope {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Scope::Admin => f.write_str("admin"),
+            Scope::User => f.write_str("user"),
+            Scope::Org(n) => write!(f, "org/{n}"),
+            Scope::Repo(o, n) => write!(f, "repo/{o}/{n}"),
         }
     }
 }
