@@ -1958,3 +1958,87 @@ fn a_delete_answered_with_the_scopes_404_is_not_already_gone() {
     assert_eq!(deletes[1], (true, "deleted"), "{report}");
     env.assert_at_rest();
 }
+
+/// A waiting job listed without a handle (missing, `null` or empty) is never served: a runner
+/// started with `one-job --handle ""` would take any job of its labels (forgejo-runner
+/// `internal/app/cmd/job.go`, `internal/app/poll/single.go`). No registration, no VM; a
+/// warning names it. The control: the same job with its handle gets its runner.
+#[test]
+fn a_job_without_a_handle_is_never_served() {
+    let env = Env::new();
+    let (job, handle) = env.fake.add_job(&["debian"]);
+    let listed = |handle: Option<serde_json::Value>| {
+        let mut j = serde_json::json!({"id": job, "attempt": 1, "repo_id": 1, "owner_id": 1,
+            "name": "build", "needs": null, "runs_on": ["debian"], "task_id": 0,
+            "status": "waiting"});
+        if let Some(h) = handle {
+            j["handle"] = h;
+        }
+        format!("[{j}]")
+    };
+    for (what, body) in [
+        ("missing", listed(None)),
+        ("null", listed(Some(serde_json::Value::Null))),
+        ("empty", listed(Some(serde_json::json!("")))),
+    ] {
+        env.fake
+            .inject("GET", "/actions/runners/jobs", Fault::Body(body), 1);
+        let out = env.run(&["--output", "json"]);
+        assert_eq!(out.code, Some(0), "{what}: {out:?}");
+        assert_eq!(out.json()["outcome"], "idle", "{what}: {out:?}");
+        assert!(
+            out.stderr.contains(&format!(
+                "job {job} is listed without a handle; not serving it"
+            )),
+            "{what}: {out:?}"
+        );
+        assert_eq!(posts(&env), 0, "{what}");
+        assert!(env.vm_log().is_empty(), "{what}: {}", env.vm_log());
+    }
+    assert!(!handle.is_empty());
+    let out = env.run(&[]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert_eq!(posts(&env), 1);
+    assert_eq!(job_status(&env, job), "success");
+}
+
+/// The tests' launch command refuses to start a runner for an empty `JOB_HANDLE`, as every
+/// launch command must; the control starts one.
+#[test]
+fn the_test_launch_command_refuses_an_empty_job_handle() {
+    let env = Env::new();
+    fs::write(env.vm.join("launch-mode"), "noop").unwrap();
+    let launch = |handle: &str| {
+        let mut c = std::process::Command::new(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/bin/launch.sh"),
+        );
+        c.env("VM_DIR", &env.vm)
+            .env("RUNNER_ID", "7")
+            .env("RUNNER_UUID", "00000000-0000-4000-8000-000000000007")
+            .env("RUNNER_LABELS", "debian:host")
+            .env("FORGEJO_URL", env.fake.url())
+            .env("JOB_HANDLE", handle)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped());
+        let mut child = c.spawn().unwrap();
+        use std::io::Write;
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(b"runner-token\n")
+            .unwrap();
+        output_of(child)
+    };
+    let out = launch("");
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("JOB_HANDLE is empty"),
+        "{out:?}"
+    );
+    assert!(!env.vm.join("launch-env.7").exists(), "it started");
+    let out = launch("h-7");
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+    assert!(env.vm.join("launch-env.7").exists());
+}

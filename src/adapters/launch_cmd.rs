@@ -71,6 +71,14 @@ impl Launcher for CommandLauncher {
     }
 
     fn launch(&mut self, req: &LaunchRequest<'_>, token: &Secret) -> Result<(), StepError> {
+        // The planner never registers for such a job (`Job::has_handle`); should one get here,
+        // no runner starts that would take any job of its labels (`one-job --handle ""`).
+        if req.job_handle.is_empty() {
+            return Err(StepError::failed(format!(
+                "internal error: refusing to start runner {} ({}) with an empty JOB_HANDLE: forgejo-runner one-job --handle \"\" would take any job of its labels, not job {}",
+                req.runner_id, req.runner_name, req.job_id
+            )));
+        }
         let (program, spec) = self.spec(req, "start", Some(token))?;
         log::info!(
             "launching runner {} ({}) for job {} with {}",
@@ -198,6 +206,43 @@ impl CommandLauncher {
 mod tests {
     use super::*;
     use crate::core::ports::Output;
+
+    #[test]
+    fn a_runner_is_never_started_with_an_empty_job_handle() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let marker = dir.path().join("started");
+        let cmd = dir.path().join("launch.sh");
+        std::fs::write(
+            &cmd,
+            format!("#!/bin/sh\ncat > /dev/null\ntouch '{}'\n", marker.display()),
+        )
+        .unwrap();
+        std::fs::set_permissions(&cmd, std::fs::Permissions::from_mode(0o700)).unwrap();
+        let mut launcher = CommandLauncher {
+            command: Some(cmd),
+            timeout: Duration::from_secs(10),
+            stop: StopFlag::new(),
+        };
+        let outputs = Outputs::new();
+        let req = |handle| LaunchRequest {
+            runner_id: 7,
+            runner_uuid: "u",
+            runner_name: "ephemeral-c-1",
+            job_id: 9,
+            job_handle: handle,
+            labels: "debian:host",
+            forgejo_url: "https://forgejo.invalid",
+            outputs: &outputs,
+        };
+        let token = Secret::new("t".into());
+        let e = launcher.launch(&req(""), &token).unwrap_err();
+        assert!(e.message.contains("empty JOB_HANDLE"), "{}", e.message);
+        assert!(!marker.exists(), "the launch command ran");
+        // The control: with a handle it runs.
+        launcher.launch(&req("h-9"), &token).unwrap();
+        assert!(marker.exists());
+    }
 
     #[test]
     fn outputs_become_env() {

@@ -169,6 +169,14 @@ impl Job {
         self.status == "waiting" || self.status == "running"
     }
 
+    /// Whether a runner can ask for this job alone. An empty `--handle` is none at all:
+    /// forgejo-runner's `one-job` then falls back to FetchTask and takes any job of its labels
+    /// (`GetHandle` in internal/app/cmd/job.go, `Poll` in internal/app/poll/single.go), so a job
+    /// listed without a handle (missing, `null` or empty) is never served.
+    pub fn has_handle(&self) -> bool {
+        !self.handle.is_empty()
+    }
+
     pub fn from_json(v: &Value) -> anyhow::Result<Job> {
         let obj = v
             .as_object()
@@ -339,11 +347,11 @@ pub fn job_matches(job: &Job, names: &[String]) -> bool {
         && job.runs_on.iter().all(|r| names.iter().any(|n| n == r))
 }
 
-/// The waiting jobs we could serve, oldest (lowest id) first.
+/// The waiting jobs we could serve (with a handle), oldest (lowest id) first.
 pub fn waiting_jobs<'a>(jobs: &'a [Job], names: &[String]) -> Vec<&'a Job> {
     let mut w: Vec<&Job> = jobs
         .iter()
-        .filter(|j| j.is_waiting() && job_matches(j, names))
+        .filter(|j| j.is_waiting() && j.has_handle() && job_matches(j, names))
         .collect();
     w.sort_by_key(|j| j.id);
     w
@@ -489,6 +497,15 @@ mod tests {
         assert_eq!(names, vec!["debian", "docker"]);
         let w: Vec<i64> = waiting_jobs(&jobs, &names).iter().map(|j| j.id).collect();
         assert_eq!(w, vec![3, 9]);
+        // A job without a handle (missing, null, empty) is never one to serve.
+        let no_handle = parse_jobs(
+            r#"[{"id":1,"status":"waiting","runs_on":["debian"]},
+                {"id":2,"handle":null,"status":"waiting","runs_on":["debian"]},
+                {"id":7,"handle":"","status":"waiting","runs_on":["debian"]}]"#,
+        )
+        .unwrap();
+        assert!(no_handle.iter().all(|j| !j.has_handle()));
+        assert!(waiting_jobs(&no_handle, &names).is_empty());
         let only_debian = label_names("debian:host");
         let w: Vec<i64> = waiting_jobs(&jobs, &only_debian)
             .iter()

@@ -63,6 +63,8 @@ struct Driver<'w, 'a> {
     progressed: bool,
     /// The status each registration had when last observed (the evidence of a deletion).
     seen: BTreeMap<i64, String>,
+    /// Jobs listed without a handle that this run warned about (once each).
+    no_handle: std::collections::BTreeSet<i64>,
 }
 
 pub fn run(w: &mut World<'_>, cfg: &CycleConfig, report: &mut Report) -> End {
@@ -110,6 +112,7 @@ pub fn run(w: &mut World<'_>, cfg: &CycleConfig, report: &mut Report) -> End {
         outputs: None,
         progressed: false,
         seen: BTreeMap::new(),
+        no_handle: Default::default(),
     };
     // Nothing can be done for a cycle in progress without tofu, not even its teardown.
     if let Some(s) = &d.state
@@ -261,6 +264,7 @@ impl Driver<'_, '_> {
                     obs.claimed_elsewhere = o.claimed_jobs(self.w.clock.now());
                     // A held job that is no longer listed (done, cancelled, re-run) is forgotten;
                     // another share's waiting job is remembered from when it was first seen.
+                    self.warn_without_handle(&jobs);
                     let pruned = self.ctx.holds.prune(&jobs);
                     let waiting =
                         crate::core::model::waiting_jobs(&jobs, &self.cfg.policy.label_names);
@@ -295,6 +299,22 @@ impl Driver<'_, '_> {
             }
         }
         (obs, failed)
+    }
+
+    /// A waiting job of ours listed without a handle is never served (`Job::has_handle`): said
+    /// once per run, at warn level.
+    fn warn_without_handle(&mut self, jobs: &[crate::core::model::Job]) {
+        let names = &self.cfg.policy.label_names;
+        for j in jobs.iter().filter(|j| {
+            j.is_waiting() && !j.has_handle() && crate::core::model::job_matches(j, names)
+        }) {
+            if self.no_handle.insert(j.id) {
+                log::warn!(
+                    "job {} is listed without a handle; not serving it: a runner asked for no handle takes any job of its labels, not this one (Forgejo 15 or newer lists every job with one)",
+                    j.id
+                );
+            }
+        }
     }
 
     fn drive(&mut self) -> End {

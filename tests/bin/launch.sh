@@ -7,7 +7,7 @@
 # module's destroy; a deleted registration does not stop it).
 #
 # RUNNER_ACTION (the launch command's contract, docs/design.md "The launch command"):
-#   start (also when unset): start the runner; the token is on stdin.
+#   start (also when unset): start the runner; the token is on stdin. An empty JOB_HANDLE: exit 1.
 #   check: exit 0 while this runner's process still runs on the VM, 3 once it is gone.
 #   stop:  end that process (tell the fake it is gone), exit 0; also 0 when it was already gone.
 #   anything else: exit 2.
@@ -95,6 +95,11 @@ stop)
     exit 2
     ;;
 esac
+# An empty handle is none: `one-job --handle ''` would take any job of its labels.
+if [ -z "${JOB_HANDLE:-}" ]; then
+    echo "launch: JOB_HANDLE is empty; not starting a runner that would take any job of its labels" >&2
+    exit 1
+fi
 env | sort > "$VM_DIR/launch-env.$RUNNER_ID"
 echo "$0 $*" > "$VM_DIR/launch-argv.$RUNNER_ID"
 # Launches run one at a time: the Nth one may have a mode of its own in launch-mode.N.

@@ -340,10 +340,10 @@ class Case:
 
     def __init__(self, name, *, variant="a", answers=(), then="ok", version="forgejo-runner version v12.8.2",
                  mode="declare", runner=True, cloud_init=None, labels="debian:host", timeout=120,
-                 address=ADDRESS, uuid=None, check=None, action=None, after=None):
+                 address=ADDRESS, uuid=None, check=None, action=None, after=None, handle=HANDLE):
         self.name, self.variant, self.answers, self.then = name, variant, list(answers), then
         self.version, self.mode, self.runner, self.cloud_init = version, mode, runner, cloud_init
-        self.labels, self.timeout, self.check = labels, timeout, check
+        self.labels, self.timeout, self.check, self.handle = labels, timeout, check, handle
         # action: RUNNER_ACTION of the first run (None: not set, which means start). after(c):
         # what happens next (c.act("check"), the runner ending, ...), before the check.
         self.action, self.after, self.acts = action, after, []
@@ -381,7 +381,7 @@ class Case:
             "RUNNER_NAME": "ephemeral-c1-1",
             "RUNNER_LABELS": self.labels,
             "FORGEJO_URL": URL,
-            "JOB_HANDLE": HANDLE,
+            "JOB_HANDLE": self.handle,
             "LAUNCH_TIMEOUT_SECONDS": str(self.timeout),
             "TOFU_OUTPUT_ADDRESS": self.address,
             "TOFU_OUTPUT_SSH_PRIVATE_KEY": PRIVATE_KEY,
@@ -729,6 +729,12 @@ def check_bad_uuid(c):
     not_started(c)
 
 
+def check_empty_handle(c):
+    failed_with(c, "JOB_HANDLE is empty", "any job of its labels", limit=2)
+    expect(not c.calls, "ssh was run for an empty JOB_HANDLE")
+    not_started(c)
+
+
 def check_no_labels(c):
     failed_with(c, "RUNNER_LABELS", "names no label", limit=2)
     expect(not c.calls, "ssh was run although there is no label")
@@ -953,6 +959,8 @@ CASES = [
     Case("cloud-init-installs-runner", cloud_init="installs", check=check_cloud_init),
     Case("cloud-init-hangs", cloud_init="hangs", timeout=10, check=check_cloud_init_hangs),
     Case("no-labels", labels=" , ,", check=check_no_labels),
+    # `one-job --handle ''` would take any job of its labels.
+    Case("empty-handle", handle="", check=check_empty_handle),
     # What the module outputs as the address is checked before ssh sees it (and ssh gets `--`).
     Case("address-is-an-option", address="-oProxyCommand=touch @case@/proxy-ran", check=check_bad_address),
     Case("address-with-an-option", address="vm-1.example.test -oProxyCommand=touch @case@/proxy-ran",
