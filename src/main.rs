@@ -1,14 +1,20 @@
-//! The entry point: refuse to be dumpable, parse the command line, log, run one command.
+//! The entry point: close what was inherited, refuse to be dumpable, parse the command line,
+//! log, run one command.
 
 use std::process::ExitCode;
 
-use ci_ephemeral_provisioner::adapters::{logging, token};
+use ci_ephemeral_provisioner::adapters::{logging, process, token};
 use ci_ephemeral_provisioner::cli::{Cli, Command};
 use ci_ephemeral_provisioner::commands::{self, EXIT_FAILED, Fatal};
 use clap::Parser;
 
 fn main() -> ExitCode {
-    // First of all, before the token is read (see `forbid_dumping`).
+    // First of all, before anything is opened: no child gets a descriptor we did not pass it.
+    if let Err(e) = process::close_inherited_fds() {
+        eprintln!("error: {e:#}");
+        return ExitCode::from(EXIT_FAILED);
+    }
+    // Before the token is read (see `forbid_dumping`).
     if let Err(e) = token::forbid_dumping() {
         eprintln!("error: {e:#}");
         return ExitCode::from(EXIT_FAILED);

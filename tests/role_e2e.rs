@@ -1116,6 +1116,15 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
     // secret environment, on the pool's working copy (a "VM" applied and destroyed).
     let vm_dir = "var/lib/ci-ephemeral-provisioner/default/vm";
     fs::remove_file(host.file(&format!("{vm_dir}/uid.create"))).unwrap();
+    // The sandbox of the unit's tofu (tests/role/module/vm.sh): seccomp filter, no new
+    // privileges, /proc showing only its own user's processes (ProtectProc, ProcSubset).
+    let sandbox_file = format!("{vm_dir}/sandbox.create");
+    let of_the_unit = host.read(&sandbox_file);
+    assert_eq!(
+        of_the_unit,
+        "NoNewPrivs:\t1\nSeccomp:\t2\npid 1 hidden\n/proc/sys hidden\n"
+    );
+    fs::remove_file(host.file(&sandbox_file)).unwrap();
     host.sh_ok(
         "TF_VAR_cycle_id=by-hand ci-ephemeral-provisioner-tofu default apply -auto-approve -no-color -input=false \
          && ci-ephemeral-provisioner-tofu default destroy -auto-approve -no-color -input=false",
@@ -1132,6 +1141,12 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
         "{recovery_env}"
     );
     assert!(!recovery_env.contains(API_TOKEN) && !recovery_env.contains("CREDENTIALS_DIRECTORY"));
+    // The recovery wrapper's tofu runs in the same sandbox.
+    assert_eq!(
+        host.read(&sandbox_file),
+        of_the_unit,
+        "ci-ephemeral-provisioner-tofu"
+    );
     let (ok, out) = host.sh("ci-ephemeral-provisioner-tofu no-such-pool destroy");
     assert!(
         !ok && out.contains("no pool no-such-pool on this host"),

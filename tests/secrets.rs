@@ -684,3 +684,79 @@ fn check_says_where_a_token_on_stdin_came_from() {
     );
     assert!(!out.stdout.contains(API_TOKEN) && !out.stderr.contains(API_TOKEN));
 }
+
+/// A descriptor the binary inherited without close-on-exec (a parent's file on fd 9: a token
+/// file, say) is closed first thing in `main`: neither tofu nor the launch command has it. The
+/// control: the same wrapper started the same way as the binary does have it.
+#[test]
+fn an_inherited_descriptor_reaches_no_child() {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::process::CommandExt;
+    let env = Env::new();
+    let root = env.tmp.path();
+    let inherited = root.join("inherited-file");
+    fs::write(&inherited, "not for children").unwrap();
+    let file = fs::File::open(&inherited).unwrap();
+    let raw = file.as_raw_fd();
+    // On fd 9 without close-on-exec (dup2 clears it), as a careless parent would leave it.
+    let with_fd_9 = |c: &mut Command| {
+        // SAFETY: dup2(2) only, between fork and exec.
+        unsafe {
+            c.pre_exec(move || {
+                if libc::dup2(raw, 9) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+    };
+    // Each child writes where each of its descriptors leads, then does its work.
+    let list = "for f in /proc/$$/fd/*; do readlink \"$f\"; done";
+    let tofu = root.join("fd-tofu.sh");
+    script(
+        &tofu,
+        &format!("#!/bin/sh\n({list}) > \"$VM_DIR/fds.tofu.$$\"\nexec \"$TOFU_REAL\" \"$@\"\n"),
+    );
+    let launch = root.join("fd-launch.sh");
+    script(
+        &launch,
+        &format!(
+            "#!/bin/sh\n({list}) > \"$VM_DIR/fds.launch.${{RUNNER_ID:-control}}\"\nexec \"$LAUNCH\"\n"
+        ),
+    );
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut c = env.cmd("run");
+    c.args(["--tofu-bin", tofu.to_str().unwrap()]);
+    c.args(["--launch-command", launch.to_str().unwrap()]);
+    c.env("TOFU_REAL", tofu_bin());
+    c.env("LAUNCH", manifest.join("tests/bin/launch.sh"));
+    with_fd_9(&mut c);
+    env.fake.add_job(&["debian"]);
+    let out = env.exec(c);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    env.assert_at_rest();
+    let listings: Vec<(String, String)> = fs::read_dir(&env.vm)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("fds."))
+        .map(|n| (n.clone(), fs::read_to_string(env.vm.join(&n)).unwrap()))
+        .collect();
+    assert!(
+        listings.iter().any(|(n, _)| n.starts_with("fds.tofu."))
+            && listings.iter().any(|(n, _)| n.starts_with("fds.launch.")),
+        "{listings:?}"
+    );
+    let shown = inherited.display().to_string();
+    for (name, text) in &listings {
+        assert!(!text.contains(&shown), "{name} inherited it:\n{text}");
+    }
+    // The control: started with fd 9 by something that does not close it, the wrapper has it.
+    let mut c = Command::new(&launch);
+    c.env("VM_DIR", &env.vm).env("LAUNCH", "/bin/true");
+    with_fd_9(&mut c);
+    assert!(c.status().unwrap().success());
+    let control = fs::read_to_string(env.vm.join("fds.launch.control")).unwrap();
+    assert!(control.contains(&shown), "{control}");
+    drop(file);
+}

@@ -19,6 +19,46 @@ const MAX_STDOUT: usize = 8 * 1024 * 1024;
 /// The tail of stderr kept for error messages.
 const STDERR_TAIL: usize = 4 * 1024;
 
+/// Closes every descriptor above 2 that this process inherited: done first in `main`, before
+/// anything of ours is open, so that a child (tofu, a provider, the launch command) gets only
+/// what we pass it — never a descriptor some parent left open without close-on-exec (a token
+/// file's, a socket). `close_range(3, ~0, 0)`; where it fails (a kernel before 5.9, a seccomp
+/// filter), each descriptor /proc/self/fd lists. The error says why the process refuses to run.
+pub fn close_inherited_fds() -> anyhow::Result<()> {
+    // SAFETY: close_range(2) takes integers and touches no memory; nothing above fd 2 is ours
+    // yet (std opens nothing before `main`).
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_close_range,
+            3 as libc::c_uint,
+            libc::c_uint::MAX,
+            0 as libc::c_uint,
+        )
+    };
+    if rc == 0 {
+        return Ok(());
+    }
+    let why = std::io::Error::last_os_error();
+    // The listing's own descriptor is closed once `collect` returns; closing its number again
+    // is an EBADF, and nothing else is opened in between.
+    let fds: Vec<libc::c_int> = std::fs::read_dir("/proc/self/fd")
+        .and_then(|d| d.map(|e| e.map(|e| e.file_name())).collect::<Result<Vec<_>, _>>())
+        .map_err(|e| {
+            anyhow::anyhow!(
+                "cannot close the descriptors this process inherited: close_range failed ({why}) and /proc/self/fd cannot be read ({e}); refusing to run, since a child would inherit them"
+            )
+        })?
+        .iter()
+        .filter_map(|n| n.to_str()?.parse().ok())
+        .filter(|fd| *fd > 2)
+        .collect();
+    for fd in fds {
+        // SAFETY: close(2) of a descriptor number; none of them is in use by this process.
+        unsafe { libc::close(fd) };
+    }
+    Ok(())
+}
+
 /// Variables never passed to a child: the credentials directory holds the Forgejo token, and our
 /// own configuration variables are none of the child's business.
 pub fn scrub_env(cmd: &mut Command) {
