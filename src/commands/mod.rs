@@ -14,12 +14,13 @@ use crate::adapters::files::SlotDir;
 use crate::adapters::files::{read_state_file, write_atomic};
 use crate::adapters::forgejo_http::Scope;
 use crate::adapters::forgejo_http::validate_url;
+use crate::cli::DryRunArgs;
 use crate::cli::ForgejoArgs;
 use crate::cli::LocalArgs;
 use crate::cli::OutputFormat;
 use crate::cli::RunArgs;
 use crate::core::escape::escape_controls;
-use crate::core::model::label_names;
+use crate::core::labels::Labels;
 use crate::core::planner::Policy;
 use crate::core::report::Report;
 use crate::core::secret::Secret;
@@ -131,8 +132,8 @@ pub(crate) fn read_token(arg: &Option<PathBuf>) -> Result<Secret, Fatal> {
 
 /// `--fixture` only makes sense for a dry-run (clap's `requires` is satisfied by a
 /// `…_DRY_RUN=false` variable, so this checks the value).
-pub(crate) fn check_fixture(common: &ForgejoArgs) -> Result<(), Fatal> {
-    if common.fixture.is_some() && !common.dry_run {
+pub(crate) fn check_fixture(dry: &DryRunArgs) -> Result<(), Fatal> {
+    if dry.fixture.is_some() && !dry.dry_run {
         return Err(usage(
             "--fixture needs --dry-run: a fixture world can only be planned against, never acted on",
         ));
@@ -168,10 +169,10 @@ pub(crate) fn forgejo_target(common: &ForgejoArgs) -> Result<(String, Scope), Fa
     Ok((url, scope))
 }
 
-pub(crate) fn policy(a: &RunArgs, labels: &str) -> Policy {
+pub(crate) fn policy(a: &RunArgs, labels: &Labels) -> Policy {
     Policy {
         runner_prefix: a.common.runner_prefix.clone(),
-        label_names: label_names(labels),
+        label_names: labels.names(),
         max_jobs_per_vm: a.max_jobs_per_vm,
         idle_timeout: a.idle_timeout,
         registration_grace: a.registration_grace,
@@ -194,13 +195,13 @@ pub(crate) fn policy(a: &RunArgs, labels: &str) -> Policy {
 pub(crate) fn cycle_config(
     a: &RunArgs,
     policy: Policy,
-    labels: String,
+    labels: &Labels,
     forgejo_url: String,
 ) -> CycleConfig {
     CycleConfig {
         policy,
         poll_interval: a.poll_interval,
-        labels,
+        labels: labels.given().to_string(),
         forgejo_url,
         sweep_max_deletions: a.common.sweep_max_deletions,
         slot: a.common.local.slot,
@@ -208,15 +209,14 @@ pub(crate) fn cycle_config(
 }
 
 /// The checks of `run`'s flags that need no I/O; the labels, when they pass.
-pub(crate) fn validate_run_args(a: &RunArgs) -> Result<String, Fatal> {
+pub(crate) fn validate_run_args(a: &RunArgs) -> Result<Labels, Fatal> {
     check_prefix(&a.common.runner_prefix)?;
     slot_dir(&a.common.local)?;
-    let labels = a.labels.clone().unwrap_or_default();
-    if label_names(&labels).is_empty() {
-        return Err(usage(
-            "--labels is required: the runner labels this pool serves, e.g. --labels debian:host",
-        ));
-    }
+    let labels = Labels::parse(a.labels.as_deref().unwrap_or_default())
+        .map_err(|e| usage(e.to_string()))?
+        .ok_or_else(|| {
+            usage("--labels is required: the runner labels this pool serves, e.g. --labels debian:host")
+        })?;
     if a.max_jobs_per_vm == 0 {
         return Err(usage("--max-jobs-per-vm must be at least 1"));
     }
