@@ -127,7 +127,7 @@ fn a_broken_module_fails_without_touching_it() {
         &main,
         text.replace(
             "resource \"terraform_data\" \"vm\" {",
-            "resource \"terraform_data\" \"vm\" {\n  no_such_argument = 1",
+            "resource \"terraform_data\" \"vm\" {\n  no_such_argument = 1\n  other_bad = 2\n  third_bad = 3",
         ),
     )
     .unwrap();
@@ -138,6 +138,12 @@ fn a_broken_module_fails_without_touching_it() {
     assert!(l.starts_with("FAIL  "), "{out:?}");
     assert!(
         l.contains("is not valid") || l.contains("does not initialize"),
+        "{l}"
+    );
+    // What tofu says first (its `Error:` heading and what follows), not only its last lines.
+    assert!(
+        l.contains("Error: Unsupported argument |   on main.tf line")
+            && l.contains("\"no_such_argument\""),
         "{l}"
     );
     assert_eq!(walk(&env.module), before);

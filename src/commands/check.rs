@@ -286,7 +286,8 @@ fn check_tofu(a: &RunArgs) -> anyhow::Result<String> {
         if r.success() {
             Ok(r.stdout)
         } else {
-            Err(anyhow!("`{shown}` {}", r.describe()))
+            // tofu's `Error:` heading says what failed; its last lines only how.
+            Err(anyhow!("`{shown}` {}", r.describe_from("Error:", 8)))
         }
     };
     let version = run(&["version"])?;

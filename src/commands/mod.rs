@@ -141,8 +141,10 @@ pub(crate) fn check_fixture(dry: &DryRunArgs) -> Result<(), Fatal> {
     Ok(())
 }
 
-/// Longest `--runner-prefix`: with the cycle id and sequence number a name stays well within
-/// Forgejo's `VARCHAR(255)` (the REST registration stores it as sent; a longer one fails).
+/// Longest `--runner-prefix`: with the cycle id, sequence number and time a name stays well
+/// within Forgejo's 255 bytes. Forgejo cuts a longer name to fit (v15.0.3 `CreateRunner`,
+/// `models/actions/runner.go`: `util.SplitStringAtByteN(name, 255)`, `modules/util/truncate.go`,
+/// which puts `…` at the end), and a cut name is no longer the one this tool registered.
 pub const MAX_PREFIX_BYTES: usize = 128;
 
 pub(crate) fn check_prefix(prefix: &str) -> Result<(), Fatal> {
@@ -153,7 +155,7 @@ pub(crate) fn check_prefix(prefix: &str) -> Result<(), Fatal> {
     }
     if prefix.len() > MAX_PREFIX_BYTES {
         return Err(usage(format!(
-            "--runner-prefix is {} bytes long; at most {MAX_PREFIX_BYTES}: runner names (prefix, cycle id, number) must fit Forgejo's 255 characters",
+            "--runner-prefix is {} bytes long; at most {MAX_PREFIX_BYTES}: runner names (prefix, cycle id, number, time) must fit Forgejo's 255 bytes, past which it cuts them",
             prefix.len()
         )));
     }
@@ -380,12 +382,11 @@ pub(crate) fn finish(
 pub(crate) fn print_plan(actions: &[Value], report: &Report, output: OutputFormat) {
     match output {
         OutputFormat::Json => {
-            // Exactly the plan; how it ends is on stderr.
-            println!(
-                "{}",
-                serde_json::to_string_pretty(&json!({ "actions": actions })).unwrap_or_default()
-            );
-            eprintln!("plan ends: {}", report.outcome);
+            // One document: the plan, how it ends, and the errors it met (logged on stderr).
+            let failures = report.failures.len() as u64 + report.failures_not_listed;
+            let doc =
+                json!({ "actions": actions, "outcome": report.outcome, "failures": failures });
+            println!("{}", serde_json::to_string_pretty(&doc).unwrap_or_default());
         }
         OutputFormat::Text => {
             if actions.is_empty() {
