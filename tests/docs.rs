@@ -965,3 +965,50 @@ fn the_message_check_finds_a_message_without_an_entry() {
     let reversed = "| is too wide | `--widget` |\n`cannot frobnicate …`\n";
     assert_eq!(undocumented(&[src], reversed).len(), 1);
 }
+
+/// The quick start says what `bash .ci/run` installs (every package its scripts may install),
+/// how long it takes, and gives a quick test command.
+#[test]
+fn the_quick_start_names_what_ci_installs_and_a_quick_test() {
+    let readme = read(&root().join("README.md"));
+    let quick = section(&readme, "## Quick start").join("\n");
+    let mut packages = BTreeSet::new();
+    let mut scripts: Vec<PathBuf> = fs::read_dir(root().join(".ci"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    scripts.sort();
+    for script in &scripts {
+        let text = read(script);
+        // `pkgs+=(name)` / `missing+=(name)`, and a package named on an apt-get line itself.
+        for (at, _) in text.match_indices("+=(") {
+            let name = text[at + 3..].split(')').next().unwrap_or("");
+            packages.insert(name.to_string());
+        }
+        for (at, _) in text.match_indices("--no-install-recommends ") {
+            let word = text[at + 24..].split_whitespace().next().unwrap_or("");
+            if !word.starts_with('"') {
+                packages.insert(word.to_string());
+            }
+        }
+        for pip in ["ansible-core", "ansible-lint"] {
+            if text.contains(&format!("'{pip}~=")) {
+                packages.insert(pip.to_string());
+            }
+        }
+    }
+    assert!(
+        packages.len() >= 15,
+        "too few packages found in .ci/: {packages:?}"
+    );
+    let missing: Vec<&String> = packages
+        .iter()
+        .filter(|p| !quick.contains(p.as_str()))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "README.md's quick start does not name what .ci/ may install: {missing:?}"
+    );
+    assert!(quick.contains("about 20 minutes"), "{quick}");
+    assert!(quick.contains("\ncargo test --lib --test "), "{quick}");
+}
