@@ -607,10 +607,16 @@ fn beyond_parse(entry: &str) -> Option<&'static str> {
         Some("empty entry")
     } else if parsed.name.is_empty() {
         Some("no name")
-    } else if entry
-        .chars()
-        .any(|c| c.is_control() || ('\u{200e}'..='\u{2069}').contains(&c))
-    {
+    } else if entry.chars().any(|c| {
+        // Control characters, and the marks that make a line read other than it is.
+        const MARKS: [(char, char); 4] = [
+            ('\u{200e}', '\u{200f}'),
+            ('\u{2028}', '\u{2029}'),
+            ('\u{202a}', '\u{202e}'),
+            ('\u{2066}', '\u{2069}'),
+        ];
+        c.is_control() || MARKS.iter().any(|&(lo, hi)| (lo..=hi).contains(&c))
+    }) {
         Some("a control character")
     } else if blank(parts.get(1)) || blank(parts.get(2)) {
         Some("a blank around the scheme or argument")
