@@ -1105,7 +1105,7 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
             Some(pool_user(pool).as_str())
         );
         let j = host.journal(&unit);
-        assert!(j.contains("all 8 checks passed"), "{unit}:\n{j}");
+        assert!(j.contains("all 9 checks passed"), "{unit}:\n{j}");
         assert!(
             !j.contains(API_TOKEN),
             "{unit}: the token is in the journal"
