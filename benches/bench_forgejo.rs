@@ -526,8 +526,10 @@ fn control_request(w: &mut World, what: &str, query: &str) -> Reply {
             if let Some(p) = &w.pickup
                 && let Some((job, _)) = p.current
             {
+                // A runner that refuses its labels never starts: it declares none.
                 let labels =
-                    forgejo_rules::declared_names(query_param(query, "labels").unwrap_or(""));
+                    forgejo_rules::declared_names(query_param(query, "labels").unwrap_or(""))
+                        .unwrap_or_default();
                 let handle = job_handle(job);
                 let runs_on = [PICKUP_RUNS_ON.to_string()];
                 let runner = forgejo_rules::RunnerView {
@@ -645,7 +647,8 @@ fn take_from_batch(w: &mut World, id: i64, query: &str) -> Reply {
     let Some(b) = w.batch.as_mut() else {
         return reply(409, "{\"message\":\"not started with --jobs\"}");
     };
-    let labels = forgejo_rules::declared_names(query_param(query, "labels").unwrap_or(""));
+    let labels = forgejo_rules::declared_names(query_param(query, "labels").unwrap_or(""))
+        .unwrap_or_default();
     let runner = forgejo_rules::RunnerView {
         owner_id: 0,
         repo_id: 0,

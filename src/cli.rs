@@ -37,14 +37,14 @@ pub struct Cli {
 #[allow(clippy::large_enum_variant)]
 pub enum Command {
     /// Run one provisioner cycle (the timer's job).
-    Run(RunArgs),
+    Run(RunCommand),
     /// Delete offline registrations with the runner prefix; refused while a cycle is in progress.
     Sweep(SweepArgs),
     /// Check everything a cycle will need and change nothing: the token file, Forgejo (version
     /// ≥ 15, the token accepted for the scope), the tofu binary and module (init and validate in
     /// a temporary copy), the launch command, the state directory, labels and prefix. Takes the
-    /// flags and environment of `run`; one line per check; exit 0 when all pass, 1 when one fails,
-    /// 2 on a usage error (--dry-run and --fixture do not apply).
+    /// flags and environment of `run` but --dry-run and --fixture; one line per check; exit 0
+    /// when all pass, 1 when one fails, 2 on a usage or configuration error (then it stops there).
     Check(RunArgs),
     /// Show the cycle in progress, the last run, the last events and any warning (with --check:
     /// exit 1 on a warning, a health check). Read-only: takes no lock.
@@ -56,8 +56,8 @@ impl Command {
     /// to set up logging.
     pub fn logging(&self) -> (bool, bool, &'static str) {
         match self {
-            Command::Run(a) => (a.common.local.verbose, a.common.dry_run, "run"),
-            Command::Sweep(a) => (a.common.local.verbose, a.common.dry_run, "sweep"),
+            Command::Run(a) => (a.args.common.local.verbose, a.dry.dry_run, "run"),
+            Command::Sweep(a) => (a.common.local.verbose, a.dry.dry_run, "sweep"),
             Command::Status(a) => (a.local.verbose, false, "status"),
             Command::Check(a) => (a.common.local.verbose, false, "check"),
         }
@@ -101,8 +101,8 @@ pub struct ForgejoArgs {
     #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_HTTP_TIMEOUT", default_value = "30s", value_parser = parse_duration, value_name = "DURATION")]
     pub http_timeout: Duration,
 
-    /// Name prefix of our registrations (`<prefix><cycle id>-<n>`). Only registrations with this
-    /// prefix are ever deleted. Must not be empty; at most 128 bytes.
+    /// Name prefix of our registrations (`<prefix><cycle id>-<n>-<time>`). Only registrations
+    /// with this prefix are ever deleted. Must not be empty; at most 128 bytes.
     #[arg(
         long,
         env = "CI_EPHEMERAL_PROVISIONER_RUNNER_PREFIX",
@@ -119,23 +119,6 @@ pub struct ForgejoArgs {
         value_name = "N"
     )]
     pub sweep_max_deletions: usize,
-
-    /// Never POST, DELETE, run tofu, lock or write: only GET requests; print the plan and exit 0
-    /// (1 when the world could not be read, so the plan is incomplete).
-    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_DRY_RUN")]
-    pub dry_run: bool,
-
-    /// With --dry-run: take the world from this JSON file instead of Forgejo (no network, no token,
-    /// no state dir). Format: {"runners": [...], "jobs": [...] or null, and optionally "cycle":
-    /// <cycle.json or null> and "now": "<RFC 3339>"}; any other key is an error, except comments
-    /// in keys that start with _.
-    #[arg(
-        long,
-        env = "CI_EPHEMERAL_PROVISIONER_FIXTURE",
-        value_name = "FILE",
-        requires = "dry_run"
-    )]
-    pub fixture: Option<PathBuf>,
 
     /// The audit trail <state-dir>/events.jsonl is rotated to events.jsonl.1 past this size
     /// (so it takes at most twice this). Written as 10MiB, 512KiB or bytes; at least 16KiB.
@@ -168,14 +151,49 @@ pub struct ForgejoArgs {
     pub local: LocalArgs,
 }
 
+/// `run`: what `check` takes too, and the dry-run's flags.
+#[derive(Debug, Args)]
+#[command(args_override_self = true)]
+pub struct RunCommand {
+    #[command(flatten)]
+    pub args: RunArgs,
+
+    #[command(flatten)]
+    pub dry: DryRunArgs,
+}
+
+/// The flags of a dry-run (`run` and `sweep`; `check` never acts, so it has none of them).
+#[derive(Debug, Args)]
+pub struct DryRunArgs {
+    /// Never POST, DELETE, run tofu, lock or write: only GET requests; print the plan and exit 0
+    /// (1 when the world could not be read, so the plan is incomplete).
+    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_DRY_RUN")]
+    pub dry_run: bool,
+
+    /// With --dry-run: take the world from this JSON file instead of Forgejo (no network, no token,
+    /// no state dir). Format: {"runners": [...], "jobs": [...] or null, and optionally "cycle":
+    /// <cycle.json or null> and "now": "<RFC 3339>"}; any other key is an error, except comments
+    /// in keys that start with _.
+    #[arg(
+        long,
+        env = "CI_EPHEMERAL_PROVISIONER_FIXTURE",
+        value_name = "FILE",
+        requires = "dry_run"
+    )]
+    pub fixture: Option<PathBuf>,
+}
+
+/// The flags of `run` that `check` takes too.
 #[derive(Debug, Args)]
 #[command(args_override_self = true)]
 pub struct RunArgs {
     #[command(flatten)]
     pub common: ForgejoArgs,
 
-    /// Runner labels, comma-separated, e.g. debian:host,docker: required. Jobs match when their
-    /// runs_on ⊆ the label names (the part before `:`).
+    /// Runner labels, comma-separated, each NAME:SCHEME as forgejo-runner's --label reads it,
+    /// e.g. debian:host: required. Schemes: host (jobs run on the VM), docker (also a NAME
+    /// alone; needs a Docker engine on the VM), lxc; blanks around a name or scheme, empty
+    /// entries and other schemes are refused. Jobs match when their runs_on ⊆ the label names.
     #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_LABELS", value_name = "LIST")]
     pub labels: Option<String>,
 
@@ -274,6 +292,9 @@ pub struct RunArgs {
 pub struct SweepArgs {
     #[command(flatten)]
     pub common: ForgejoArgs,
+
+    #[command(flatten)]
+    pub dry: DryRunArgs,
 
     /// `run`'s flag of the same name and variable: with --launch-timeout and twice
     /// --http-timeout, how young a registration (by the time in its name) the sweep spares.

@@ -73,7 +73,7 @@ impl ModelForgejo {
         ModelForgejo(Rc::new(RefCell::new(Server {
             forgejo: forgejo_model::Forgejo::default(),
             now: 1_760_000_000_000,
-            labels: forgejo_rules::declared_names(labels),
+            labels: forgejo_rules::declared_names(labels).expect("labels forgejo-runner takes"),
             tie: hashed_tie,
             meanwhile: None,
             asked: Vec::new(),
@@ -180,7 +180,9 @@ impl Launcher for ModelForgejo {
         let Some(r) = f.live_mut(req.runner_id) else {
             return Ok(());
         };
-        r.declare(Some(forgejo_rules::declared_names(req.labels)), now);
+        let labels =
+            forgejo_rules::declared_names(req.labels).expect("labels forgejo-runner takes");
+        r.declare(Some(labels), now);
         if let Some(job) = f.task_for(req.runner_id, Some(req.job_handle)) {
             f.start_task(job, req.runner_id, now);
             f.final_update_task(job, now);

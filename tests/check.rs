@@ -37,6 +37,7 @@ fn a_good_configuration_passes_and_nothing_changes() {
     assert_eq!(out.code, Some(0), "{out:?}");
     for name in [
         "configuration",
+        "labels",
         "token file",
         "forgejo",
         "token scope",
@@ -51,7 +52,12 @@ fn a_good_configuration_passes_and_nothing_changes() {
         line(&out.stdout, "token scope").contains("1 waiting or running job"),
         "{out:?}"
     );
-    assert!(out.stdout.contains("all 7 checks passed"), "{out:?}");
+    assert!(
+        line(&out.stdout, "labels").contains("debian (host)"),
+        "{out:?}"
+    );
+    assert!(out.stdout.contains("all 8 checks passed\n"), "{out:?}");
+    assert!(!out.stdout.contains("warn "), "{out:?}");
     // Only reads reached Forgejo, and the token never reached the output.
     let methods: Vec<String> = env
         .fake
@@ -104,7 +110,7 @@ fn a_missing_tofu_binary_fails() {
         l.contains("install OpenTofu or point --tofu-bin at it"),
         "{l}"
     );
-    assert!(out.stdout.contains("1 of 7 checks failed"), "{out:?}");
+    assert!(out.stdout.contains("1 of 8 checks failed"), "{out:?}");
     // The other checks still ran.
     assert!(
         line(&out.stdout, "token scope").starts_with("ok"),
@@ -121,7 +127,7 @@ fn a_broken_module_fails_without_touching_it() {
         &main,
         text.replace(
             "resource \"terraform_data\" \"vm\" {",
-            "resource \"terraform_data\" \"vm\" {\n  no_such_argument = 1",
+            "resource \"terraform_data\" \"vm\" {\n  no_such_argument = 1\n  other_bad = 2\n  third_bad = 3",
         ),
     )
     .unwrap();
@@ -132,6 +138,12 @@ fn a_broken_module_fails_without_touching_it() {
     assert!(l.starts_with("FAIL  "), "{out:?}");
     assert!(
         l.contains("is not valid") || l.contains("does not initialize"),
+        "{l}"
+    );
+    // What tofu says first (its `Error:` heading and what follows), not only its last lines.
+    assert!(
+        l.contains("Error: Unsupported argument |   on main.tf line")
+            && l.contains("\"no_such_argument\""),
         "{l}"
     );
     assert_eq!(walk(&env.module), before);
@@ -219,25 +231,166 @@ fn an_existing_state_dir_is_written_and_locked_but_keeps_no_trace() {
     assert_eq!(left, vec![std::ffi::OsString::from("cycle.lock")]);
 }
 
-#[test]
-fn missing_labels_fail_the_configuration_line() {
-    let env = Env::new();
-    let out = check(&env, &["--labels", ""]);
-    assert_eq!(out.code, Some(1), "{out:?}");
+/// A configuration error (what `run` refuses before it does anything) is the only line, and
+/// exit 2 as for `run`: nothing else is tried with a wrong flag.
+fn stops_at_the_configuration(env: &Env, extra: &[&str], says: &str) {
+    let out = check(env, extra);
+    assert_eq!(out.code, Some(2), "{extra:?}: {out:?}");
     let l = line(&out.stdout, "configuration");
     assert!(
-        l.starts_with("FAIL  ") && l.contains("--labels is required"),
-        "{l}"
+        l.starts_with("FAIL  ") && l.contains(says),
+        "{extra:?}: {l}"
+    );
+    assert_eq!(
+        out.stdout
+            .lines()
+            .filter(|l| l.starts_with("FAIL "))
+            .count(),
+        1,
+        "{extra:?}: {out:?}"
+    );
+    assert!(
+        !out.stdout.contains("forgejo:") && !out.stdout.contains("token file:"),
+        "{extra:?}: {out:?}"
+    );
+    assert!(
+        out.stdout.contains("stopped at the configuration"),
+        "{out:?}"
+    );
+    assert!(
+        env.fake.requests().is_empty(),
+        "{extra:?}: Forgejo was asked"
     );
 }
 
 #[test]
-fn dry_run_is_a_usage_error() {
+fn a_configuration_error_stops_check_with_exit_2() {
     let env = Env::new();
-    let out = check(&env, &["--dry-run"]);
+    stops_at_the_configuration(&env, &["--labels", ""], "--labels is required");
+    stops_at_the_configuration(
+        &env,
+        &["--http-timeout", "0s"],
+        "--http-timeout must be longer than 0",
+    );
+    stops_at_the_configuration(
+        &env,
+        &["--runner-prefix", ""],
+        "--runner-prefix must not be empty",
+    );
+    stops_at_the_configuration(&env, &["--scope", "team/x"], "--scope: ");
+    let out = check(&env, &["--http-timeout", "0s", "--output", "json"]);
+    assert_eq!(out.code, Some(2), "{out:?}");
+    let doc = out.json();
+    assert_eq!(doc["stopped_at"], "configuration", "{doc}");
+    assert_eq!(doc["checks"].as_array().unwrap().len(), 1, "{doc}");
+}
+
+#[test]
+fn labels_forgejo_runner_would_refuse_or_misread_stop_check_and_run() {
+    let env = Env::new();
+    for (labels, says) in [
+        (
+            " debian:host , docker ,,",
+            "--labels entry 1 (\" debian:host \"): its name starts or ends with a blank",
+        ),
+        (
+            "debian:host,,gpu:host",
+            "--labels entry 2 (\"\"): it is empty",
+        ),
+        ("debian:host,", "--labels entry 2 (\"\"): it is empty"),
+        (
+            "debian: host",
+            "its scheme \" host\" starts or ends with a blank",
+        ),
+        ("x:host:foo", "the host scheme takes no argument"),
+        (
+            "x:k8spod",
+            "the k8spod scheme runs jobs in a Kubernetes pod",
+        ),
+        ("x:hots", "\"hots\" is not a scheme this tool serves"),
+        ("x:myplugin://cfg", "run by a plugin of its config file"),
+    ] {
+        stops_at_the_configuration(&env, &["--labels", labels], says);
+        let mut c = env.cmd("run");
+        c.args(["--labels", labels]);
+        let out = env.exec(c);
+        assert_eq!(out.code, Some(2), "run --labels {labels:?}: {out:?}");
+        assert!(
+            out.stderr.contains(says),
+            "run --labels {labels:?}: {out:?}"
+        );
+    }
+    assert!(env.fake.requests().is_empty());
+    assert!(!env.state.exists(), "a refused run got past the lock");
+}
+
+#[test]
+fn each_label_is_shown_with_its_scheme_and_docker_ones_are_warned_about() {
+    let env = Env::new();
+    env.fake.add_job(&["a b"]);
+    let out = check(&env, &["--labels", "debian:host,a b,arm:docker://node:22"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let l = line(&out.stdout, "labels");
+    assert!(
+        l.starts_with("ok    labels: debian (host), a b (docker, no scheme given, image node:22-bookworm), arm (docker, image node:22)"),
+        "{out:?}"
+    );
+    let warnings: Vec<&str> = out
+        .stdout
+        .lines()
+        .filter(|l| l.starts_with("warn "))
+        .collect();
+    assert_eq!(warnings.len(), 2, "{out:?}");
+    assert!(
+        warnings[0].starts_with("warn  labels: a b is a docker label (no scheme means docker): it needs a Docker engine on the VM"),
+        "{out:?}"
+    );
+    assert!(
+        warnings[1]
+            .starts_with("warn  labels: arm is a docker label: it needs a Docker engine on the VM"),
+        "{out:?}"
+    );
+    assert!(
+        out.stdout.contains("all 8 checks passed, 2 warnings"),
+        "{out:?}"
+    );
+    // The jobs list is asked for the names, the blank inside one included.
+    assert!(
+        line(&out.stdout, "token scope").contains("1 waiting or running job"),
+        "{out:?}"
+    );
+    let doc = check(&env, &["--labels", "a b", "--output", "json"]).json();
+    assert_eq!(doc["warnings"], 1, "{doc}");
+}
+
+#[test]
+fn check_has_no_dry_run_flags() {
+    let env = Env::new();
+    for flag in [&["--dry-run"][..], &["--fixture", "fixtures/idle.json"]] {
+        let out = check(&env, flag);
+        assert_eq!(out.code, Some(2), "{out:?}");
+        assert!(out.stderr.contains("unexpected argument"), "{out:?}");
+    }
+    let help = std::process::Command::new(support::harness::BIN)
+        .args(["check", "--help"])
+        .output()
+        .unwrap();
+    let help = String::from_utf8_lossy(&help.stdout);
+    for flag in ["--dry-run", "--fixture"] {
+        assert!(
+            !help.lines().any(|l| l.trim_start().starts_with(flag)),
+            "check --help lists {flag}:\n{help}"
+        );
+    }
+    // The role's environment files set run's variables: check takes them (and ignores a dry-run
+    // one, which only run and sweep read).
+    let mut c = env.cmd("check");
+    c.env("CI_EPHEMERAL_PROVISIONER_DRY_RUN", "true");
+    c.env("CI_EPHEMERAL_PROVISIONER_MAX_JOBS_PER_VM", "0");
+    let out = env.exec(c);
     assert_eq!(out.code, Some(2), "{out:?}");
     assert!(
-        out.stderr.contains("check never changes anything"),
+        out.stdout.contains("--max-jobs-per-vm must be at least 1"),
         "{out:?}"
     );
 }

@@ -716,3 +716,299 @@ fn the_quick_start_shows_the_real_plan() {
         "README.md's quick start does not show the plan the command prints:\n{plan}"
     );
 }
+
+// --- Every error message of src/ has its entry in docs/troubleshooting.md ---------------------
+
+/// The calls whose first string literal is a message someone reads: an error of a command, a
+/// failure in the run report, or a part of one (the context an `anyhow!` adds). (Warnings,
+/// `status` lines and the launch command's verdicts have their own tables, not checked here.)
+const MESSAGE_CALLS: [&str; 10] = [
+    "usage(", "bail!(", "anyhow!(", ".fail(", "Fatal(", "write!(",
+    // The state directory's refusals (`StateDirError`) and a configuration error past the lock.
+    "Unsafe(", "Locked(", "Failed(", "Config(",
+];
+
+/// Messages without an entry, each with why (matched by their key, see `message_key`).
+const EXEMPT: [(&str, &str); 5] = [
+    (
+        "cannot encode the report",
+        "serde_json cannot fail on the report",
+    ),
+    ("cannot encode:", "serde_json cannot fail on an event"),
+    (
+        "--tofu-bin or --tofu-dir changed while they were checked",
+        "check racing itself",
+    ),
+    (
+        "a fixture is read-only",
+        "a dry-run never writes: only a bug shows it",
+    ),
+    (
+        "is too large",
+        "a number past u64 in --events-max-bytes: the message says it",
+    ),
+];
+
+/// A Rust string literal starting at `s[0] == '"'`: its text (escapes resolved) and its length.
+fn string_literal(s: &str) -> Option<(String, usize)> {
+    let mut out = String::new();
+    let mut chars = s.char_indices().skip(1);
+    while let Some((i, c)) = chars.next() {
+        match c {
+            '"' => return Some((out, i + 1)),
+            '\\' => match chars.next()?.1 {
+                'n' => out.push('\n'),
+                't' => out.push('\t'),
+                '\n' => {
+                    // A line continuation: the next line's leading blanks are dropped.
+                    while let Some((_, c)) = chars.clone().next().filter(|(_, c)| c.is_whitespace())
+                    {
+                        let _ = c;
+                        chars.next();
+                    }
+                }
+                other => out.push(other),
+            },
+            c => out.push(c),
+        }
+    }
+    None
+}
+
+/// Every message of the code (tests left out) in `text`: the first string literal of each
+/// `MESSAGE_CALLS` call (`write!` only into a `Display` impl's `f`), through a `format!(` and
+/// an exit code.
+fn messages_in(text: &str) -> Vec<String> {
+    let code = text.split("#[cfg(test)]").next().unwrap_or("");
+    let mut out = Vec::new();
+    for call in MESSAGE_CALLS {
+        for (at, _) in code.match_indices(call) {
+            let mut rest = code[at + call.len()..].trim_start();
+            if call == "write!(" {
+                // Only a `Display` impl's `write!(f, …)`: what an error prints.
+                let Some(r) = rest.strip_prefix("f,") else {
+                    continue;
+                };
+                rest = r.trim_start();
+            }
+            for skip in ["format!(", "EXIT_USAGE,", "EXIT_FAILED,", "EXIT_LOCKED,"] {
+                rest = rest.strip_prefix(skip).unwrap_or(rest).trim_start();
+            }
+            if rest.starts_with('"')
+                && let Some((lit, _)) = string_literal(rest)
+            {
+                out.push(lit);
+            }
+        }
+    }
+    out
+}
+
+/// What an entry must quote of a message: the fixed parts (between its `{…}` placeholders, no
+/// backticks) of its head, in order — the head is the message up to the first `: `, `; ` or ` (`
+/// that follows 16 characters of fixed text (an entry may abbreviate the rest as `…`). `None`
+/// for a message of fewer than 8 fixed characters (a wrapper of another message, `"{e:#}"`).
+fn message_key(msg: &str) -> Option<Vec<String>> {
+    let protected = msg.replace("{{", "\u{1}").replace("}}", "\u{2}");
+    // The fixed parts, each with where it ends in `protected`.
+    let mut parts: Vec<(String, usize)> = Vec::new();
+    let mut at = 0;
+    while at < protected.len() {
+        let rest = &protected[at..];
+        let (text, next) = match rest.find('{') {
+            Some(open) => (
+                &rest[..open],
+                rest[open..]
+                    .find('}')
+                    .map_or(protected.len(), |c| at + open + c + 1),
+            ),
+            None => (rest, protected.len()),
+        };
+        parts.push((text.to_string(), at + text.len()));
+        at = next;
+    }
+    let clean = |p: &str| {
+        p.replace('\u{1}', "{")
+            .replace('\u{2}', "}")
+            .replace('`', "")
+            .trim()
+            .to_string()
+    };
+    let mut head = Vec::new();
+    let mut fixed = 0;
+    'parts: for (text, _) in &parts {
+        for (i, _) in text.char_indices() {
+            let here = &text[i..];
+            if fixed + text[..i].trim().chars().count() >= 16
+                && [": ", "; ", " ("].iter().any(|sep| here.starts_with(sep))
+            {
+                head.push(clean(&text[..i]));
+                break 'parts;
+            }
+        }
+        fixed += text.trim().chars().count();
+        head.push(clean(text));
+    }
+    head.retain(|p| !p.is_empty());
+    let fixed: usize = head.iter().map(|p| p.chars().count()).sum();
+    (fixed >= 8).then_some(head)
+}
+
+/// Whether one line of `doc` holds the parts in order.
+fn quoted(doc: &str, parts: &[String]) -> bool {
+    doc.lines().any(|line| {
+        let mut rest = line;
+        parts.iter().all(|p| match rest.find(p.as_str()) {
+            Some(i) => {
+                rest = &rest[i + p.len()..];
+                true
+            }
+            None => false,
+        })
+    })
+}
+
+/// The keys of the messages in `files` that `doc` (troubleshooting.md) does not quote.
+fn undocumented(files: &[PathBuf], doc: &str) -> Vec<String> {
+    let doc = doc.replace('`', "").replace("\\|", "|");
+    let mut missing = Vec::new();
+    for f in files {
+        for msg in messages_in(&read(f)) {
+            let Some(parts) = message_key(&msg) else {
+                continue;
+            };
+            let key = parts.join(" … ");
+            if quoted(&doc, &parts) || EXEMPT.iter().any(|(e, _)| key == *e) {
+                continue;
+            }
+            let shown = f.strip_prefix(root()).unwrap_or(f).display().to_string();
+            missing.push(format!("{shown}: {key:?} (of {msg:?})"));
+        }
+    }
+    missing
+}
+
+fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    let mut entries: Vec<PathBuf> = fs::read_dir(dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .map(|e| e.unwrap().path())
+        .collect();
+    entries.sort();
+    for p in entries {
+        if p.is_dir() {
+            rust_files(&p, out);
+        } else if p.extension().is_some_and(|e| e == "rs") && !p.ends_with("test_forgejo.rs") {
+            out.push(p);
+        }
+    }
+}
+
+#[test]
+fn every_error_message_has_its_troubleshooting_entry() {
+    let mut files = Vec::new();
+    rust_files(&root().join("src"), &mut files);
+    let found: usize = files.iter().map(|f| messages_in(&read(f)).len()).sum();
+    assert!(
+        found > 100,
+        "only {found} messages found in src/: is the search broken?"
+    );
+    // The exempt list stays short and true: each entry still names a message of the code.
+    let keys: BTreeSet<String> = files
+        .iter()
+        .flat_map(|f| messages_in(&read(f)))
+        .filter_map(|m| message_key(&m).map(|p| p.join(" … ")))
+        .collect();
+    for (e, why) in EXEMPT {
+        assert!(
+            keys.contains(e),
+            "EXEMPT names {e:?} ({why}), which no message has"
+        );
+    }
+    let missing = undocumented(&files, &read(&root().join("docs/troubleshooting.md")));
+    assert!(
+        missing.is_empty(),
+        "{} message(s) have no entry in docs/troubleshooting.md (quote each, keyed by the words \
+         shown; or exempt it in tests/docs.rs with why):\n  {}",
+        missing.len(),
+        missing.join("\n  ")
+    );
+}
+
+#[test]
+fn the_message_check_finds_a_message_without_an_entry() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("x.rs");
+    fs::write(
+        &src,
+        "fn f() { return Err(usage(format!(\"--widget {} is too wide: make it narrower\", w))); \
+         bail!(\"cannot frobnicate {}: {e}\", p); report.fail(format!(\"{e:#}\")); }\n\
+         #[cfg(test)]\nmod tests { fn t() { bail!(\"only a test says this\"); } }\n",
+    )
+    .unwrap();
+    let msgs = messages_in(&read(&src));
+    assert_eq!(msgs.len(), 3, "{msgs:?}");
+    let key = |m: &str| message_key(m).map(|p| p.join(" … "));
+    assert_eq!(key(&msgs[0]).as_deref(), Some("--widget … is too wide"));
+    assert_eq!(key(&msgs[1]).as_deref(), Some("cannot frobnicate"));
+    assert_eq!(key(&msgs[2]), None, "a wrapper of another message");
+    assert_eq!(
+        key("state directory {} is not a directory; point --state-dir at it").as_deref(),
+        Some("state directory … is not a directory")
+    );
+    // Both parts, in order, on one line.
+    let doc = "| `--widget … is too wide: make it narrower` | … |\n";
+    let missing = undocumented(std::slice::from_ref(&src), doc);
+    assert_eq!(missing.len(), 1, "{missing:?}");
+    assert!(missing[0].contains("cannot frobnicate"), "{missing:?}");
+    let both = format!("{doc}`cannot frobnicate …: …`");
+    assert!(undocumented(std::slice::from_ref(&src), &both).is_empty());
+    let reversed = "| is too wide | `--widget` |\n`cannot frobnicate …`\n";
+    assert_eq!(undocumented(&[src], reversed).len(), 1);
+}
+
+/// The quick start says what `bash .ci/run` installs (every package its scripts may install),
+/// how long it takes, and gives a quick test command.
+#[test]
+fn the_quick_start_names_what_ci_installs_and_a_quick_test() {
+    let readme = read(&root().join("README.md"));
+    let quick = section(&readme, "## Quick start").join("\n");
+    let mut packages = BTreeSet::new();
+    let mut scripts: Vec<PathBuf> = fs::read_dir(root().join(".ci"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    scripts.sort();
+    for script in &scripts {
+        let text = read(script);
+        // `pkgs+=(name)` / `missing+=(name)`, and a package named on an apt-get line itself.
+        for (at, _) in text.match_indices("+=(") {
+            let name = text[at + 3..].split(')').next().unwrap_or("");
+            packages.insert(name.to_string());
+        }
+        for (at, _) in text.match_indices("--no-install-recommends ") {
+            let word = text[at + 24..].split_whitespace().next().unwrap_or("");
+            if !word.starts_with('"') {
+                packages.insert(word.to_string());
+            }
+        }
+        for pip in ["ansible-core", "ansible-lint"] {
+            if text.contains(&format!("'{pip}~=")) {
+                packages.insert(pip.to_string());
+            }
+        }
+    }
+    assert!(
+        packages.len() >= 15,
+        "too few packages found in .ci/: {packages:?}"
+    );
+    let missing: Vec<&String> = packages
+        .iter()
+        .filter(|p| !quick.contains(p.as_str()))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "README.md's quick start does not name what .ci/ may install: {missing:?}"
+    );
+    assert!(quick.contains("about 20 minutes"), "{quick}");
+    assert!(quick.contains("\ncargo test --lib --test "), "{quick}");
+}

@@ -47,8 +47,13 @@ fn actions(v: &Value) -> &Vec<Value> {
 fn idle_world_plans_nothing() {
     let (code, v, stderr) = plan("idle.json", &[]);
     assert_eq!(code, Some(0));
-    assert_eq!(v, json!({"actions": []}), "nothing to do is exactly this");
-    assert!(stderr.contains("plan ends: idle"), "{stderr}");
+    assert_eq!(
+        v,
+        json!({"actions": [], "outcome": "idle", "failures": 0}),
+        "nothing to do is exactly this"
+    );
+    // One document on stdout, how the plan ends included: nothing of it on stderr.
+    assert!(stderr.is_empty(), "{stderr}");
 }
 
 #[test]
@@ -163,10 +168,12 @@ fn within_the_grace_an_offline_registration_is_left_alone() {
     let (code, v, stderr) = plan("reuse-unconsumed.json", &["--registration-grace", "30m"]);
     assert_eq!(code, Some(0));
     assert_eq!(v["actions"], json!([]));
+    let ends = v["outcome"].as_str().unwrap();
     assert!(
-        stderr.contains("plan ends: would_wait") && stderr.contains("514"),
-        "{stderr}"
+        ends.starts_with("would_wait") && ends.contains("514"),
+        "{v}"
     );
+    assert!(stderr.is_empty(), "{stderr}");
 }
 
 #[test]
@@ -225,11 +232,13 @@ fn teardown_destroys_then_sweeps_only_stale_offline_prefixed_registrations() {
         );
     }
     assert_eq!(actions(&v), &want);
+    let keys: Vec<&String> = v.as_object().unwrap().keys().collect();
     assert_eq!(
-        v.as_object().unwrap().len(),
-        1,
-        "the plan is only {{\"actions\": [...]}}"
+        keys,
+        ["actions", "failures", "outcome"],
+        "the plan, how it ends, its errors"
     );
+    assert_eq!(v["outcome"], "cycle_finished", "{v}");
 }
 
 #[test]
@@ -268,12 +277,15 @@ fn failed_destroy_is_retried_first() {
     let (code, v, _) = plan("failed-destroy.json", &[]);
     assert_eq!(code, Some(0));
     let a = actions(&v);
+    // Said so: a plan that retries a failed destroy is not teardown-stale's first destroy.
     assert_eq!(
         a[0],
-        json!({"action": "tofu_destroy", "reason": "idle timeout: no job waited while the VM was free"})
+        json!({"action": "tofu_destroy", "reason": "retrying a failed destroy (idle timeout: no job waited while the VM was free)"})
     );
     assert_eq!(a.len(), 6, "{v}");
     assert!(a[1..].iter().all(|x| x["reason"] == "sweep"));
+    let (_, stale, _) = plan("teardown-stale.json", &[]);
+    assert_ne!(actions(&stale)[0], a[0]);
 }
 
 #[test]
@@ -320,6 +332,66 @@ fn broken_fixture_is_a_clear_error() {
         err.contains("broken.json") && err.contains("version 7"),
         "{err}"
     );
+}
+
+/// One exit status for a broken fixture, whichever field is wrong: 2, as for any usage error,
+/// with the fixture and the field named, and no plan.
+#[test]
+fn every_broken_fixture_exits_2_naming_what_is_wrong() {
+    let tmp = tempfile::tempdir().unwrap();
+    let f = tmp.path().join("broken.json");
+    let runner = r#"{"id": 5, "name": "ephemeral-x-1", "status": "offline"}"#;
+    for (text, says) in [
+        ("{", "is not valid JSON"),
+        ("[]", "is not a JSON object"),
+        (r#"{"runners": {}, "jobs": []}"#, "\"runners\" in fixture"),
+        (r#"{"runners": [], "jobs": 3}"#, "\"jobs\" in fixture"),
+        (
+            r#"{"runners": [], "jobs": [], "now": "yesterday"}"#,
+            "\"now\" in fixture",
+        ),
+        (
+            r#"{"runners": [], "jobs": [], "cycle": {"version": 7}}"#,
+            "version 7",
+        ),
+        (
+            &format!(r#"{{"runners": [{runner}, {{"name": "no-id"}}], "jobs": []}}"#),
+            "\"runners\"[1] in fixture",
+        ),
+        (
+            &format!(r#"{{"runners": [{runner}, 7], "jobs": []}}"#),
+            "\"runners\"[1] in fixture",
+        ),
+        (
+            r#"{"runners": [], "jobs": [{"id": 1, "handle": "h"}]}"#,
+            "\"jobs\"[0] in fixture",
+        ),
+        (
+            r#"{"runners": [], "jobs": [{"id": 1, "status": "waiting", "runs_on": [1]}]}"#,
+            "\"jobs\"[0] in fixture",
+        ),
+        (
+            r#"{"runners": [], "jobs": [{"status": "waiting"}]}"#,
+            "\"jobs\"[0] in fixture",
+        ),
+    ] {
+        std::fs::write(&f, text).unwrap();
+        for sub in ["run", "sweep"] {
+            let mut c = Command::new(BIN);
+            c.args([sub, "--dry-run", "--fixture"]).arg(&f);
+            if sub == "run" {
+                c.args(["--labels", "debian"]);
+            }
+            let out = c.output().unwrap();
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(2), "{sub} {text}: {err}");
+            assert!(
+                err.contains("broken.json") && err.contains(says),
+                "{sub} {text}: {err}"
+            );
+            assert!(out.stdout.is_empty(), "{sub} {text}: no plan is printed");
+        }
+    }
 }
 
 #[test]

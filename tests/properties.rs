@@ -1,11 +1,15 @@
-//! Property tests (proptest) of what parses Forgejo's answers and cycle.json, and of the one
-//! deletion gate, with arbitrary inputs.
+//! Property tests (proptest) of what parses Forgejo's answers, cycle.json and `--labels`, and
+//! of the one deletion gate, with arbitrary inputs.
+
+#[path = "support/forgejo_rules.rs"]
+mod forgejo_rules;
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
 use ci_ephemeral_provisioner::adapters::files::FileStore;
 use ci_ephemeral_provisioner::adapters::files::read_state_file;
+use ci_ephemeral_provisioner::core::labels::{Labels, Rule};
 use ci_ephemeral_provisioner::core::listing::Listing;
 use ci_ephemeral_provisioner::core::listing::PAGE_LIMIT;
 use ci_ephemeral_provisioner::core::listing::select;
@@ -555,5 +559,134 @@ impl Forgejo for Pages {
                 total: None,
             },
         })
+    }
+}
+
+// --- `--labels` against forgejo-runner's own parser ---------------------------------------------
+
+/// One `--labels` entry, from pieces that hit `labels.Parse`'s edges: blanks and control
+/// characters around and inside names, schemes and arguments; the known schemes, a plugin's, an
+/// empty one; no argument, an empty one, `//`-prefixed ones.
+fn any_entry() -> impl Strategy<Value = String> {
+    use prop::sample::select;
+    let names = vec![
+        "debian",
+        "a b",
+        " x",
+        "x ",
+        "\u{a0}x",
+        "",
+        "ü",
+        "q\tq",
+        "n\u{1b}",
+        "x\u{202e}",
+    ];
+    let name = prop_oneof![select(names).prop_map(String::from), "[a-c]{1,3}"];
+    let scheme = select(vec![
+        "host", "docker", "lxc", "k8spod", "hots", "", " host", "host ",
+    ]);
+    let argument = select(vec!["", "//node:22", "node", " //x", "//x ", "a:b"]);
+    (
+        name,
+        proptest::option::of((scheme, proptest::option::of(argument))),
+    )
+        .prop_map(|(n, rest)| match rest {
+            None => n,
+            Some((s, None)) => format!("{n}:{s}"),
+            Some((s, Some(a))) => format!("{n}:{s}:{a}"),
+        })
+}
+
+/// What the product refuses beyond `labels.Parse`, and why, read off forgejo-runner's own
+/// reading of the entry (`forgejo_rules::parse_label`): `None` when it has no reason to.
+fn beyond_parse(entry: &str) -> Option<&'static str> {
+    let parsed = forgejo_rules::parse_label(entry).ok()?;
+    let parts: Vec<&str> = entry.splitn(3, ':').collect();
+    let blank = |p: Option<&&str>| p.is_some_and(|p| p.trim() != *p);
+    if entry.is_empty() {
+        Some("empty entry")
+    } else if parsed.name.is_empty() {
+        Some("no name")
+    } else if entry.chars().any(|c| {
+        // Control characters, and the marks that make a line read other than it is.
+        const MARKS: [(char, char); 4] = [
+            ('\u{200e}', '\u{200f}'),
+            ('\u{2028}', '\u{2029}'),
+            ('\u{202a}', '\u{202e}'),
+            ('\u{2066}', '\u{2069}'),
+        ];
+        c.is_control() || MARKS.iter().any(|&(lo, hi)| (lo..=hi).contains(&c))
+    }) {
+        Some("a control character")
+    } else if blank(parts.get(1)) || blank(parts.get(2)) {
+        Some("a blank around the scheme or argument")
+    } else if !["host", "docker", "lxc"].contains(&parsed.schema.as_str()) {
+        Some("a scheme this tool does not serve")
+    } else {
+        None
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(2000))]
+
+    /// Every list the product takes, forgejo-runner takes entry by entry with the same names,
+    /// schemes and images, and declares those names; every entry forgejo-runner refuses, the
+    /// product refuses; and the product refuses more only for a reason it states.
+    #[test]
+    fn labels_read_as_forgejo_runner_reads_them(
+        entries in prop::collection::vec(any_entry(), 1..5),
+        noise in "[a-c:, /\t]{0,12}",
+    ) {
+        for list in [entries.join(","), noise] {
+            match Labels::parse(&list) {
+                Ok(None) => prop_assert!(list.is_empty()),
+                Ok(Some(labels)) => {
+                    let entries: Vec<&str> = list.split(',').collect();
+                    let mine: Vec<_> = labels.iter().collect();
+                    prop_assert_eq!(mine.len(), entries.len());
+                    for (l, entry) in mine.iter().zip(&entries) {
+                        let theirs = forgejo_rules::parse_label(entry);
+                        prop_assert!(theirs.is_ok(), "{:?}: {:?}", entry, theirs);
+                        let theirs = theirs.unwrap();
+                        prop_assert_eq!(&l.name, &theirs.name);
+                        prop_assert_eq!(l.scheme.as_str(), theirs.schema.as_str());
+                        let image = theirs.arg.strip_prefix("//").unwrap_or(&theirs.arg);
+                        prop_assert_eq!(l.image.as_deref(), (!image.is_empty()).then_some(image));
+                        prop_assert!(beyond_parse(entry).is_none(), "{:?}", entry);
+                    }
+                    prop_assert_eq!(
+                        forgejo_rules::declared_names(&list).unwrap(),
+                        labels.names()
+                    );
+                }
+                Err(e) => {
+                    let entries: Vec<&str> = list.split(',').collect();
+                    prop_assert!(e.position >= 1 && e.position <= entries.len());
+                    let entry = entries[e.position - 1];
+                    prop_assert_eq!(&e.entry, entry);
+                    // Every entry before it was fine.
+                    for before in &entries[..e.position - 1] {
+                        prop_assert!(
+                            forgejo_rules::parse_label(before).is_ok() && beyond_parse(before).is_none(),
+                            "{:?} before {:?}", before, entry
+                        );
+                    }
+                    let refused_by_runner = forgejo_rules::parse_label(entry).is_err();
+                    let duplicate = matches!(e.rule, Rule::Duplicate { .. });
+                    prop_assert!(
+                        refused_by_runner || beyond_parse(entry).is_some() || duplicate,
+                        "{:?} refused ({}) although forgejo-runner takes it and no rule of ours says why",
+                        entry, e
+                    );
+                    if let Rule::Duplicate { first } = e.rule {
+                        let name = |x: &str| forgejo_rules::parse_label(x).map(|l| l.name);
+                        prop_assert_eq!(name(entries[first - 1]), name(entry));
+                    }
+                    let shown = format!("--labels entry {} (", e.position);
+                    prop_assert!(e.to_string().starts_with(&shown), "{}", e);
+                }
+            }
+        }
     }
 }

@@ -662,7 +662,7 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
     ));
     // The default pool has a cloud secret for tofu (secret_environment); the gpu pool its own
     // VM directory (in its own state directory: it may not write the default pool's).
-    let two_pools = "  - name: default\n    runner_prefix: ephemeral-\n    labels: 'debian:host, docker:host'\n\
+    let two_pools = "  - name: default\n    runner_prefix: ephemeral-\n    labels: debian:host,arm64:host\n\
                      \x20   secret_environment:\n      E2E_CLOUD_TOKEN: cloud-5ecret-4c7e\n\
                      \x20 - name: gpu\n    runner_prefix: gpu-\n    labels: gpu:host\n    slots: 2\n\
                      \x20   environment:\n      VM_DIR: /var/lib/ci-ephemeral-provisioner/gpu/vm\n";
@@ -910,7 +910,7 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
         "{argv:?}"
     );
     assert!(argv.iter().any(|a| a == "--wait"), "{argv:?}");
-    // One --label per entry of the pool's labels, each whole and trimmed: the stand-in declares
+    // One --label per entry of the pool's labels, each whole, as given: the stand-in declares
     // their names, and the fake (Forgejo's rule) gives a job only to a runner that declared
     // every name the job runs on — the job above ran because of them.
     let labels: Vec<&str> = argv
@@ -918,7 +918,7 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
         .filter(|w| w[0] == "--label")
         .map(|w| w[1].as_str())
         .collect();
-    assert_eq!(labels, ["debian:host", "docker:host"], "{argv:?}");
+    assert_eq!(labels, ["debian:host", "arm64:host"], "{argv:?}");
 
     // Two jobs of two repositories wait at once. Under the role's default (--reuse-within repo)
     // the VM that ran the one never runs the other: each gets a VM of its own, although the pool
@@ -971,7 +971,7 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
     );
     let launches = |j: &str| j.matches("launching runner").count();
     let before = launches(&host.journal(UNIT));
-    let (job3, _) = fake.add_job(&["debian", "docker"]);
+    let (job3, _) = fake.add_job(&["debian", "arm64"]);
     wait_until("a launch while the VM's sshd is down", &host, || {
         launches(&host.journal(UNIT)) > before
     });
@@ -1105,7 +1105,7 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
             Some(pool_user(pool).as_str())
         );
         let j = host.journal(&unit);
-        assert!(j.contains("all 8 checks passed"), "{unit}:\n{j}");
+        assert!(j.contains("all 9 checks passed"), "{unit}:\n{j}");
         assert!(
             !j.contains(API_TOKEN),
             "{unit}: the token is in the journal"
@@ -1429,7 +1429,8 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
     );
 
     // Removing a pool from the list stops and disables its timer.
-    let one_pool = "  - name: default\n    runner_prefix: ephemeral-\n    labels: 'debian:host, docker:host'\n";
+    let one_pool =
+        "  - name: default\n    runner_prefix: ephemeral-\n    labels: debian:host,arm64:host\n";
     let (ok, out, _) = host.play("one-pool", &vars(&fake, work, &local, one_pool));
     assert!(ok, "{out}");
     assert_eq!(

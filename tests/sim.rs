@@ -425,10 +425,7 @@ fn the_world_assigns_jobs_by_forgejos_rule() {
         let other = s.new_job(&[world::LABEL]);
         let runner = s.add_runner(format!("{}t-1", world::PREFIX), Owner::Ours, true);
         // The launch's RUNNER_LABELS, as the world's runner processes declare them.
-        s.declare(
-            runner,
-            forgejo_rules::declared_names(&c.runner_labels.join(",")),
-        );
+        s.declare(runner, forgejo_rules::names(c.runner_labels));
         s.forgejo.runners.get_mut(&runner).expect("added").repo_id = match c.same_repo {
             None => 0,
             Some(true) => 7,

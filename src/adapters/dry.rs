@@ -48,7 +48,24 @@ struct QuickFixture {
 }
 
 impl Fixture {
+    /// Reads a fixture and checks every runner and job row as a dry-run will read it: a broken
+    /// fixture is refused here, whichever field is wrong (a usage error, exit 2), never found
+    /// later as a failed read of the world.
     pub fn load(path: &std::path::Path) -> Result<Fixture> {
+        let fx = Fixture::read(path)?;
+        for (i, row) in fx.runners.iter().enumerate() {
+            Runner::from_json_with_labels(row)
+                .with_context(|| format!("\"runners\"[{i}] in fixture {}", path.display()))?;
+        }
+        for (i, row) in fx.jobs.iter().flatten().enumerate() {
+            Job::from_json(row)
+                .with_context(|| format!("\"jobs\"[{i}] in fixture {}", path.display()))?;
+        }
+        Ok(fx)
+    }
+
+    /// The fixture's keys and values, its rows unchecked.
+    fn read(path: &std::path::Path) -> Result<Fixture> {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("cannot read fixture {}", path.display()))?;
         check_fixture_keys(&text, path)?;
@@ -479,6 +496,30 @@ mod tests {
         Fixture::load(&path)
     }
 
+    fn read(text: &str) -> Result<Fixture> {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("f.json");
+        std::fs::write(&path, text).unwrap();
+        Fixture::read(&path)
+    }
+
+    #[test]
+    fn a_row_that_does_not_read_is_refused_at_load() {
+        let err = |t: &str| format!("{:#}", load(t).err().unwrap());
+        let e =
+            err(r#"{"runners": [{"id": 1, "status": "offline"}, {"name": "x"}], "jobs": null}"#);
+        assert!(
+            e.contains("\"runners\"[1] in fixture") && e.contains("no integer \"id\""),
+            "{e}"
+        );
+        let e = err(r#"{"runners": [], "jobs": [{"id": 3, "status": 7}]}"#);
+        assert!(
+            e.contains("\"jobs\"[0] in fixture") && e.contains("no string \"status\""),
+            "{e}"
+        );
+        assert!(load(r#"{"runners": [{"id": 1, "status": "Offline"}], "jobs": []}"#).is_ok());
+    }
+
     #[test]
     fn slim_runner_rows_read_as_the_full_rows_do() {
         let rows = r#"[
@@ -491,7 +532,7 @@ mod tests {
             "text",
             null
         ]"#;
-        let fx = load(&format!(r#"{{"runners": {rows}, "jobs": null}}"#)).unwrap();
+        let fx = read(&format!(r#"{{"runners": {rows}, "jobs": null}}"#)).unwrap();
         let full: Vec<Value> = serde_json::from_str(rows).unwrap();
         assert_eq!(fx.runners.len(), full.len());
         for (slim, full) in fx.runners.iter().zip(&full) {

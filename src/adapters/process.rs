@@ -113,7 +113,38 @@ impl ChildResult {
 
     /// `exit status 1`, `killed by signal 9`, with the stderr tail.
     pub fn describe(&self) -> String {
-        let how = if !self.started {
+        let how = self.how();
+        let tail = self.stderr_tail.trim();
+        if tail.is_empty() {
+            how
+        } else {
+            format!("{how}; stderr ends with: {}", last_lines(tail, 6))
+        }
+    }
+
+    /// [`describe`](Self::describe), but from the first line of stderr that starts with
+    /// `heading` (tofu's `Error:`, also inside its `│` box) when there is one: up to `max`
+    /// lines from there, so the heading that says what failed is never cut off.
+    pub fn describe_from(&self, heading: &str, max: usize) -> String {
+        let lines: Vec<&str> = self
+            .stderr_tail
+            .lines()
+            .filter(|l| !l.trim().is_empty())
+            .collect();
+        let starts = |l: &&str| l.trim_start_matches(['│', ' ']).starts_with(heading);
+        match lines.iter().position(starts) {
+            Some(i) => format!(
+                "{}; stderr from its {heading:?} on: {}",
+                self.how(),
+                lines[i..lines.len().min(i + max)].join(" | ")
+            ),
+            None => self.describe(),
+        }
+    }
+
+    /// How it ended: `exited with status 1`, `killed by signal 9`, …
+    fn how(&self) -> String {
+        if !self.started {
             "was not started: a stop was requested".to_string()
         } else if self.timed_out {
             "timed out and was killed".to_string()
@@ -123,12 +154,6 @@ impl ChildResult {
             format!("was killed by signal {sig}")
         } else {
             "ended abnormally".to_string()
-        };
-        let tail = self.stderr_tail.trim();
-        if tail.is_empty() {
-            how
-        } else {
-            format!("{how}; stderr ends with: {}", last_lines(tail, 6))
         }
     }
 }
@@ -366,6 +391,35 @@ mod tests {
             stdin: None,
             timeout: None,
         }
+    }
+
+    #[test]
+    fn a_description_from_a_heading_keeps_it_however_long_the_rest() {
+        let r = run_child(
+            &sh("printf '╷\\n│ Warning: x\\n╵\\n\\nError: Unsupported argument\\n\\n  on main.tf line 3\\na\\nb\\nc\\nd\\ne\\nf\\n' >&2; exit 1"),
+            &StopFlag::new(),
+        )
+        .unwrap();
+        assert!(!r.describe().contains("Error:"), "{}", r.describe());
+        let d = r.describe_from("Error:", 8);
+        assert_eq!(
+            d,
+            "exited with status 1; stderr from its \"Error:\" on: Error: Unsupported argument |   on main.tf line 3 | a | b | c | d | e | f"
+        );
+        let boxed = run_child(
+            &sh("printf 'x\\n│ Error: boxed\\n│ y\\n' >&2; exit 1"),
+            &StopFlag::new(),
+        )
+        .unwrap();
+        assert!(
+            boxed
+                .describe_from("Error:", 1)
+                .ends_with(": │ Error: boxed"),
+            "{}",
+            boxed.describe_from("Error:", 1)
+        );
+        let none = run_child(&sh("echo plain >&2; exit 2"), &StopFlag::new()).unwrap();
+        assert_eq!(none.describe_from("Error:", 8), none.describe());
     }
 
     #[test]

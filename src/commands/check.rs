@@ -13,10 +13,10 @@ use crate::adapters::process::{ChildSpec, find_executable, run_child};
 use crate::adapters::signals::StopFlag;
 use crate::cli::{OutputFormat, RunArgs};
 use crate::commands::{
-    EXIT_FAILED, EXIT_OK, Fatal, forgejo_target, read_token, slot_dir, usage, validate_run_args,
-    wiring,
+    EXIT_FAILED, EXIT_OK, EXIT_USAGE, Fatal, forgejo_target, read_token, slot_dir,
+    validate_run_args, wiring,
 };
-use crate::core::model::label_names;
+use crate::core::labels::Labels;
 use crate::core::ports::{Forgejo, Launcher, Tofu};
 use crate::core::state::STATE_FILE;
 
@@ -26,79 +26,117 @@ pub const MIN_FORGEJO_MAJOR: u64 = 15;
 /// How long `tofu init` (which may download providers) and `validate` may take.
 const TOFU_CHECK_TIMEOUT: Duration = Duration::from_secs(300);
 
-/// One check: what was checked, and what was found (`Ok`) or what to do (`Err`), as printed.
+/// One check: what was checked, and what was found (`Ok`) or what to do (`Err`), as printed;
+/// and what may still fail although the check passed.
 struct Line {
     name: &'static str,
     result: Result<String, String>,
+    warnings: Vec<String>,
+}
+
+impl Line {
+    fn new(name: &'static str, result: Result<String, String>) -> Line {
+        Line {
+            name,
+            result,
+            warnings: Vec::new(),
+        }
+    }
 }
 
 pub fn cmd_check(a: RunArgs) -> Result<u8, Fatal> {
-    if a.common.dry_run || a.common.fixture.is_some() {
-        return Err(usage(
-            "check never changes anything: --dry-run and --fixture do not apply to it",
-        ));
-    }
-    let mut lines = Vec::new();
-    let config = validate_run_args(&a).map_err(|Fatal(_, msg)| msg);
-    let labels = config.as_ref().ok().cloned();
-    lines.push(Line {
-        name: "configuration",
-        result: config.map(|labels| {
-            format!(
-                "labels {labels:?}, runner prefix {:?}",
-                a.common.runner_prefix
-            )
-        }),
-    });
-    lines.extend(check_forgejo(&a, labels.as_deref()));
-    lines.push(Line {
-        name: "tofu",
-        result: shown(check_tofu(&a)),
-    });
-    lines.push(Line {
-        name: "launch command",
-        result: shown(check_launch(&a)),
-    });
-    lines.push(Line {
-        name: "state directory",
-        result: slot_dir(&a.common.local)
+    // The flags first, as `run` checks them: a wrong one is a usage error (exit 2), and nothing
+    // else is tried with it (a zero --http-timeout would only fail again as a time-out).
+    let (labels, (url, _)) =
+        match validate_run_args(&a).and_then(|l| Ok((l, forgejo_target(&a.common)?))) {
+            Ok(config) => config,
+            Err(Fatal(_, msg)) => {
+                print_lines(
+                    &[Line::new("configuration", Err(msg))],
+                    a.common.local.output,
+                    true,
+                );
+                return Ok(EXIT_USAGE);
+            }
+        };
+    let mut lines = vec![
+        Line::new(
+            "configuration",
+            Ok(format!(
+                "Forgejo {url}, scope {}, runner prefix {:?}",
+                a.common.scope, a.common.runner_prefix
+            )),
+        ),
+        Line {
+            name: "labels",
+            result: Ok(labels.describe()),
+            warnings: labels.iter().filter_map(|l| l.warning()).collect(),
+        },
+    ];
+    lines.extend(check_forgejo(&a, &labels));
+    lines.push(Line::new("tofu", shown(check_tofu(&a))));
+    lines.push(Line::new("launch command", shown(check_launch(&a))));
+    lines.push(Line::new(
+        "state directory",
+        slot_dir(&a.common.local)
             .map_err(|Fatal(_, msg)| msg)
             .and_then(|slot| shown(check_state_dir(&slot.dir()))),
-    });
+    ));
     if let Some(path) = &a.common.metrics_file {
-        lines.push(Line {
-            name: "metrics file",
-            result: shown(check_metrics_dir(path)),
-        });
+        lines.push(Line::new("metrics file", shown(check_metrics_dir(path))));
     }
+    let failed = print_lines(&lines, a.common.local.output, false);
+    Ok(if failed == 0 { EXIT_OK } else { EXIT_FAILED })
+}
+
+/// Prints the lines (`stopped`: at a configuration error, before any other check); returns how
+/// many failed.
+fn print_lines(lines: &[Line], output: OutputFormat, stopped: bool) -> usize {
     let failed = lines.iter().filter(|l| l.result.is_err()).count();
-    match a.common.local.output {
+    let warnings: usize = lines.iter().map(|l| l.warnings.len()).sum();
+    match output {
         OutputFormat::Json => {
             let checks: Vec<_> = lines
                 .iter()
-                .map(|l| match &l.result {
-                    Ok(d) => json!({"check": l.name, "ok": true, "detail": d}),
-                    Err(d) => json!({"check": l.name, "ok": false, "detail": d}),
+                .map(|l| {
+                    let (ok, detail) = match &l.result {
+                        Ok(d) => (true, d),
+                        Err(d) => (false, d),
+                    };
+                    json!({"check": l.name, "ok": ok, "detail": detail, "warnings": l.warnings})
                 })
                 .collect();
-            let doc = json!({"ok": failed == 0, "failed": failed, "checks": checks});
+            let mut doc = json!({"ok": failed == 0, "failed": failed, "warnings": warnings, "checks": checks});
+            if stopped {
+                doc["stopped_at"] = json!("configuration");
+            }
             println!("{}", serde_json::to_string_pretty(&doc).unwrap_or_default());
         }
         OutputFormat::Text => {
-            for l in &lines {
+            for l in lines {
                 match &l.result {
                     Ok(d) => println!("ok    {}: {d}", l.name),
                     Err(d) => println!("FAIL  {}: {d}", l.name),
                 }
+                for w in &l.warnings {
+                    println!("warn  {}: {w}", l.name);
+                }
             }
-            if failed == 0 {
-                println!("all {} checks passed", lines.len());
+            let warned = match warnings {
+                0 => String::new(),
+                1 => ", 1 warning".to_string(),
+                n => format!(", {n} warnings"),
+            };
+            if stopped {
+                println!("stopped at the configuration: fix it, then check again");
+            } else if failed == 0 {
+                println!("all {} checks passed{warned}", lines.len());
             } else {
-                println!("{failed} of {} checks failed", lines.len());
+                println!("{failed} of {} checks failed{warned}", lines.len());
             }
         }
     }
-    Ok(if failed == 0 { EXIT_OK } else { EXIT_FAILED })
+    failed
 }
 
 /// A check's error as its line shows it: the message and its causes.
@@ -117,41 +155,38 @@ fn token_source(arg: &Option<std::path::PathBuf>) -> &'static str {
 }
 
 /// The token file, then Forgejo: reachable, new enough, and accepting the token for the scope.
-fn check_forgejo(a: &RunArgs, labels: Option<&str>) -> Vec<Line> {
+fn check_forgejo(a: &RunArgs, labels: &Labels) -> Vec<Line> {
     let token = read_token(&a.common.token_file).map_err(|Fatal(_, msg)| msg);
-    let mut lines = vec![Line {
-        name: "token file",
-        result: token
+    let mut lines = vec![Line::new(
+        "token file",
+        token
             .as_ref()
             .map(|_| token_source(&a.common.token_file).to_string())
             .map_err(Clone::clone),
-    }];
-    let target = forgejo_target(&a.common).map_err(|Fatal(_, msg)| msg);
-    let (token, (url, scope)) = match (token, target) {
-        (Ok(t), Ok(target)) => (t, target),
-        (_, Err(e)) => {
-            lines.push(Line {
-                name: "forgejo",
-                result: Err(e),
-            });
-            return lines;
-        }
-        (Err(_), Ok((url, _))) => {
-            lines.push(Line {
-                name: "forgejo",
-                result: Err(format!("{url}: not asked, there is no usable token")),
-            });
+    )];
+    let (url, scope) = match forgejo_target(&a.common) {
+        Ok(target) => target,
+        Err(Fatal(_, msg)) => {
+            // Checked before any line (`cmd_check`): only a bug gets here.
+            lines.push(Line::new("forgejo", Err(msg)));
             return lines;
         }
     };
-    let names = labels.map(label_names).unwrap_or_default();
+    let token = match token {
+        Ok(t) => t,
+        Err(_) => {
+            lines.push(Line::new(
+                "forgejo",
+                Err(format!("{url}: not asked, there is no usable token")),
+            ));
+            return lines;
+        }
+    };
+    let names = labels.names();
     let mut forgejo = match wiring::http_forgejo(&a.common, &url, scope.clone(), &token, &names) {
         Ok(f) => f,
         Err(Fatal(_, msg)) => {
-            lines.push(Line {
-                name: "forgejo",
-                result: Err(msg),
-            });
+            lines.push(Line::new("forgejo", Err(msg)));
             return lines;
         }
     };
@@ -168,10 +203,7 @@ fn check_forgejo(a: &RunArgs, labels: Option<&str>) -> Vec<Line> {
         }
     });
     let reachable = version.is_ok();
-    lines.push(Line {
-        name: "forgejo",
-        result: version,
-    });
+    lines.push(Line::new("forgejo", version));
     if !reachable {
         return lines;
     }
@@ -182,14 +214,10 @@ fn check_forgejo(a: &RunArgs, labels: Option<&str>) -> Vec<Line> {
             Some(n) => format!("{n} registration(s) in the scope"),
             None => "the list answers".to_string(),
         });
-    let jobs = if names.is_empty() {
-        Err("not asked: --labels is not set".to_string())
-    } else {
-        forgejo
-            .list_jobs()
-            .map_err(|e| e.to_string())
-            .map(|j| format!("{} waiting or running job(s) for these labels", j.len()))
-    };
+    let jobs = forgejo
+        .list_jobs()
+        .map_err(|e| e.to_string())
+        .map(|j| format!("{} waiting or running job(s) for these labels", j.len()));
     let scope_result = match (runners, jobs) {
         (Ok(r), Ok(j)) => Ok(format!(
             "the token lists runners and jobs of scope {}: {r}, {j}",
@@ -197,10 +225,7 @@ fn check_forgejo(a: &RunArgs, labels: Option<&str>) -> Vec<Line> {
         )),
         (Err(e), _) | (_, Err(e)) => Err(e),
     };
-    lines.push(Line {
-        name: "token scope",
-        result: scope_result,
-    });
+    lines.push(Line::new("token scope", scope_result));
     lines
 }
 
@@ -261,7 +286,8 @@ fn check_tofu(a: &RunArgs) -> anyhow::Result<String> {
         if r.success() {
             Ok(r.stdout)
         } else {
-            Err(anyhow!("`{shown}` {}", r.describe()))
+            // tofu's `Error:` heading says what failed; its last lines only how.
+            Err(anyhow!("`{shown}` {}", r.describe_from("Error:", 8)))
         }
     };
     let version = run(&["version"])?;

@@ -14,12 +14,13 @@ use crate::adapters::files::SlotDir;
 use crate::adapters::files::{read_state_file, write_atomic};
 use crate::adapters::forgejo_http::Scope;
 use crate::adapters::forgejo_http::validate_url;
+use crate::cli::DryRunArgs;
 use crate::cli::ForgejoArgs;
 use crate::cli::LocalArgs;
 use crate::cli::OutputFormat;
 use crate::cli::RunArgs;
 use crate::core::escape::escape_controls;
-use crate::core::model::label_names;
+use crate::core::labels::Labels;
 use crate::core::planner::Policy;
 use crate::core::report::Report;
 use crate::core::secret::Secret;
@@ -131,8 +132,8 @@ pub(crate) fn read_token(arg: &Option<PathBuf>) -> Result<Secret, Fatal> {
 
 /// `--fixture` only makes sense for a dry-run (clap's `requires` is satisfied by a
 /// `…_DRY_RUN=false` variable, so this checks the value).
-pub(crate) fn check_fixture(common: &ForgejoArgs) -> Result<(), Fatal> {
-    if common.fixture.is_some() && !common.dry_run {
+pub(crate) fn check_fixture(dry: &DryRunArgs) -> Result<(), Fatal> {
+    if dry.fixture.is_some() && !dry.dry_run {
         return Err(usage(
             "--fixture needs --dry-run: a fixture world can only be planned against, never acted on",
         ));
@@ -140,8 +141,10 @@ pub(crate) fn check_fixture(common: &ForgejoArgs) -> Result<(), Fatal> {
     Ok(())
 }
 
-/// Longest `--runner-prefix`: with the cycle id and sequence number a name stays well within
-/// Forgejo's `VARCHAR(255)` (the REST registration stores it as sent; a longer one fails).
+/// Longest `--runner-prefix`: with the cycle id, sequence number and time a name stays well
+/// within Forgejo's 255 bytes. Forgejo cuts a longer name to fit (v15.0.3 `CreateRunner`,
+/// `models/actions/runner.go`: `util.SplitStringAtByteN(name, 255)`, `modules/util/truncate.go`,
+/// which puts `…` at the end), and a cut name is no longer the one this tool registered.
 pub const MAX_PREFIX_BYTES: usize = 128;
 
 pub(crate) fn check_prefix(prefix: &str) -> Result<(), Fatal> {
@@ -152,7 +155,7 @@ pub(crate) fn check_prefix(prefix: &str) -> Result<(), Fatal> {
     }
     if prefix.len() > MAX_PREFIX_BYTES {
         return Err(usage(format!(
-            "--runner-prefix is {} bytes long; at most {MAX_PREFIX_BYTES}: runner names (prefix, cycle id, number) must fit Forgejo's 255 characters",
+            "--runner-prefix is {} bytes long; at most {MAX_PREFIX_BYTES}: runner names (prefix, cycle id, number, time) must fit Forgejo's 255 bytes, past which it cuts them",
             prefix.len()
         )));
     }
@@ -168,10 +171,10 @@ pub(crate) fn forgejo_target(common: &ForgejoArgs) -> Result<(String, Scope), Fa
     Ok((url, scope))
 }
 
-pub(crate) fn policy(a: &RunArgs, labels: &str) -> Policy {
+pub(crate) fn policy(a: &RunArgs, labels: &Labels) -> Policy {
     Policy {
         runner_prefix: a.common.runner_prefix.clone(),
-        label_names: label_names(labels),
+        label_names: labels.names(),
         max_jobs_per_vm: a.max_jobs_per_vm,
         idle_timeout: a.idle_timeout,
         registration_grace: a.registration_grace,
@@ -194,13 +197,13 @@ pub(crate) fn policy(a: &RunArgs, labels: &str) -> Policy {
 pub(crate) fn cycle_config(
     a: &RunArgs,
     policy: Policy,
-    labels: String,
+    labels: &Labels,
     forgejo_url: String,
 ) -> CycleConfig {
     CycleConfig {
         policy,
         poll_interval: a.poll_interval,
-        labels,
+        labels: labels.given().to_string(),
         forgejo_url,
         sweep_max_deletions: a.common.sweep_max_deletions,
         slot: a.common.local.slot,
@@ -208,15 +211,14 @@ pub(crate) fn cycle_config(
 }
 
 /// The checks of `run`'s flags that need no I/O; the labels, when they pass.
-pub(crate) fn validate_run_args(a: &RunArgs) -> Result<String, Fatal> {
+pub(crate) fn validate_run_args(a: &RunArgs) -> Result<Labels, Fatal> {
     check_prefix(&a.common.runner_prefix)?;
     slot_dir(&a.common.local)?;
-    let labels = a.labels.clone().unwrap_or_default();
-    if label_names(&labels).is_empty() {
-        return Err(usage(
-            "--labels is required: the runner labels this pool serves, e.g. --labels debian:host",
-        ));
-    }
+    let labels = Labels::parse(a.labels.as_deref().unwrap_or_default())
+        .map_err(|e| usage(e.to_string()))?
+        .ok_or_else(|| {
+            usage("--labels is required: the runner labels this pool serves, e.g. --labels debian:host")
+        })?;
     if a.max_jobs_per_vm == 0 {
         return Err(usage("--max-jobs-per-vm must be at least 1"));
     }
@@ -380,12 +382,11 @@ pub(crate) fn finish(
 pub(crate) fn print_plan(actions: &[Value], report: &Report, output: OutputFormat) {
     match output {
         OutputFormat::Json => {
-            // Exactly the plan; how it ends is on stderr.
-            println!(
-                "{}",
-                serde_json::to_string_pretty(&json!({ "actions": actions })).unwrap_or_default()
-            );
-            eprintln!("plan ends: {}", report.outcome);
+            // One document: the plan, how it ends, and the errors it met (logged on stderr).
+            let failures = report.failures.len() as u64 + report.failures_not_listed;
+            let doc =
+                json!({ "actions": actions, "outcome": report.outcome, "failures": failures });
+            println!("{}", serde_json::to_string_pretty(&doc).unwrap_or_default());
         }
         OutputFormat::Text => {
             if actions.is_empty() {

@@ -1,11 +1,11 @@
 //! `run`: one provisioner cycle (or its plan, for a dry-run), its report, metrics and audit trail.
 
-use crate::cli::RunArgs;
+use crate::cli::RunCommand;
 use crate::commands::{Fatal, check_fixture, cycle_config, policy, validate_run_args, wiring};
 use crate::driver::cycle;
 
-pub fn cmd_run(a: RunArgs) -> Result<u8, Fatal> {
-    check_fixture(&a.common)?;
+pub fn cmd_run(RunCommand { args: a, dry }: RunCommand) -> Result<u8, Fatal> {
+    check_fixture(&dry)?;
     let labels = validate_run_args(&a)?;
     let policy = policy(&a, &labels);
     let wiring::CycleRun {
@@ -13,8 +13,8 @@ pub fn cmd_run(a: RunArgs) -> Result<u8, Fatal> {
         mut report,
         outlet,
         forgejo_url,
-    } = wiring::cycle(&a, &policy.label_names)?;
-    let cfg = cycle_config(&a, policy, labels, forgejo_url);
+    } = wiring::cycle(&a, &dry, &policy.label_names)?;
+    let cfg = cycle_config(&a, policy, &labels, forgejo_url);
     let end = cycle::run(&mut ports.world(), &cfg, &mut report);
     outlet.close(report, end, &a.common)
 }

@@ -9,7 +9,7 @@ use crate::driver::sweep;
 pub fn cmd_sweep(a: SweepArgs) -> Result<u8, Fatal> {
     let c = &a.common;
     check_prefix(&c.runner_prefix)?;
-    check_fixture(c)?;
+    check_fixture(&a.dry)?;
     check_metrics_file(c)?;
     let wiring::SweepRun {
         mut forgejo,

@@ -20,7 +20,7 @@ use crate::adapters::launch_cmd::CommandLauncher;
 use crate::adapters::logging::log_config;
 use crate::adapters::signals::StopFlag;
 use crate::adapters::tofu_cli::{CliTofu, TOFU_DATA_DIR};
-use crate::cli::{ForgejoArgs, RunArgs, SweepArgs};
+use crate::cli::{DryRunArgs, ForgejoArgs, RunArgs, SweepArgs};
 use crate::commands::{
     EXIT_FAILED, EXIT_OK, Fatal, announce_run, events_file, finish, forgejo_target, metrics_target,
     print_plan, read_token, slot_dir, usage,
@@ -107,11 +107,15 @@ pub(crate) struct CycleRun {
 }
 
 /// The implementations for `run` (`label_names`: the labels the pool serves, for the HTTP client).
-pub(crate) fn cycle(a: &RunArgs, label_names: &[String]) -> Result<CycleRun, Fatal> {
+pub(crate) fn cycle(
+    a: &RunArgs,
+    dry: &DryRunArgs,
+    label_names: &[String],
+) -> Result<CycleRun, Fatal> {
     let c = &a.common;
-    if c.dry_run {
-        log_config(a, None, None);
-        return dry_cycle(c, label_names);
+    if dry.dry_run {
+        log_config(&(a, dry), None, None);
+        return dry_cycle(c, dry, label_names);
     }
     let Live {
         url,
@@ -139,8 +143,12 @@ pub(crate) fn cycle(a: &RunArgs, label_names: &[String]) -> Result<CycleRun, Fat
 
 /// A dry-run cycle: the world read from the fixture, or from Forgejo and the state directory;
 /// every write recorded in the plan instead.
-fn dry_cycle(c: &ForgejoArgs, label_names: &[String]) -> Result<CycleRun, Fatal> {
-    let (world, (cycle, holds, others), now, url) = match &c.fixture {
+fn dry_cycle(
+    c: &ForgejoArgs,
+    flags: &DryRunArgs,
+    label_names: &[String],
+) -> Result<CycleRun, Fatal> {
+    let (world, (cycle, holds, others), now, url) = match &flags.fixture {
         Some(path) => {
             let fx = load_fixture(path, label_names)?;
             let now = fx.now.unwrap_or_else(wall_now);
@@ -201,9 +209,9 @@ pub(crate) struct Refusal {
 pub(crate) fn sweep(a: &SweepArgs) -> Result<SweepRun, Fatal> {
     let c = &a.common;
     let refused = |r: Refusal| Fatal(EXIT_FAILED, r.message);
-    if c.dry_run {
+    if a.dry.dry_run {
         log_config(a, None, None);
-        let (world, licence, store, now): (_, _, Box<dyn StateStore>, _) = match &c.fixture {
+        let (world, licence, store, now): (_, _, Box<dyn StateStore>, _) = match &a.dry.fixture {
             Some(path) => {
                 let fx = load_fixture(path, &[])?;
                 let licence = sweep_licence(Ok(fx.cycle), "the fixture", || None);

@@ -5,6 +5,7 @@
 
 pub mod escape;
 pub mod holds;
+pub mod labels;
 pub mod licence;
 pub mod listing;
 pub mod metrics;

@@ -329,15 +329,6 @@ pub fn parse_runner_page(body: &str) -> anyhow::Result<Vec<Runner>> {
     }
 }
 
-/// The label names of `--labels` (`debian:host,docker` → `["debian", "docker"]`).
-pub fn label_names(labels: &str) -> Vec<String> {
-    labels
-        .split(',')
-        .map(|l| l.split(':').next().unwrap_or("").trim().to_string())
-        .filter(|l| !l.is_empty())
-        .collect()
-}
-
 /// Forgejo's matching rule (`ActionRunJob.ItRunsOn`, models/actions/run_job.go): a job runs on
 /// a runner when every entry of its `runs_on` is one of the runner's label names, and both name
 /// at least one. A runner without labels is given no job at all.
@@ -493,8 +484,7 @@ mod tests {
                 {"id":6,"handle":"h6","status":"waiting","runs_on":["gpu"]}]"#,
         )
         .unwrap();
-        let names = label_names("debian:host, docker:docker://node:22");
-        assert_eq!(names, vec!["debian", "docker"]);
+        let names = vec!["debian".to_string(), "docker".to_string()];
         let w: Vec<i64> = waiting_jobs(&jobs, &names).iter().map(|j| j.id).collect();
         assert_eq!(w, vec![3, 9]);
         // A job without a handle (missing, null, empty) is never one to serve.
@@ -506,7 +496,7 @@ mod tests {
         .unwrap();
         assert!(no_handle.iter().all(|j| !j.has_handle()));
         assert!(waiting_jobs(&no_handle, &names).is_empty());
-        let only_debian = label_names("debian:host");
+        let only_debian = vec!["debian".to_string()];
         let w: Vec<i64> = waiting_jobs(&jobs, &only_debian)
             .iter()
             .map(|j| j.id)

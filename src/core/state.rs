@@ -199,7 +199,17 @@ pub struct CycleState {
     pub claim: Option<i64>,
 }
 
+/// How `last_error` begins once a `tofu destroy` of the cycle failed (until one succeeds).
+pub const DESTROY_FAILED: &str = "tofu destroy failed";
+
 impl CycleState {
+    /// The cycle's last `tofu destroy` failed: the next one retries it.
+    pub fn destroy_failed(&self) -> bool {
+        self.last_error
+            .as_deref()
+            .is_some_and(|e| e.starts_with(DESTROY_FAILED))
+    }
+
     /// `tofu apply` failed: the VM (whatever of it exists) goes.
     pub fn apply_failed(&mut self, error: String, teardown_reason: String) {
         self.last_error = Some(error);

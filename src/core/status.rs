@@ -112,10 +112,7 @@ pub fn facts(
     if let Some(c) = cycle {
         f.cycle = Some((c.cycle_id.clone(), c.started_at));
         if f.destroy_failing.is_none()
-            && let Some(e) = c
-                .last_error
-                .as_ref()
-                .filter(|e| e.contains("destroy failed"))
+            && let Some(e) = c.last_error.as_ref().filter(|_| c.destroy_failed())
         {
             f.destroy_failing = Some(e.clone());
         }

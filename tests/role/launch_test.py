@@ -340,7 +340,8 @@ class Case:
 
     def __init__(self, name, *, variant="a", answers=(), then="ok", version="forgejo-runner version v12.8.2",
                  mode="declare", runner=True, cloud_init=None, labels="debian:host", timeout=120,
-                 address=ADDRESS, uuid=None, check=None, action=None, after=None, handle=HANDLE):
+                 address=ADDRESS, uuid=None, check=None, action=None, after=None, handle=HANDLE,
+                 vm_files=None):
         self.name, self.variant, self.answers, self.then = name, variant, list(answers), then
         self.version, self.mode, self.runner, self.cloud_init = version, mode, runner, cloud_init
         self.labels, self.timeout, self.check, self.handle = labels, timeout, check, handle
@@ -350,6 +351,8 @@ class Case:
         # "@case@" in the address: this case's directory (where a ProxyCommand would leave a mark).
         self.address = address
         self.uuid = uuid or f"00000000-0000-4000-8000-{zlib.crc32(name.encode()):012d}"
+        # Files on "the VM" (its HOME), by path relative to it: (content, mode).
+        self.vm_files = vm_files or {}
 
     def run(self, work, rendered):
         d = work / "cases" / self.name
@@ -362,6 +365,8 @@ class Case:
         write(self.ssh_dir / "clock", str(CLOCK_START))
         write(self.vm / "bin" / "sleep", tools(VM_SLEEP), 0o755)
         write(self.vm / "bin" / "timeout", tools(VM_TIMEOUT), 0o755)
+        for rel, (content, mode) in self.vm_files.items():
+            write(self.vm / rel, content, mode)
         runner = RUNNER_STUB.replace("@PYTHON@", sys.executable)
         if self.cloud_init:
             write(self.vm / "bin" / "cloud-init", tools(CLOUD_INIT_STUB), 0o755)
@@ -560,8 +565,8 @@ def check_good(c):
     argv = runner_argv(c)
     token_file = f"{c.work}/shared/runner-dir/{c.uuid}.token"
     expect(argv == ["one-job", "--url", URL, "--uuid", c.uuid, "--token-url", f"file:{token_file}",
-                    "--label", "debian:host", "--label", "docker:host", "--label", "arm64:docker://node:22",
-                    "--label", "big box:host", "--handle", HANDLE, "--wait"], f"one-job argv: {argv}")
+                    "--label", "debian:host", "--label", "gpu:host", "--label", "big box:host",
+                    "--label", "it's:host", "--handle", HANDLE, "--wait"], f"one-job argv: {argv}")
     expect(c.started["token"] == TOKEN + "\n", f"token file holds {c.started['token']!r}")
     expect(c.started["token_mode"] == "0o600", f"token file mode {c.started['token_mode']}")
     expect(not c.started["token_in_env"], "the token is in the runner's environment")
@@ -934,8 +939,33 @@ def check_unknown_action(c):
     not_started(c)
 
 
-# Blanks around entries, an empty one, a scheme with an argument, a name with a blank inside.
-SEVERAL = " debian:host ,docker:host,, arm64:docker://node:22 , big box:host,"
+def check_labels_as_given(c):
+    ok_fast(c)
+    labels = labels_of(runner_argv(c))
+    expect(labels == ["debian:host", "", " x:host "], f"the --label values: {labels}")
+
+
+def check_docker_without_engine(c):
+    failed_with(c, r'the docker label\(s\) "ubuntu" "arm:docker://node:22" need a Docker engine on the VM',
+                r"NAME:host", limit=5)
+    not_started(c)
+
+
+def check_lxc_without_lxc(c):
+    failed_with(c, r'the lxc label\(s\) "c:lxc" need LXC on the VM: no lxc-create or lxc-attach', limit=5)
+    not_started(c)
+
+
+def check_schemes_served(c):
+    ok_fast(c)
+    labels = labels_of(runner_argv(c))
+    expect(labels == c.labels.split(","), f"the --label values: {labels}")
+
+
+# Several labels, a name with a blank inside and one with a quote: each one --label, whole.
+SEVERAL = "debian:host,gpu:host,big box:host,it's:host"
+NO_LXC = "#!/bin/sh\nexit 0\n"
+SCHEMES = "debian:host,ubuntu,arm:docker://node:22,c:lxc"
 CASES = [
     Case("good", labels=SEVERAL, check=check_good),
     Case("variant-b", variant="b", check=check_variant_b),
@@ -961,6 +991,20 @@ CASES = [
     Case("no-labels", labels=" , ,", check=check_no_labels),
     # `one-job --handle ''` would take any job of its labels.
     Case("empty-handle", handle="", check=check_empty_handle),
+    # Entries reach forgejo-runner as given (the provisioner has parsed them as it does).
+    # (The empty one is a docker label to forgejo-runner: the VM has a Docker socket here.)
+    Case("labels-as-given", labels="debian:host,, x:host ", mode="quick", check=check_labels_as_given,
+         vm_files={".docker/run/docker.sock": ("", 0o600)}),
+    # What the schemes need on the VM: a Docker engine's socket, LXC's tools.
+    Case("docker-without-engine", labels="debian:host,ubuntu,arm:docker://node:22",
+         check=check_docker_without_engine),
+    Case("lxc-without-lxc", labels="c:lxc", vm_files={"bin/lxc-create": (NO_LXC, 0o755)},
+         check=check_lxc_without_lxc),
+    Case("schemes-served", labels=SCHEMES, mode="quick", check=check_schemes_served,
+         vm_files={".docker/run/docker.sock": ("", 0o600), "bin/lxc-create": (NO_LXC, 0o755),
+                   "bin/lxc-attach": (NO_LXC, 0o755)}),
+    Case("docker-host-socket", labels="ubuntu", mode="quick", check=check_schemes_served,
+         vm_files={".colima/docker.sock": ("", 0o600)}),
     # What the module outputs as the address is checked before ssh sees it (and ssh gets `--`).
     Case("address-is-an-option", address="-oProxyCommand=touch @case@/proxy-ran", check=check_bad_address),
     Case("address-with-an-option", address="vm-1.example.test -oProxyCommand=touch @case@/proxy-ran",

@@ -1354,7 +1354,8 @@ impl Sim {
         let labels = if behaviour == Behaviour::NoLabels {
             Vec::new()
         } else {
-            rules::declared_names(labels)
+            // The product passes only labels forgejo-runner takes (src/core/labels.rs).
+            rules::declared_names(labels).expect("RUNNER_LABELS that forgejo-runner takes")
         };
         let next_at = self.now + self.rng.range(2 * SEC, 25 * SEC);
         self.log(format!(

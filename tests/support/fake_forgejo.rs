@@ -745,11 +745,16 @@ impl World {
             // against its VM's destroy): it changes nothing.
             return Reply::error(410, "this runner's process is gone");
         }
+        let q = parse_query(&inc.query);
+        // forgejo-runner parses every --label before it contacts Forgejo, and does not start on
+        // one it refuses (`rules::declared_names`): such a "runner" never reached Forgejo.
+        let labels = match first(&q, "labels").map(rules::declared_names).transpose() {
+            Ok(labels) => labels,
+            Err(e) => return Reply::error(400, &format!("invalid configuration: {e}")),
+        };
         if let Some(r) = self.forgejo.runners.get_mut(&id) {
             r.extra.token_presented = true;
         }
-        let q = parse_query(&inc.query);
-        let labels = first(&q, "labels").map(rules::declared_names);
         let handle = first(&q, "handle").filter(|h| !h.is_empty());
         match action {
             "connect" => {

@@ -9,8 +9,9 @@
 //!   (`ItRunsOn`, `IsRequestedByRunner`), `services/actions/task.go` (`PickTask`: an ephemeral
 //!   runner that has a task is given no other);
 //! - the labels a runner declares: forgejo-runner `internal/app/cmd/daemon.go` (`createRunner`
-//!   sends `Declare(ls.Names())`), `internal/pkg/labels/labels.go` (`Parse`: the name is what
-//!   comes before the first `:`);
+//!   sends `Declare(ls.Names())`), `internal/app/cmd/args.go` (`connectionFromArguments`: every
+//!   `--label` parsed, one refused and the runner does not start), `internal/pkg/labels/labels.go`
+//!   (`Parse`: the name is what comes before the first `:`; `parse_label` below);
 //! - status: `models/actions/runner.go` (`RunnerOfflineTime`, `RunnerIdleTime`, `Status()`);
 //! - clean-ups: `modules/setting/actions.go` (`ZOMBIE_TASK_TIMEOUT`, `ENDLESS_TASK_TIMEOUT`,
 //!   `CONCURRENCY_GROUP_QUEUE_ENABLED` true by default), `services/cron/tasks_actions.go`
@@ -48,20 +49,80 @@ pub fn status(now: i64, last_online: i64, last_active: i64) -> &'static str {
     }
 }
 
-/// The label name a runner declares for one `--label` value (`debian` of `debian:host`,
-/// `docker` of `docker:docker://node:22`): what comes before the first `:`.
-pub fn label_name(label: &str) -> &str {
-    label.split(':').next().unwrap_or("")
+/// forgejo-runner's `labels.Label`: what one `--label` value means to it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RunnerLabel {
+    pub name: String,
+    pub schema: String,
+    pub arg: String,
 }
 
-/// The label names a runner started with these `--label` values declares (`RUNNER_LABELS`,
-/// comma-separated, e.g. `debian:host,docker`): each `label_name`, blanks and empty entries
-/// dropped.
-pub fn declared_names(labels: &str) -> Vec<String> {
+/// forgejo-runner's `labels.Parse` (`internal/pkg/labels/labels.go`), statement by statement:
+/// `SplitN(label, ":", 3)`; a name that `TrimSpace` changes is refused; no scheme means `docker`;
+/// `host` takes no argument, not even an empty one; an empty argument is `//node:22-bookworm`
+/// for `docker`, `//debian:bookworm` for `lxc`, refused for `k8spod` and any other (plugin)
+/// scheme. (Rust's `trim` and Go's `TrimSpace` strip the same characters, Unicode White_Space.)
+/// It accepts what it accepts, an empty name included: the product refuses more
+/// (`src/core/labels.rs`), never less.
+pub fn parse_label(label: &str) -> Result<RunnerLabel, String> {
+    let splits: Vec<&str> = label.splitn(3, ':').collect();
+    let mut l = RunnerLabel {
+        name: splits[0].to_string(),
+        schema: "docker".to_string(),
+        arg: String::new(),
+    };
+    if l.name.trim() != l.name {
+        return Err(format!(
+            "invalid label {:?}: starting or ending with a space is invalid",
+            l.name
+        ));
+    }
+    if splits.len() >= 2 {
+        l.schema = splits[1].to_string();
+    }
+    if splits.len() >= 3 {
+        if l.schema == "host" {
+            return Err(format!("schema: {} does not have arguments", l.schema));
+        }
+        l.arg = splits[2].to_string();
+    }
+    if l.arg.is_empty() {
+        match l.schema.as_str() {
+            "docker" => l.arg = "//node:22-bookworm".to_string(),
+            "lxc" => l.arg = "//debian:bookworm".to_string(),
+            "k8spod" => {
+                return Err(
+                    "schema \"k8spod\" requires a podspec file path as argument".to_string()
+                );
+            }
+            "host" => {}
+            other => {
+                return Err(format!(
+                    "schema {other:?} requires an argument (e.g. \"mylabel:{other}://arg\")"
+                ));
+            }
+        }
+    }
+    Ok(l)
+}
+
+/// The label names a runner started with one `--label` per entry of `RUNNER_LABELS`
+/// (comma-separated, each entry whole, as the launch command passes them) declares
+/// (`Labels.Names()`, sent by `Declare`, `internal/app/cmd/daemon.go`), or why it refuses to
+/// start: `connectionFromArguments` (`internal/app/cmd/args.go`) parses every `--label` and
+/// fails on the first that `parse_label` refuses (``malformed `label` …``). No entries at all
+/// (an empty list): no `--label`, no names.
+pub fn declared_names(labels: &str) -> Result<Vec<String>, String> {
+    if labels.is_empty() {
+        return Ok(Vec::new());
+    }
     labels
         .split(',')
-        .map(|l| label_name(l.trim()).to_string())
-        .filter(|n| !n.is_empty())
+        .map(|l| {
+            parse_label(l)
+                .map(|p| p.name)
+                .map_err(|e| format!("malformed `label` {l:?}: {e}"))
+        })
         .collect()
 }
 
@@ -255,9 +316,9 @@ pub const CASES: &[Case] = &[
     },
 ];
 
-/// Label names of a runner's `--label` values.
+/// Label names of a runner's `--label` values (each one `parse_label` takes).
 pub fn names(labels: &[&str]) -> Vec<String> {
-    labels.iter().map(|l| label_name(l).to_string()).collect()
+    declared_names(&labels.join(",")).unwrap_or_else(|e| panic!("{labels:?}: {e}"))
 }
 
 /// Checks `may_take` itself against the table (each model runs the table through its own API).

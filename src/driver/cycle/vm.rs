@@ -1,6 +1,7 @@
 //! The cycle's VM: a new cycle recorded before its apply, the apply and its outputs, the destroy.
 
 use super::*;
+use crate::core::state::DESTROY_FAILED;
 
 impl Driver<'_, '_> {
     /// A new cycle.json, claiming `job_id` for this slot; nothing when another slot of the pool
@@ -112,10 +113,13 @@ impl Driver<'_, '_> {
     pub(super) fn destroy(&mut self) -> Option<End> {
         let s = self.state.as_ref()?;
         let cycle_id = s.cycle_id.clone();
-        let reason = s
+        let mut reason = s
             .teardown_reason
             .clone()
             .unwrap_or_else(|| "teardown".to_string());
+        if s.destroy_failed() {
+            reason = format!("retrying a failed destroy ({reason})");
+        }
         let sw = Stopwatch::start(&*self.w.clock);
         match self.w.tofu.destroy(&cycle_id, &reason) {
             Ok(()) => {
@@ -146,7 +150,7 @@ impl Driver<'_, '_> {
                     return Some(self.interrupted("during tofu destroy"));
                 }
                 let s = self.state.as_mut()?;
-                s.last_error = Some(format!("tofu destroy failed: {}", e.message));
+                s.last_error = Some(format!("{DESTROY_FAILED}: {}", e.message));
                 self.save_before_ending();
                 self.report.fail(format!(
                     "tofu destroy failed: {}; no sweep; cycle.json is kept and the next run retries the destroy first",
