@@ -814,7 +814,7 @@ impl Sim {
         };
         let handle = format!("{:08x}-h", self.rng.next_u64() as u32);
         self.forgejo
-            .add_job(handle, Self::names(runs_on), owner_id, repo_id)
+            .add_job(handle, Self::names(runs_on), owner_id, repo_id, self.now)
     }
 
     // -- Forgejo's job assignment -----------------------------------------------------------------
