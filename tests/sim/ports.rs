@@ -813,19 +813,24 @@ impl StateStore for SimStore {
     /// Under the pool's claims lock: read the other slots' claims and write this one, or not.
     /// Atomic here (no step boundary between the read and the write), with the boundaries and
     /// faults of `save` around it, and a read of the others that can fail as in `others`.
-    fn save_claiming(&mut self, state: &CycleState, job_id: i64) -> anyhow::Result<Claim> {
+    fn save_claiming(
+        &mut self,
+        state: &CycleState,
+        job_id: i64,
+        handle: &str,
+    ) -> anyhow::Result<Claim> {
         if self.alone() {
             return self.save(state).map(|()| Claim::Saved);
         }
         let what = format!("save({})", phase_name(state.phase));
         self.0.boundary("before", &what);
-        let mut others = self.read_others().inspect_err(|_| {
+        let others = self.read_others().inspect_err(|_| {
             self.0
                 .sim
                 .borrow_mut()
                 .log(format!("{what} -> err (others)"));
         })?;
-        if let Some(by) = others.claimed.remove(&job_id) {
+        if let Some(by) = others.claimant(job_id, handle).cloned() {
             let mut s = self.0.sim.borrow_mut();
             s.stats.claims_refused += 1;
             s.log(format!("{what} refused: job {job_id} is held by {by}"));
@@ -853,8 +858,9 @@ impl StateStore for SimStore {
             if s.tracing {
                 let text = match &r {
                     Ok(o) => format!(
-                        "read others -> claimed {:?}, {} name(s)",
+                        "read others -> claimed {:?} {:?}, {} name(s)",
                         o.claimed.keys().collect::<Vec<_>>(),
+                        o.claimed_any_attempt.keys().collect::<Vec<_>>(),
                         o.names.len()
                     ),
                     Err(_) => "read others -> err".to_string(),
