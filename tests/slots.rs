@@ -241,7 +241,7 @@ fn a_job_another_slot_holds_gets_no_second_runner() {
     let out = finish(&env, spawn_slot(&env, 2, 1, &[]));
     assert_eq!(out.code, Some(0), "{out:?}");
     assert_eq!(out.json()["outcome"], "cycle_finished", "{}", out.stdout);
-    assert_eq!(launched_handles(&env.vm), [handle.clone()]);
+    assert_eq!(launched_handles(&env.vm), std::slice::from_ref(&handle));
 
     // A claim is on one attempt: the job rerun (a new attempt, a new handle) is served here at
     // once although slot 2 claims its first attempt again; a runner of the first attempt's
