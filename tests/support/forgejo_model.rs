@@ -394,10 +394,29 @@ impl<X> Forgejo<X> {
         visible: bool,
         page: i64,
         limit: i64,
-        mut tie: impl FnMut(i64, u64) -> u64,
+        tie: impl FnMut(i64, u64) -> u64,
     ) -> (Vec<&RunnerRow<X>>, usize) {
-        let limit = self.page_size(limit) as usize;
-        let mut rows: Vec<(i64, u64, &RunnerRow<X>)> = self
+        let order = self.runner_order(now, scope, visible, tie);
+        let total = order.len();
+        let shown = self
+            .page_of(&order, page, limit)
+            .iter()
+            .filter_map(|id| self.runners.get(id))
+            .collect();
+        (shown, total)
+    }
+
+    /// The ids of the rows the scope lists, in the list's order (`list_runners`, every page).
+    /// The same while no row is added or deleted and no row's `last_online` changes (a polling
+    /// row is "now", ahead of every other): a caller may keep it that long.
+    pub fn runner_order(
+        &self,
+        now: i64,
+        scope: &Scope,
+        visible: bool,
+        mut tie: impl FnMut(i64, u64) -> u64,
+    ) -> Vec<i64> {
+        let mut rows: Vec<(i64, u64, i64)> = self
             .runners
             .values()
             .filter(|r| !r.deleted && scope.lists(r, visible))
@@ -405,24 +424,22 @@ impl<X> Forgejo<X> {
                 (
                     r.effective_last_online(now),
                     tie(r.id, self.rows_version),
-                    r,
+                    r.id,
                 )
             })
             .collect();
         rows.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
-        let total = rows.len();
-        let (skip, take) = if page >= 1 {
-            ((page as usize - 1) * limit, limit)
-        } else {
-            (0, usize::MAX)
-        };
-        let shown = rows
-            .into_iter()
-            .skip(skip)
-            .take(take)
-            .map(|t| t.2)
-            .collect();
-        (shown, total)
+        rows.into_iter().map(|t| t.2).collect()
+    }
+
+    /// Page `page` (from 1; ≤ 0: all of it) of `limit` (clamped, `page_size`) of a list order.
+    pub fn page_of<'o>(&self, order: &'o [i64], page: i64, limit: i64) -> &'o [i64] {
+        if page < 1 {
+            return order;
+        }
+        let limit = self.page_size(limit) as usize;
+        let start = ((page as usize - 1).saturating_mul(limit)).min(order.len());
+        &order[start..(start + limit).min(order.len())]
     }
 
     // -- job rows ---------------------------------------------------------------------------------
