@@ -1,10 +1,16 @@
 //! A lean fake Forgejo for the benchmarks in `benches/run`: std only, so it builds with one
-//! `rustc -O` call, and O(1) or O(log n) per request, so it is never what is being measured.
+//! `rustc -O` call. Its rows and rules are the tests' one model of Forgejo
+//! (`tests/support/forgejo_model.rs` over `forgejo_rules.rs`, included by path as the HTTP fake
+//! and the simulation use them): registration, the runner list (`last_online DESC`, ties in no
+//! promised order, Forgejo's paging, `X-Total-Count` and `Link`), live statuses, the JSON,
+//! deletion, the jobs list and which job a runner is given. What it adds is speed: the list's
+//! order is computed once per change of the rows, not per page, so that a page costs O(page)
+//! and a GET or DELETE O(log n) — the server is never what is being measured.
 //!
-//! It serves the admin-scope runner API (`/api/v1/admin/actions/runners`: list pages with
-//! `X-Total-Count`, GET/DELETE by id, POST, `/jobs`) from rows rendered once at start, answers
-//! on keep-alive connections (a thread per connection), and counts every API request and every
-//! TCP connection that carried one. Control endpoints under `/_bench/` are not counted.
+//! It serves the admin-scope runner API (`/api/v1/admin/actions/runners`: list pages, GET/DELETE
+//! by id, POST, `/jobs`), answers on keep-alive connections (a thread per connection), and counts
+//! every API request and every TCP connection that carried one. Control endpoints under
+//! `/_bench/` are not counted.
 //!
 //! ```text
 //! bench-forgejo serve --token T [--runners N --stale S --prefix P --no-live-ours] [--pickup JOBS] [--jobs M --job-ms L] [--port-file F]
@@ -13,32 +19,46 @@
 //!
 //! `--pickup JOBS` plays a queue of jobs for the job-pickup benchmark: a job becomes `waiting`
 //! right after the server answered a jobs poll with an empty list while the VM was free, so the
-//! next poll is one poll interval away; the launch command reports when it started.
+//! next poll is one poll interval away; the launch command reports when it started, and its
+//! runner, given its job by Forgejo's rule, runs it at once.
 //!
 //! `--jobs M --job-ms L` is the parallel-slots benchmark's batch: `/_bench/batch` (refused while
 //! a registration or an unfinished job is left) makes M jobs `waiting` at once. A launched runner
-//! asks for a task as `forgejo-runner one-job --handle` does and Forgejo's rule
-//! (`forgejo_rules::pick`) decides which job it gets, if any; the job then runs for L ms (its
-//! registration `active`), after which it is done (`success`, no longer listed) and Forgejo
-//! removes the ephemeral registration. `/_bench/verify` says whether every job of the batch ran
-//! exactly once and nothing is left. With no arguments (as `cargo test --all-targets` runs
-//! benchmark targets) it only prints its usage.
+//! declares its labels and asks for a task as `forgejo-runner one-job --handle` does, and the
+//! model decides which job it gets, if any; the job then runs for L ms (its registration
+//! `active`), after which its final UpdateTask ends it (`success`, no longer listed) and
+//! Forgejo deletes the ephemeral registration. `/_bench/verify` says whether every job of the
+//! batch ran exactly once and nothing is left. With no arguments (as `cargo test --all-targets`
+//! runs benchmark targets) it only prints its usage.
 
-// Forgejo's assignment rule and constants, shared with the tests' model of Forgejo. The model
-// itself (`tests/support/forgejo_model.rs`, used by the HTTP fake and the simulation) is not
-// used here: it computes every list from its rows (a filter and a sort per request), which
-// would be part of what a benchmark measures; this server renders its rows once at start.
 #[path = "../tests/support/forgejo_rules.rs"]
 mod forgejo_rules;
 
-use std::collections::HashSet;
+#[path = "../tests/support/forgejo_model.rs"]
+mod forgejo_model;
+
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use forgejo_model::{Forgejo, NewRunner, Scope};
+
+/// A job as the product reads it from the jobs list (`forgejo_model::JobRow::listed` builds
+/// one; the server renders `JobRow::json` instead).
+#[allow(dead_code)]
+pub struct Job {
+    pub id: i64,
+    pub handle: String,
+    pub status: String,
+    pub runs_on: Vec<String>,
+    pub repo_id: Option<i64>,
+    pub owner_id: Option<i64>,
+}
+
 const API: &str = "/api/v1/admin/actions/runners";
 const USAGE: &str = "usage: bench-forgejo serve --token TOKEN [--runners N] [--stale S] [--prefix P] [--no-live-ours] [--pickup JOBS] [--jobs M --job-ms L] [--port-file FILE]";
+const HOUR_MS: i64 = 3_600_000;
 
 fn now_ns() -> u128 {
     SystemTime::now()
@@ -47,10 +67,9 @@ fn now_ns() -> u128 {
         .unwrap_or(0)
 }
 
-struct Row {
-    id: i64,
-    /// The runner object as Forgejo renders it, rendered once.
-    json: String,
+/// The model's clock: Unix ms.
+fn now_ms() -> i64 {
+    (now_ns() / 1_000_000) as i64
 }
 
 #[derive(Default)]
@@ -82,14 +101,11 @@ struct Pickup {
     /// A launched runner whose consumption the cycle has not yet seen (its GET → 404).
     awaiting_forget: Option<i64>,
     samples: Vec<Sample>,
-    next_job: i64,
 }
 
-/// One job of the slots benchmark's batch.
+/// One job of the slots benchmark's batch (its row is the model's).
 struct BatchJob {
     id: i64,
-    /// `waiting`, `running` (a runner took it) or `success` (it ran for the job length).
-    status: &'static str,
     /// The registration whose runner took it.
     runner: Option<i64>,
     /// How many runners were given it (the benchmark wants exactly one each).
@@ -104,7 +120,6 @@ struct Batch {
     length_ns: u128,
     /// The current batch, id ascending (the order Forgejo reads them in).
     jobs: Vec<BatchJob>,
-    next_job: i64,
     /// Batches handed out so far.
     batches: u64,
     /// When the current batch became waiting.
@@ -113,33 +128,15 @@ struct Batch {
     refused: u64,
 }
 
-impl Batch {
-    /// Jobs that ran their length are done, and Forgejo removes each one's ephemeral
-    /// registration (`services/actions/task.go`: an ephemeral runner is deleted with its task's
-    /// end). Applied before every request, so every answer sees the world at its own time.
-    fn advance(&mut self, now: u128, dead: &mut HashSet<i64>) {
-        for j in &mut self.jobs {
-            if j.status == "running"
-                && let Some(t) = j.taken_ns
-                && now >= t + self.length_ns
-            {
-                j.status = "success";
-                j.done_ns = Some(t + self.length_ns);
-                if let Some(r) = j.runner {
-                    dead.insert(r);
-                }
-            }
-        }
-    }
-}
-
 struct World {
     token: String,
-    /// Live rows in id order (ids are handed out ascending, so binary search finds them).
-    rows: Vec<Row>,
-    /// Deleted since the last list request; removed from `rows` on the next one.
-    dead: HashSet<i64>,
-    next_id: i64,
+    /// Forgejo's rows and rules.
+    forgejo: Forgejo<()>,
+    /// The runner list's order and the key it was computed for (`rows_version`, `epoch`).
+    order: Option<((u64, u64), Vec<i64>)>,
+    /// Bumped whenever this server changes who is online (a Declare): the order is then
+    /// computed again.
+    epoch: u64,
     counts: Counts,
     pickup: Option<Pickup>,
     batch: Option<Batch>,
@@ -149,63 +146,114 @@ struct World {
 }
 
 impl World {
-    fn find(&self, id: i64) -> Option<&Row> {
-        if self.dead.contains(&id) {
-            return None;
+    /// Jobs that ran their length end with their final UpdateTask, and Forgejo deletes each
+    /// one's ephemeral registration. Applied before every request, so every answer sees the
+    /// world at its own time.
+    fn advance(&mut self) {
+        let Some(b) = self.batch.as_mut() else {
+            return;
+        };
+        let now = now_ns();
+        for j in &mut b.jobs {
+            if j.done_ns.is_none()
+                && let Some(t) = j.taken_ns
+                && now >= t + b.length_ns
+            {
+                j.done_ns = Some(t + b.length_ns);
+                self.forgejo.final_update_task(j.id, now_ms());
+            }
         }
-        self.rows
-            .binary_search_by_key(&id, |r| r.id)
-            .ok()
-            .map(|i| &self.rows[i])
     }
 
-    fn compact(&mut self) {
-        if !self.dead.is_empty() {
-            let dead = std::mem::take(&mut self.dead);
-            self.rows.retain(|r| !dead.contains(&r.id));
+    /// The live rows.
+    fn live_rows(&self) -> usize {
+        self.forgejo.runners.values().filter(|r| !r.deleted).count()
+    }
+
+    /// The runner `id` declares these `--label` values (`Declare`): online from now on.
+    fn declare(&mut self, id: i64, labels: &str) {
+        let now = now_ms();
+        if let Some(r) = self.forgejo.live_mut(id) {
+            // A runner that refuses its labels never starts: it declares none.
+            r.declare(
+                Some(forgejo_rules::declared_names(labels).unwrap_or_default()),
+                now,
+            );
+            self.epoch += 1;
         }
     }
 }
 
-fn runner_json(id: i64, name: &str, status: &str) -> String {
-    format!(
-        "{{\"id\":{id},\"uuid\":\"00000000-0000-4000-8000-{id:012}\",\"owner_id\":0,\"repo_id\":0,\"name\":\"{name}\",\"status\":\"{status}\",\"version\":\"v11.1.2\",\"labels\":[\"debian\",\"docker\"],\"description\":\"\",\"ephemeral\":true}}"
-    )
-}
+/// A fixed seed for the order of tied rows: the same world lists the same pages.
+const TIE_SEED: u64 = 0x5eed;
 
-/// `n` registrations, `stale` of them offline with the prefix, spread evenly; of the others one
-/// in ten is a live one with the prefix, the rest are other pools' (offline and idle) and names
-/// that only contain the prefix.
-fn population(n: u64, stale: u64, prefix: &str, live_ours: bool) -> Vec<Row> {
-    let mut rows = Vec::with_capacity(n as usize);
+/// `n` registrations, `stale` of them offline with the prefix (never connected: no version, no
+/// labels), spread evenly; of the others one in ten is a live one with the prefix (idle or
+/// active), the rest are other pools' (offline for hours, and idle) and names that only contain
+/// the prefix.
+fn population(n: u64, stale: u64, prefix: &str, live_ours: bool) -> Forgejo<()> {
+    let mut f = Forgejo::default();
+    let now = now_ms();
     let mut other = 0u64;
     for i in 0..n {
         let id = i as i64 + 1;
         let is_stale = stale > 0 && (i + 1) * stale / n > i * stale / n;
-        let (name, status) = if is_stale {
-            (format!("{prefix}20261014t101500z-3f2a-{id}"), "offline")
+        // (name, connected, online, running a task)
+        let (name, connected, online, busy) = if is_stale {
+            (
+                format!("{prefix}20261014t101500z-3f2a-{id}"),
+                false,
+                false,
+                false,
+            )
         } else {
             other += 1;
             match (if live_ours { other % 20 } else { 2 }, other % 3) {
-                (0, _) => (format!("{prefix}20261014t120000z-9a1b-{id}"), "idle"),
-                (1, _) => (format!("{prefix}20261014t120000z-9a1b-{id}"), "active"),
-                (_, 0) => (format!("static-builder-{id}"), "offline"),
-                (_, 1) => (format!("my-{prefix}{id}"), "offline"),
-                _ => (format!("pool-b-{id}"), "idle"),
+                (0, _) => (
+                    format!("{prefix}20261014t120000z-9a1b-{id}"),
+                    true,
+                    true,
+                    false,
+                ),
+                (1, _) => (
+                    format!("{prefix}20261014t120000z-9a1b-{id}"),
+                    true,
+                    true,
+                    true,
+                ),
+                (_, 0) => (format!("static-builder-{id}"), true, false, false),
+                (_, 1) => (format!("my-{prefix}{id}"), true, false, false),
+                _ => (format!("pool-b-{id}"), true, true, false),
             }
         };
-        rows.push(Row {
-            id,
-            json: runner_json(id, &name, status),
+        f.register(NewRunner {
+            id: Some(id),
+            uuid: format!("00000000-0000-4000-8000-{id:012}"),
+            token: format!("bench-runner-token-{id}"),
+            name: &name,
+            description: "",
+            owner_id: 0,
+            repo_id: 0,
+            ephemeral: true,
+            extra: (),
         });
+        let r = f.live_mut(id).expect("just registered");
+        if connected {
+            r.declare(Some(vec!["debian".into(), "docker".into()]), now);
+            r.last_active = now - HOUR_MS;
+            if !online {
+                r.stops_polling(now - 2 * HOUR_MS);
+            }
+            r.busy = busy;
+        }
     }
-    rows
+    f
 }
 
 struct Reply {
     status: u16,
     body: String,
-    total: Option<usize>,
+    headers: Vec<(&'static str, String)>,
     /// Pickup: the jobs list was answered empty while the VM was free; a job becomes waiting
     /// once this reply is on the wire.
     arm_job: bool,
@@ -215,19 +263,25 @@ fn reply(status: u16, body: impl Into<String>) -> Reply {
     Reply {
         status,
         body: body.into(),
-        total: None,
+        headers: Vec::new(),
         arm_job: false,
     }
 }
 
-fn not_found(w: &World, what: &str) -> Reply {
+/// Forgejo's `APIError` body.
+fn error(w: &World, status: u16, message: &str) -> Reply {
     reply(
-        404,
+        status,
         format!(
-            "{{\"message\":\"{what}: resource does not exist\",\"url\":\"{}/api/swagger\"}}",
+            "{{\"message\":{},\"url\":\"{}/api/swagger\"}}",
+            forgejo_model::json_str(message),
             w.base
         ),
     )
+}
+
+fn not_found(w: &World, what: &str) -> Reply {
+    error(w, 404, &format!("{what}: resource does not exist"))
 }
 
 struct Incoming {
@@ -236,6 +290,14 @@ struct Incoming {
     query: String,
     auth: Option<String>,
     body: Vec<u8>,
+}
+
+fn query_pairs(query: &str) -> Vec<(String, String)> {
+    query
+        .split('&')
+        .filter_map(|kv| kv.split_once('='))
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
 }
 
 fn query_param<'a>(query: &'a str, key: &str) -> Option<&'a str> {
@@ -247,23 +309,22 @@ fn query_param<'a>(query: &'a str, key: &str) -> Option<&'a str> {
 }
 
 fn handle(w: &mut World, inc: &Incoming) -> Reply {
-    if let Some(b) = w.batch.as_mut() {
-        b.advance(now_ns(), &mut w.dead);
-    }
+    w.advance();
     if let Some(control) = inc.path.strip_prefix("/_bench/") {
         return control_request(w, control, &inc.query);
     }
     w.counts.requests += 1;
     if inc.auth.as_deref() != Some(&format!("token {}", w.token)) {
-        return reply(401, "{\"message\":\"token is required\",\"url\":\"\"}");
+        return error(w, 401, "token is required");
     }
     let Some(rest) = inc.path.strip_prefix(API) else {
         return not_found(w, "path");
     };
+    let now = now_ms();
     match (inc.method.as_str(), rest) {
-        ("GET", "") => list(w, &inc.query),
+        ("GET", "") => list(w, &inc.path, &inc.query),
         ("POST", "") => register(w, &inc.body),
-        ("GET", "/jobs") => jobs(w),
+        ("GET", "/jobs") => jobs(w, &inc.query),
         (method, id) => {
             let Some(id) = id.strip_prefix('/').and_then(|s| s.parse::<i64>().ok()) else {
                 return not_found(w, "path");
@@ -271,8 +332,8 @@ fn handle(w: &mut World, inc: &Incoming) -> Reply {
             match method {
                 "GET" => {
                     w.counts.gets += 1;
-                    match w.find(id) {
-                        Some(r) => reply(200, r.json.clone()),
+                    match w.forgejo.live(id) {
+                        Some(r) => reply(200, r.json(now)),
                         None => {
                             if let Some(p) = w.pickup.as_mut()
                                 && p.awaiting_forget == Some(id)
@@ -285,49 +346,58 @@ fn handle(w: &mut World, inc: &Incoming) -> Reply {
                 }
                 "DELETE" => {
                     w.counts.deletes += 1;
-                    if w.find(id).is_some() {
-                        w.dead.insert(id);
+                    // No status check (routers/api/v1/shared/runners.go `DeleteRunner`).
+                    if w.forgejo.live(id).is_some_and(|r| Scope::ADMIN.edits(r)) {
+                        w.forgejo.delete(id, now);
                         w.counts.deleted += 1;
                         reply(204, "")
                     } else {
                         not_found(w, &format!("runner with ID {id}"))
                     }
                 }
-                _ => reply(405, "{\"message\":\"method not allowed\",\"url\":\"\"}"),
+                _ => error(w, 405, "Method Not Allowed"),
             }
         }
     }
 }
 
-/// Forgejo's paging: `limit` ≤ 0 is 30, above 50 is 50; no `page` means every row.
-fn list(w: &mut World, query: &str) -> Reply {
+/// `ListRunners`: the model's order (kept while the rows do not change), one page of it.
+fn list(w: &mut World, path: &str, query: &str) -> Reply {
     w.counts.lists += 1;
-    w.compact();
-    let limit = query_param(query, "limit")
-        .and_then(|s| s.parse::<i64>().ok())
-        .unwrap_or(0);
-    let limit = if limit <= 0 { 30 } else { limit.min(50) } as usize;
-    let page = query_param(query, "page")
-        .and_then(|s| s.parse::<i64>().ok())
-        .unwrap_or(0);
-    let rows: &[Row] = if page >= 1 {
-        let start = ((page as usize - 1) * limit).min(w.rows.len());
-        let end = (start + limit).min(w.rows.len());
-        &w.rows[start..end]
-    } else {
-        &w.rows
+    let now = now_ms();
+    let key = (w.forgejo.rows_version(), w.epoch);
+    if w.order.as_ref().is_none_or(|(k, _)| *k != key) {
+        let order = w
+            .forgejo
+            .runner_order(now, &Scope::ADMIN, false, |id, version| {
+                forgejo_model::tie_key(id, version, TIE_SEED)
+            });
+        w.order = Some((key, order));
+    }
+    let q = query_pairs(query);
+    let number = |k: &str| {
+        query_param(query, k)
+            .and_then(|s| s.parse::<i64>().ok())
+            .unwrap_or(0)
     };
-    let mut body = String::with_capacity(rows.len() * 260 + 2);
+    let (page, limit) = (number("page"), w.forgejo.page_size(number("limit")));
+    let order = &w.order.as_ref().expect("just computed").1;
+    let ids = w.forgejo.page_of(order, page, limit);
+    let mut body = String::with_capacity(ids.len() * 260 + 2);
     body.push('[');
-    for (i, r) in rows.iter().enumerate() {
+    for (i, id) in ids.iter().enumerate() {
         if i > 0 {
             body.push(',');
         }
-        body.push_str(&r.json);
+        if let Some(r) = w.forgejo.runners.get(id) {
+            body.push_str(&r.json(now));
+        }
     }
     body.push(']');
+    let total = order.len() as i64;
+    let root = format!("{}/", w.base);
     Reply {
-        total: Some(w.rows.len()),
+        headers: forgejo_model::list_headers(&root, path, &q, total, limit, page),
         ..reply(200, body)
     }
 }
@@ -349,96 +419,107 @@ fn register(w: &mut World, body: &[u8]) -> Reply {
         .map(|(n, _)| n.to_string())
         .filter(|n| !n.is_empty());
     let Some(name) = name else {
-        return reply(422, "{\"message\":\"Name: Required\",\"url\":\"\"}");
+        // `bind()` formats the field names of the error, a slice.
+        return error(w, 422, "[Name]: Required");
     };
-    let id = w.next_id;
-    w.next_id += 1;
-    w.rows.push(Row {
-        id,
-        json: runner_json(id, &name, "offline"),
+    let ephemeral = text.replace(' ', "").contains("\"ephemeral\":true");
+    let id = w.forgejo.next_runner_id();
+    let (uuid, token) = (
+        format!("00000000-0000-4000-8000-{id:012}"),
+        format!("bench-runner-token-{id}"),
+    );
+    w.forgejo.register(NewRunner {
+        id: None,
+        uuid: uuid.clone(),
+        token: token.clone(),
+        name: &name,
+        description: "",
+        owner_id: 0,
+        repo_id: 0,
+        ephemeral,
+        extra: (),
     });
     reply(
         201,
-        format!(
-            "{{\"id\":{id},\"uuid\":\"00000000-0000-4000-8000-{id:012}\",\"token\":\"bench-runner-token-{id}\"}}"
-        ),
+        format!("{{\"id\":{id},\"uuid\":\"{uuid}\",\"token\":\"{token}\"}}"),
     )
 }
 
-/// The `runs_on` of every job the pickup benchmark hands out.
+/// The `runs_on` of every job the pickup and slots benchmarks hand out.
 const PICKUP_RUNS_ON: &str = "debian";
 
 fn job_handle(job: i64) -> String {
     format!("00000000-0000-4000-9000-{job:012}")
 }
 
-/// `GetActionRunJobs`: the waiting and running jobs, id descending.
-fn batch_jobs(b: &Batch) -> Reply {
-    let mut body = String::from("[");
-    for j in b.jobs.iter().rev().filter(|j| j.status != "success") {
-        if body.len() > 1 {
-            body.push(',');
-        }
-        let task = if j.status == "running" { j.id } else { 0 };
-        body.push_str(&format!(
-            "{{\"id\":{},\"attempt\":1,\"handle\":\"{}\",\"repo_id\":1,\"owner_id\":1,\"name\":\"build\",\"needs\":null,\"runs_on\":[\"{PICKUP_RUNS_ON}\"],\"task_id\":{task},\"status\":\"{}\"}}",
-            j.id,
-            job_handle(j.id),
-            j.status
-        ));
-    }
-    body.push(']');
-    reply(200, body)
+/// A waiting job of repository 1 (owner 1), in the model: its id.
+fn add_job(w: &mut World) -> i64 {
+    let id = w.forgejo.next_job_id();
+    w.forgejo.add_job(
+        job_handle(id),
+        vec![PICKUP_RUNS_ON.to_string()],
+        1,
+        1,
+        now_ms(),
+    )
 }
 
-fn jobs(w: &mut World) -> Reply {
+/// `GetActionRunJobs`: the waiting and running jobs the labels run, id descending; `null` for
+/// none.
+fn jobs(w: &mut World, query: &str) -> Reply {
     w.counts.jobs += 1;
-    if let Some(b) = &w.batch {
-        return batch_jobs(b);
-    }
+    let labels: Option<Vec<&str>> = query_param(query, "labels").map(|l| {
+        if l.is_empty() {
+            Vec::new()
+        } else {
+            l.split(',').collect()
+        }
+    });
+    let body = forgejo_model::jobs_json(&w.forgejo.list_jobs(&Scope::ADMIN, labels.as_deref()));
     let Some(p) = w.pickup.as_mut() else {
-        return reply(200, "[]");
+        return reply(200, body);
     };
-    if let Some((job, i)) = p.current {
+    if let Some((_, i)) = p.current {
         p.samples[i].seen_ns.get_or_insert_with(now_ns);
-        return reply(
-            200,
-            format!(
-                "[{{\"id\":{job},\"attempt\":1,\"handle\":\"{}\",\"repo_id\":1,\"owner_id\":1,\"name\":\"build\",\"needs\":null,\"runs_on\":[\"{PICKUP_RUNS_ON}\"],\"task_id\":0,\"status\":\"waiting\"}}]",
-                job_handle(job)
-            ),
-        );
+        return reply(200, body);
     }
     Reply {
         arm_job: p.remaining > 0 && p.awaiting_forget.is_none(),
-        ..reply(200, "[]")
+        ..reply(200, body)
     }
 }
 
 fn arm_job(w: &mut World) {
-    if let Some(p) = w.pickup.as_mut()
-        && p.current.is_none()
-        && p.remaining > 0
-    {
-        p.remaining -= 1;
-        let job = p.next_job;
-        p.next_job += 1;
-        p.samples.push(Sample {
-            job_id: job,
-            waiting_ns: now_ns(),
-            seen_ns: None,
-            post_ns: None,
-            launch_ns: None,
-        });
-        p.current = Some((job, p.samples.len() - 1));
+    let ready = w
+        .pickup
+        .as_ref()
+        .is_some_and(|p| p.current.is_none() && p.remaining > 0);
+    if !ready {
+        return;
     }
+    let job = add_job(w);
+    let p = w.pickup.as_mut().expect("pickup");
+    p.remaining -= 1;
+    p.samples.push(Sample {
+        job_id: job,
+        waiting_ns: now_ns(),
+        seen_ns: None,
+        post_ns: None,
+        launch_ns: None,
+    });
+    p.current = Some((job, p.samples.len() - 1));
 }
 
 /// Every counter, and the samples of the pickup or slots benchmark.
 fn stats(w: &World) -> String {
     let c = &w.counts;
-    let ours = format!("\"name\":\"{}", w.population.2);
-    let ours = w.rows.iter().filter(|r| r.json.contains(&ours)).count();
+    let prefix = &w.population.2;
+    let ours = w
+        .forgejo
+        .runners
+        .values()
+        .filter(|r| !r.deleted && r.name.starts_with(prefix.as_str()))
+        .count();
     let mut body = format!(
         "{{\"ours\":{ours},\"requests\":{},\"connections\":{},\"lists\":{},\"jobs\":{},\"gets\":{},\"deletes\":{},\"deleted\":{},\"posts\":{},\"rows\":{}",
         c.requests,
@@ -449,15 +530,15 @@ fn stats(w: &World) -> String {
         c.deletes,
         c.deleted,
         c.posts,
-        w.rows.len() - w.dead.len()
+        w.live_rows()
     );
+    let opt = |v: Option<u128>| v.map_or("null".to_string(), |v| v.to_string());
     if let Some(p) = &w.pickup {
         body.push_str(",\"samples\":[");
         for (i, s) in p.samples.iter().enumerate() {
             if i > 0 {
                 body.push(',');
             }
-            let opt = |v: Option<u128>| v.map_or("null".to_string(), |v| v.to_string());
             body.push_str(&format!(
                 "{{\"job\":{},\"waiting_ns\":{},\"seen_ns\":{},\"post_ns\":{},\"launch_ns\":{}}}",
                 s.job_id,
@@ -478,11 +559,10 @@ fn stats(w: &World) -> String {
             if i > 0 {
                 body.push(',');
             }
-            let opt = |v: Option<u128>| v.map_or("null".to_string(), |v| v.to_string());
+            let status = w.forgejo.jobs.get(&j.id).map_or("?", |r| r.status.as_str());
             body.push_str(&format!(
-                "{{\"job\":{},\"status\":\"{}\",\"takes\":{},\"runner\":{},\"taken_ns\":{},\"done_ns\":{}}}",
+                "{{\"job\":{},\"status\":\"{status}\",\"takes\":{},\"runner\":{},\"taken_ns\":{},\"done_ns\":{}}}",
                 j.id,
-                j.status,
                 j.takes,
                 j.runner.map_or("null".to_string(), |r| r.to_string()),
                 opt(j.taken_ns),
@@ -505,9 +585,8 @@ fn control_request(w: &mut World, what: &str, query: &str) -> Reply {
         // The world as it was at start (every deleted row back) and the counters at zero.
         "restore" => {
             let (n, stale, prefix, live_ours) = w.population.clone();
-            w.rows = population(n, stale, &prefix, live_ours);
-            w.dead.clear();
-            w.next_id = n as i64 + 1;
+            w.forgejo = population(n, stale, &prefix, live_ours);
+            w.order = None;
             w.counts = Counts::default();
             reply(200, "{}")
         }
@@ -522,41 +601,20 @@ fn control_request(w: &mut World, what: &str, query: &str) -> Reply {
             if w.batch.is_some() {
                 return take_from_batch(w, id, query);
             }
-            // The runner asks for its job as forgejo-runner would: Forgejo's rule decides.
-            if let Some(p) = &w.pickup
-                && let Some((job, _)) = p.current
-            {
-                // A runner that refuses its labels never starts: it declares none.
-                let labels =
-                    forgejo_rules::declared_names(query_param(query, "labels").unwrap_or(""))
-                        .unwrap_or_default();
-                let handle = job_handle(job);
-                let runs_on = [PICKUP_RUNS_ON.to_string()];
-                let runner = forgejo_rules::RunnerView {
-                    owner_id: 0,
-                    repo_id: 0,
-                    labels: &labels,
-                    ephemeral: true,
-                    has_task: false,
-                    handle: query_param(query, "handle"),
-                };
-                let offered = forgejo_rules::JobView {
-                    status: "waiting",
-                    task_id: 0,
-                    handle: &handle,
-                    runs_on: &runs_on,
-                    owner_id: 1,
-                    repo_id: 1,
-                    queued_behind: false,
-                };
-                if !forgejo_rules::may_take(&runner, &offered) {
-                    return reply(409, "{\"message\":\"no task for this runner\"}");
-                }
+            // The runner declares its labels and asks for its job as forgejo-runner would:
+            // Forgejo's rule decides; given it, it runs it at once (its final UpdateTask deletes
+            // the ephemeral registration).
+            if w.forgejo.live(id).is_none() {
+                return not_found(w, &format!("runner with ID {id}"));
             }
-            // The runner took its job and ran it: Forgejo removes an ephemeral registration.
-            if w.find(id).is_some() {
-                w.dead.insert(id);
-            }
+            w.declare(id, query_param(query, "labels").unwrap_or(""));
+            let handle = query_param(query, "handle").filter(|h| !h.is_empty());
+            let Some(job) = w.forgejo.task_for(id, handle) else {
+                return reply(409, "{\"message\":\"no task for this runner\"}");
+            };
+            let now = now_ms();
+            w.forgejo.start_task(job, id, now);
+            w.forgejo.final_update_task(job, now);
             if let Some(p) = w.pickup.as_mut()
                 && let Some((_, i)) = p.current.take()
             {
@@ -569,18 +627,14 @@ fn control_request(w: &mut World, what: &str, query: &str) -> Reply {
     }
 }
 
-fn live_rows(w: &World) -> usize {
-    w.rows.len() - w.dead.len()
-}
-
 /// `/_bench/batch`: the next M jobs waiting at once, refused (409) unless the last batch is
 /// done and no registration is left: every measured run starts from nothing.
 fn new_batch(w: &mut World) -> Reply {
-    let live = live_rows(w);
-    let Some(b) = w.batch.as_mut() else {
+    let live = w.live_rows();
+    let Some(b) = w.batch.as_ref() else {
         return reply(409, "{\"message\":\"not started with --jobs\"}");
     };
-    let unfinished = b.jobs.iter().filter(|j| j.status != "success").count();
+    let unfinished = b.jobs.iter().filter(|j| j.done_ns.is_none()).count();
     if live > 0 || unfinished > 0 {
         return reply(
             409,
@@ -589,34 +643,36 @@ fn new_batch(w: &mut World) -> Reply {
             ),
         );
     }
-    b.jobs = (0..b.size as i64)
-        .map(|i| BatchJob {
-            id: b.next_job + i,
-            status: "waiting",
+    let size = b.size;
+    let jobs: Vec<BatchJob> = (0..size)
+        .map(|_| BatchJob {
+            id: add_job(w),
             runner: None,
             takes: 0,
             taken_ns: None,
             done_ns: None,
         })
         .collect();
-    b.next_job += b.size as i64;
+    let b = w.batch.as_mut().expect("batch");
+    b.jobs = jobs;
     b.batches += 1;
     b.refused = 0;
     b.started_ns = now_ns();
-    reply(200, format!("{{\"jobs\":{}}}", b.size))
+    reply(200, format!("{{\"jobs\":{size}}}"))
 }
 
 /// `/_bench/verify`: 200 and the stats when every job of the batch ran exactly once, no launched
 /// runner was refused a job, and no registration is left; else 409 with what is wrong.
 fn verify_batch(w: &mut World) -> Reply {
-    let live = live_rows(w);
+    let live = w.live_rows();
     let Some(b) = &w.batch else {
         return reply(409, "{\"message\":\"not started with --jobs\"}");
     };
     let mut wrong = Vec::new();
     for j in &b.jobs {
-        if j.takes != 1 || j.status != "success" {
-            wrong.push(format!("job {} {} taken {} times", j.id, j.status, j.takes));
+        let status = w.forgejo.jobs.get(&j.id).map_or("?", |r| r.status.as_str());
+        if j.takes != 1 || status != "success" {
+            wrong.push(format!("job {} {status} taken {} times", j.id, j.takes));
         }
     }
     if b.refused > 0 {
@@ -635,58 +691,29 @@ fn verify_batch(w: &mut World) -> Reply {
     }
 }
 
-/// A launched runner asks for its task (`one-job --handle`): Forgejo's rule picks the job, which
-/// runs from now for the job length; its registration shows `active` meanwhile.
+/// A launched runner declares its labels and asks for its task (`one-job --handle`): the model
+/// picks the job (`forgejo_rules::pick`), which runs from now for the job length; its
+/// registration shows `active` meanwhile.
 fn take_from_batch(w: &mut World, id: i64, query: &str) -> Reply {
-    let Ok(row) = w.rows.binary_search_by_key(&id, |r| r.id) else {
-        return not_found(w, &format!("runner with ID {id}"));
-    };
-    if w.dead.contains(&id) {
+    if w.forgejo.live(id).is_none() {
         return not_found(w, &format!("runner with ID {id}"));
     }
+    w.declare(id, query_param(query, "labels").unwrap_or(""));
+    let handle = query_param(query, "handle").filter(|h| !h.is_empty());
+    let picked = w.forgejo.task_for(id, handle);
     let Some(b) = w.batch.as_mut() else {
         return reply(409, "{\"message\":\"not started with --jobs\"}");
     };
-    let labels = forgejo_rules::declared_names(query_param(query, "labels").unwrap_or(""))
-        .unwrap_or_default();
-    let runner = forgejo_rules::RunnerView {
-        owner_id: 0,
-        repo_id: 0,
-        labels: &labels,
-        ephemeral: true,
-        has_task: b.jobs.iter().any(|j| j.runner == Some(id)),
-        handle: query_param(query, "handle").filter(|h| !h.is_empty()),
-    };
-    let runs_on = [PICKUP_RUNS_ON.to_string()];
-    let handles: Vec<String> = b.jobs.iter().map(|j| job_handle(j.id)).collect();
-    let picked = forgejo_rules::pick(
-        &runner,
-        b.jobs.iter().zip(&handles).enumerate().map(|(i, (j, h))| {
-            let view = forgejo_rules::JobView {
-                status: j.status,
-                task_id: if j.status == "waiting" { 0 } else { j.id },
-                handle: h,
-                runs_on: &runs_on,
-                owner_id: 1,
-                repo_id: 1,
-                queued_behind: false,
-            };
-            (i, view)
-        }),
-    );
-    let Some(i) = picked else {
+    let Some(job) = picked else {
         b.refused += 1;
         return reply(409, "{\"message\":\"no task for this runner\"}");
     };
-    let j = &mut b.jobs[i];
-    j.status = "running";
-    j.runner = Some(id);
-    j.takes += 1;
-    j.taken_ns = Some(now_ns());
-    let r = &mut w.rows[row];
-    r.json = r
-        .json
-        .replace("\"status\":\"offline\"", "\"status\":\"active\"");
+    if let Some(j) = b.jobs.iter_mut().find(|j| j.id == job) {
+        j.runner = Some(id);
+        j.takes += 1;
+        j.taken_ns = Some(now_ns());
+    }
+    w.forgejo.start_task(job, id, now_ms());
     reply(200, "{}")
 }
 
@@ -780,6 +807,8 @@ fn serve_connection(world: &Mutex<World>, stream: TcpStream) -> std::io::Result<
             204 => "No Content",
             401 => "Unauthorized",
             404 => "Not Found",
+            409 => "Conflict",
+            422 => "Unprocessable Entity",
             _ => "Error",
         };
         let mut head = format!("HTTP/1.1 {} {reason}\r\n", rep.status);
@@ -787,8 +816,8 @@ fn serve_connection(world: &Mutex<World>, stream: TcpStream) -> std::io::Result<
             head.push_str("Content-Type: application/json;charset=utf-8\r\n");
             head.push_str(&format!("Content-Length: {}\r\n", rep.body.len()));
         }
-        if let Some(t) = rep.total {
-            head.push_str(&format!("X-Total-Count: {t}\r\n"));
+        for (k, v) in &rep.headers {
+            head.push_str(&format!("{k}: {v}\r\n"));
         }
         if !keep_alive {
             head.push_str("Connection: close\r\n");
@@ -842,20 +871,18 @@ fn serve(args: &[String]) -> Result<(), String> {
     let base = format!("http://{addr}");
     let world = Arc::new(Mutex::new(World {
         token,
-        rows: population(runners, stale, &prefix, live_ours),
-        dead: HashSet::new(),
-        next_id: runners as i64 + 1,
+        forgejo: population(runners, stale, &prefix, live_ours),
+        order: None,
+        epoch: 0,
         counts: Counts::default(),
         pickup: pickup.map(|jobs| Pickup {
             remaining: jobs,
-            next_job: 1,
             ..Pickup::default()
         }),
         batch: batch_jobs.map(|size| Batch {
             size,
             length_ns: u128::from(job_ms) * 1_000_000,
             jobs: Vec::new(),
-            next_job: 1,
             batches: 0,
             started_ns: 0,
             refused: 0,

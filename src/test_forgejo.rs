@@ -198,12 +198,12 @@ impl Launcher for ModelForgejo {
         }
     }
 
+    /// SIGTERM: a task it runs is reported failed and Forgejo deletes it; else it stops polling
+    /// (`forgejo_model::Forgejo::terminate`).
     fn stop(&mut self, req: &LaunchRequest<'_>) -> Result<(), StepError> {
         let mut s = self.server();
         let now = s.now;
-        if let Some(r) = s.forgejo.live_mut(req.runner_id) {
-            r.stops_polling(now);
-        }
+        s.forgejo.terminate(req.runner_id, now);
         Ok(())
     }
 }

@@ -1740,6 +1740,103 @@ fn a_job_forgejo_holds_back_is_held_and_the_pool_serves_the_next_one() {
     env.assert_at_rest();
 }
 
+/// Writes a `held-jobs.json` that holds this attempt of the job until the far future.
+fn plant_hold(env: &Env, job: i64, handle: &str) {
+    use std::os::unix::fs::PermissionsExt;
+    fs::create_dir_all(&env.state).unwrap();
+    fs::set_permissions(&env.state, fs::Permissions::from_mode(0o700)).unwrap();
+    let holds = serde_json::json!({"version": 1, "jobs": [{
+        "job_id": job, "handle": handle, "held_at": "2026-12-01T20:00:00Z",
+        "until": "2999-01-01T00:00:00Z", "times": 1
+    }]});
+    fs::write(env.state.join("held-jobs.json"), holds.to_string()).unwrap();
+}
+
+/// A hold is for the attempt Forgejo would not give out: once the job is cancelled and rerun
+/// (a new attempt with a new handle, Forgejo's `PrepareNextAttempt`), that new chance is served
+/// at once, and the old attempt's hold is forgotten. A job Forgejo cancels as abandoned (waiting
+/// 24 h, `CancelAbandonedJobs`) takes its hold with it too.
+#[test]
+fn a_held_job_that_is_rerun_is_served_at_once_and_an_abandoned_ones_hold_is_forgotten() {
+    let env = Env::new();
+    let (job, first) = env.fake.add_job(&["debian"]);
+    plant_hold(&env, job, &first);
+    let out = env.run(&["--output", "json"]);
+    assert_eq!(out.json()["outcome"], "idle", "held: {out:?}");
+    env.fake.set_job_status(job, "cancelled");
+    let second = env.fake.rerun_job(job);
+    let out = env.run(&["--output", "json"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let report = out.json();
+    let registered = events(&report, "register_runner");
+    assert_eq!(registered.len(), 1, "{report}");
+    assert_eq!(job_status(&env, job), "success", "attempt 2 ran");
+    let launched = fs::read_to_string(env.vm.join(format!(
+        "launch-env.{}",
+        registered[0]["runner_id"].as_i64().unwrap()
+    )))
+    .unwrap();
+    assert!(
+        launched.contains(&format!("JOB_HANDLE={second}\n")),
+        "{launched}"
+    );
+    assert!(held_jobs(&env).is_none(), "the old attempt's hold is gone");
+    env.assert_at_rest();
+
+    // Abandoned: the cron cancels the waiting job; the next run forgets its hold.
+    let (abandoned, handle) = env.fake.add_job(&["debian"]);
+    plant_hold(&env, abandoned, &handle);
+    std::thread::sleep(Duration::from_millis(20));
+    assert_eq!(
+        env.fake.cancel_abandoned_jobs(Duration::from_millis(10)),
+        [abandoned]
+    );
+    let out = env.run(&["--output", "json"]);
+    assert_eq!(out.json()["outcome"], "idle", "{out:?}");
+    assert!(held_jobs(&env).is_none(), "nothing held: no file");
+}
+
+/// The teardown of a VM whose runner still runs its job (the hard deadline): when the VM's
+/// shutdown sends the runner SIGTERM, forgejo-runner cancels its task and reports it failed, and
+/// Forgejo deletes the ephemeral runner at once; the run takes that 404 as gone and ends at rest
+/// without a DELETE of its own.
+#[test]
+fn a_teardown_whose_shutdown_cancels_a_running_task_converges() {
+    let env = Env::new();
+    env.set_launch_mode("take"); // the runner takes its job and keeps running
+    env.fault("graceful-shutdown", true);
+    let (job, _) = env.fake.add_job(&["debian"]);
+    let out = env.run(&[
+        "--output",
+        "json",
+        "--hard-deadline",
+        "3s",
+        "--max-cycle-duration",
+        "3s",
+    ]);
+    assert_eq!(out.code, Some(1), "{out:?}");
+    let report = out.json();
+    assert_eq!(job_status(&env, job), "failure", "{report}");
+    assert!(
+        env.fake.deleted_ids().is_empty(),
+        "Forgejo deleted it: {report}"
+    );
+    let destroy = report["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .position(|e| e["step"] == "tofu_destroy")
+        .unwrap();
+    let forget = report["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .position(|e| e["step"] == "forget_runner")
+        .expect("forgotten on Forgejo's 404");
+    assert!(destroy < forget, "{report}");
+    env.assert_at_rest();
+}
+
 #[test]
 fn a_queued_job_released_while_our_runner_waits_is_taken_by_that_runner() {
     // `one-job --wait` keeps asking: once the run ahead of it ends, Forgejo gives it the job.

@@ -1216,6 +1216,97 @@ fn cancelling_a_running_job_deletes_its_ephemeral_runner() {
 }
 
 #[test]
+fn a_rerun_is_a_new_attempt_with_a_new_handle_for_which_only_a_new_runner_asks() {
+    // services/actions/rerun.go RerunJob -> PrepareNextAttempt (models/actions/run_job.go).
+    let fake = FakeForgejo::start(TOKEN);
+    let api = Api::admin(&fake);
+    let (job, first) = fake.add_job(&["debian"]);
+    let (_, uuid, token) = api.register(ADMIN, "ephemeral-r1", true);
+    let take = |handle: &str, uuid: &str, token: &str| {
+        let q = format!("take?handle={handle}&labels=debian");
+        api.runner_call(&q, uuid, token).status
+    };
+    assert_eq!(take(&first, &uuid, &token), 200);
+    let finish = api.runner_call("finish", &uuid, &token);
+    assert_eq!(finish.status, 200, "{}", finish.body);
+    let second = fake.rerun_job(job);
+    assert_ne!(second, first);
+    let listed: Value = serde_json::from_str(&api.get(&format!("{ADMIN}/jobs")).body).unwrap();
+    assert_eq!(listed[0]["id"], job);
+    assert_eq!(listed[0]["attempt"], 2);
+    assert_eq!(listed[0]["handle"], second.as_str());
+    assert_eq!(listed[0]["task_id"], 0);
+    assert_eq!(listed[0]["status"], "waiting");
+    // A runner asking for the first attempt's handle gets nothing; one for the new handle does.
+    let (_, uuid2, token2) = api.register(ADMIN, "ephemeral-r2", true);
+    assert_eq!(take(&first, &uuid2, &token2), 409);
+    assert_eq!(take(&second, &uuid2, &token2), 200);
+    // A job that is not done cannot be rerun.
+    let refused = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| fake.rerun_job(job)));
+    assert!(refused.is_err(), "a running job is not rerun");
+}
+
+#[test]
+fn abandoned_waiting_jobs_are_cancelled_and_running_ones_kept() {
+    // services/actions/clear_tasks.go CancelAbandonedJobs: waiting or blocked, not updated for
+    // ABANDONED_JOB_TIMEOUT.
+    let fake = FakeForgejo::start(TOKEN);
+    let api = Api::admin(&fake);
+    let (waiting, _) = fake.add_job(&["debian"]);
+    let (blocked, _) = fake.add_job(&["debian"]);
+    fake.set_job_status(blocked, "blocked");
+    let (running, handle) = fake.add_job(&["debian"]);
+    let (id, uuid, token) = api.register(ADMIN, "ephemeral-a1", true);
+    let take = format!("take?handle={handle}&labels=debian");
+    assert_eq!(api.runner_call(&take, &uuid, &token).status, 200);
+    let day = Duration::from_millis(forgejo_rules::ABANDONED_JOB_TIMEOUT_MS as u64);
+    assert!(
+        fake.cancel_abandoned_jobs(day).is_empty(),
+        "younger than 24 h"
+    );
+    std::thread::sleep(Duration::from_millis(20));
+    assert_eq!(
+        fake.cancel_abandoned_jobs(Duration::from_millis(10)),
+        vec![waiting, blocked]
+    );
+    let status = |j: i64| fake.jobs().into_iter().find(|x| x.id == j).unwrap().status;
+    assert_eq!(status(waiting), "cancelled");
+    assert_eq!(status(running), "running");
+    assert!(fake.runner(id).is_some(), "no runner touched");
+}
+
+#[test]
+fn sigterm_to_one_job_with_a_running_task_fails_it_and_forgejo_deletes_the_runner() {
+    // forgejo-runner: the task's context is the signal context (main.go, single.go); the
+    // reporter's Close sends the final state, result failure (reporter.go); Forgejo's UpdateTask
+    // then deletes the ephemeral runner (routers/api/actions/runner/runner.go).
+    let fake = FakeForgejo::start(TOKEN);
+    let api = Api::admin(&fake);
+    let (_, handle) = fake.add_job(&["debian"]);
+    let (id, uuid, token) = api.register(ADMIN, "ephemeral-t", true);
+    let take = format!("take?handle={handle}&labels=debian");
+    assert_eq!(api.runner_call(&take, &uuid, &token).status, 200);
+    let r = api.runner_call("terminate", &uuid, &token);
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(fake.jobs()[0].status, "failure");
+    assert!(fake.runner(id).is_none(), "deleted at once");
+    assert!(
+        fake.deleted_ids().is_empty(),
+        "by Forgejo, not through the API"
+    );
+    assert_eq!(api.get(&format!("{ADMIN}/{id}")).status, 404);
+    // Without a task the process just stops: the registration stays (offline).
+    let (other, uuid, token) = api.register(ADMIN, "ephemeral-u", true);
+    assert_eq!(
+        api.runner_call("connect?labels=debian", &uuid, &token)
+            .status,
+        200
+    );
+    assert_eq!(api.runner_call("terminate", &uuid, &token).status, 200);
+    assert_eq!(fake.runner(other).expect("kept").status, "offline");
+}
+
+#[test]
 fn the_endless_task_clean_up_deletes_a_runner_whose_process_goes_on() {
     let fake = FakeForgejo::start(TOKEN);
     let api = Api::admin(&fake);
@@ -1242,26 +1333,28 @@ fn the_endless_task_clean_up_deletes_a_runner_whose_process_goes_on() {
 }
 
 #[test]
-fn a_name_longer_than_the_column_fails_as_forgejo_fails_it() {
-    // The REST registration stores names as sent; 255 characters fit, one more does not, and
-    // Forgejo answers 500 with its error and then the answer it would have given.
+fn a_name_longer_than_255_bytes_is_cut_and_registered() {
+    // `CreateRunner` (models/actions/runner.go) cuts the name with `SplitStringAtByteN(name,
+    // 255)` and answers 201: 255 bytes fit, a longer name keeps its whole characters up to 252
+    // bytes and gets "…".
+    support::forgejo_rules::check_stored_runner_name();
     let fake = FakeForgejo::start(TOKEN);
     let api = Api::admin(&fake);
-    let fits = format!("ephemeral-{}", "é".repeat(245));
+    let fits = format!("ephemeral-{}", "é".repeat(122)); // 10 + 244 = 254 bytes
     let (id, _, _) = api.register(ADMIN, &fits, true);
-    assert_eq!(
-        fake.runner(id).expect("exists").name,
-        fits,
-        "stored as sent"
-    );
-    let long = format!("{fits}x");
+    assert_eq!(fake.runner(id).expect("exists").name, fits, "kept as sent");
+    let long = format!("{fits}xé"); // 257 bytes
     let r = api.post(ADMIN, &json!({"name": long, "ephemeral": true}).to_string());
-    assert_eq!(r.status, 500);
-    let mut values = serde_json::Deserializer::from_str(&r.body).into_iter::<Value>();
-    let error = values.next().expect("an error").expect("JSON");
-    assert!(error["message"].as_str().unwrap().contains("too long"));
-    let answer = values.next().expect("then the answer").expect("JSON");
-    assert_eq!(answer["id"], 0);
-    assert!(answer["token"].as_str().is_some_and(|t| t.len() == 40));
-    assert_eq!(fake.runners().len(), 1, "nothing created");
+    assert_eq!(r.status, 201, "{}", r.body);
+    let answer: Value = serde_json::from_str(&r.body).expect("one JSON answer");
+    let id = answer["id"].as_i64().expect("an id");
+    let stored = fake.runner(id).expect("created").name;
+    // The 122nd "é" would end at byte 254, past 252: it goes whole.
+    assert_eq!(stored, format!("ephemeral-{}…", "é".repeat(121)));
+    assert!(stored.len() <= 255);
+    let listed = api.get(&format!("{ADMIN}/{id}"));
+    assert_eq!(
+        serde_json::from_str::<Value>(&listed.body).unwrap()["name"],
+        stored.as_str()
+    );
 }

@@ -144,6 +144,9 @@ const EVENTS: &[&str] = &[
     world::EV_WOKEN,
     world::EV_ORPHAN,
     world::EV_STOPPED,
+    world::EV_RERUN,
+    world::EV_SIGTERM_TASK,
+    world::EV_RACED_DELETE,
 ];
 
 #[test]

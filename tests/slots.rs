@@ -241,7 +241,20 @@ fn a_job_another_slot_holds_gets_no_second_runner() {
     let out = finish(&env, spawn_slot(&env, 2, 1, &[]));
     assert_eq!(out.code, Some(0), "{out:?}");
     assert_eq!(out.json()["outcome"], "cycle_finished", "{}", out.stdout);
-    assert_eq!(launched_handles(&env.vm), [handle]);
+    assert_eq!(launched_handles(&env.vm), std::slice::from_ref(&handle));
+
+    // A claim is on one attempt: the job rerun (a new attempt, a new handle) is served here at
+    // once although slot 2 claims its first attempt again; a runner of the first attempt's
+    // handle would never be given the new one.
+    plant_cycle(&env, 2, &cycle);
+    let second = env.fake.rerun_job(job);
+    let out = finish(&env, spawn_slot(&env, 2, 1, &[]));
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert_eq!(out.json()["outcome"], "cycle_finished", "{}", out.stdout);
+    let mut want = vec![handle, second];
+    want.sort();
+    assert_eq!(launched_handles(&env.vm), want);
+    assert!(dir.join("cycle.json").exists(), "slot 2's cycle untouched");
 }
 
 /// The sweep spares another slot's registrations and young ones; it deletes the old and the
@@ -483,6 +496,12 @@ fn a_job_another_slot_has_put_on_hold_gets_no_runner_here() {
         env.vm_log().is_empty(),
         "no VM for a job held by another slot"
     );
+    // The hold is on that attempt: cancelled and rerun, the job is a new chance, served here.
+    env.fake.set_job_status(job, "cancelled");
+    let second = env.fake.rerun_job(job);
+    let out = finish(&env, spawn_slot(&env, 2, 1, &[]));
+    assert_eq!(out.json()["outcome"], "cycle_finished", "{}", out.stdout);
+    assert_eq!(launched_handles(&env.vm), [second]);
 }
 
 /// With `--slots` > 1 every sample carries the slot; with one slot none does (as before).

@@ -441,14 +441,16 @@ impl StateStore for FileStore {
             // Another slot's holds are advice like this slot's own: a file that cannot be read
             // is that slot's failure to report, not a reason to stop here.
             match read_holds_file(&dir.join(HOLDS_FILE)) {
-                Ok(h) => o.held.extend(h.jobs.iter().map(|h| (h.job_id, h.until))),
+                Ok(h) => o
+                    .held
+                    .extend(h.jobs.iter().map(|h| (h.handle.clone(), h.until))),
                 Err(e) => log::warn!("{e}; slot {k}'s held jobs are not known here"),
             }
         }
         Ok(o)
     }
 
-    fn save_claiming(&mut self, state: &CycleState, job_id: i64) -> Result<Claim> {
+    fn save_claiming(&mut self, state: &CycleState, job_id: i64, handle: &str) -> Result<Claim> {
         let path = self.slot.pool.join(CLAIMS_LOCK_FILE);
         let lock = fs::OpenOptions::new()
             .create(true)
@@ -484,7 +486,7 @@ impl StateStore for FileStore {
         let others = self
             .others()
             .with_context(|| format!("claiming job {job_id} needs the other slots' claims"))?;
-        if let Some(slot) = others.claimed.get(&job_id).cloned() {
+        if let Some(slot) = others.claimant(job_id, handle).cloned() {
             return Ok(Claim::HeldBy(slot));
         }
         self.save(state)?;
@@ -757,11 +759,12 @@ mod tests {
         let mut s2 = CycleState::new("c2".into(), now);
         s2.registrations
             .push(Registration::intent("p-c2-1-t".into(), 5, "h5".into(), now));
-        assert_eq!(two.save_claiming(&s2, 5).unwrap(), Claim::Saved);
+        assert_eq!(two.save_claiming(&s2, 5, "h5").unwrap(), Claim::Saved);
 
         let mut s1 = CycleState::new("c1".into(), now);
         s1.claim = Some(5);
-        match one.save_claiming(&s1, 5).unwrap() {
+        s1.claim_handle = Some("h5".into());
+        match one.save_claiming(&s1, 5, "h5").unwrap() {
             Claim::HeldBy(by) => assert!(by.starts_with("slot 2 ("), "{by}"),
             Claim::Saved => panic!("slot 1 claimed a job slot 2 holds"),
         }
@@ -769,15 +772,21 @@ mod tests {
             one.load().unwrap().is_none(),
             "nothing written for the refused claim"
         );
-        assert_eq!(one.others().unwrap().claimed_jobs(now), [5].into());
-        assert_eq!(two.others().unwrap().claimed_jobs(now), Default::default());
-        // Another job is free; and once slot 2 forgot its registration, so is job 5.
+        let handles = |o: Others| o.claimed(now).handles.into_iter().collect::<Vec<_>>();
+        assert_eq!(handles(one.others().unwrap()), ["h5"]);
+        assert!(handles(two.others().unwrap()).is_empty());
+        // Another job is free, and so is another attempt of job 5 (a rerun: a new handle); once
+        // slot 2 forgot its registration, so is its attempt.
         s1.claim = Some(6);
-        assert_eq!(one.save_claiming(&s1, 6).unwrap(), Claim::Saved);
-        assert_eq!(two.others().unwrap().claimed_jobs(now), [6].into());
-        two.remove().unwrap();
+        s1.claim_handle = Some("h6".into());
+        assert_eq!(one.save_claiming(&s1, 6, "h6").unwrap(), Claim::Saved);
+        assert_eq!(handles(two.others().unwrap()), ["h6"]);
         s1.claim = Some(5);
-        assert_eq!(one.save_claiming(&s1, 5).unwrap(), Claim::Saved);
+        s1.claim_handle = Some("h5-rerun".into());
+        assert_eq!(one.save_claiming(&s1, 5, "h5-rerun").unwrap(), Claim::Saved);
+        two.remove().unwrap();
+        s1.claim_handle = Some("h5".into());
+        assert_eq!(one.save_claiming(&s1, 5, "h5").unwrap(), Claim::Saved);
         // Slot 2's directory was made for it, 0700, in the pool's.
         let mode = fs::metadata(pool.join("slot-2"))
             .unwrap()
@@ -822,11 +831,13 @@ mod tests {
                         s.registrations.push(Registration::intent(
                             format!("p-c{k}-{round}"),
                             round,
-                            "h".into(),
+                            format!("h{round}"),
                             now,
                         ));
                         barrier.wait();
-                        store.save_claiming(&s, round).unwrap()
+                        store
+                            .save_claiming(&s, round, &format!("h{round}"))
+                            .unwrap()
                     })
                 })
                 .collect();

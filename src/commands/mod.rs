@@ -142,9 +142,9 @@ pub(crate) fn check_fixture(dry: &DryRunArgs) -> Result<(), Fatal> {
 }
 
 /// Longest `--runner-prefix`: with the cycle id, sequence number and time a name stays well
-/// within Forgejo's 255 bytes. Forgejo cuts a longer name to fit (v15.0.3 `CreateRunner`,
-/// `models/actions/runner.go`: `util.SplitStringAtByteN(name, 255)`, `modules/util/truncate.go`,
-/// which puts `…` at the end), and a cut name is no longer the one this tool registered.
+/// within Forgejo's 255 bytes. (`CreateRunner` would cut a longer name to 252 bytes and "…" and
+/// answer 201, `models/actions/runner.go`: the lost-POST lookup by exact name and the time the
+/// sweep reads at the end of a name would then fail.)
 pub const MAX_PREFIX_BYTES: usize = 128;
 
 pub(crate) fn check_prefix(prefix: &str) -> Result<(), Fatal> {
@@ -426,5 +426,33 @@ pub(crate) fn print_plan(actions: &[Value], report: &Report, output: OutputForma
                 println!("{failures} error(s), logged above");
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod name_tests {
+    use super::MAX_PREFIX_BYTES;
+    use crate::core::slots::{MAX_SLOTS, registered_at, registration_name};
+    use crate::core::time::Timestamp;
+    use crate::test_forgejo::forgejo_rules::{RUNNER_NAME_MAX_BYTES, stored_runner_name};
+
+    /// The longest name the product registers (the longest prefix, a cycle id of the last slot,
+    /// the largest sequence number) is stored by Forgejo as sent: its lost-POST lookup by exact
+    /// name and the sweep's reading of its time still work.
+    #[test]
+    fn the_longest_registration_name_is_stored_as_sent() {
+        let at = Timestamp::parse_rfc3339("2099-12-31T23:59:59Z").unwrap();
+        let prefix = "é".repeat(MAX_PREFIX_BYTES / 2);
+        assert_eq!(prefix.len(), MAX_PREFIX_BYTES);
+        assert!(super::check_prefix(&prefix).is_ok());
+        assert!(super::check_prefix(&format!("{prefix}x")).is_err());
+        let cycle_id = format!("{}-ffff-s{MAX_SLOTS}", at.compact());
+        let name = registration_name(&prefix, &cycle_id, u32::MAX, at);
+        assert!(name.len() <= RUNNER_NAME_MAX_BYTES, "{} bytes", name.len());
+        assert_eq!(stored_runner_name(&name), name);
+        assert_eq!(registered_at(&name), Some(Ok(at)));
+        // What Forgejo would do to a longer one: the time at its end would be lost.
+        let long = format!("{}{name}", "x".repeat(RUNNER_NAME_MAX_BYTES));
+        assert_eq!(registered_at(&stored_runner_name(&long)), None);
     }
 }

@@ -11,6 +11,7 @@ use crate::core::licence::SweepLicence;
 use crate::core::model::{
     Deletable, Job, Runner, RunnerStatus, job_matches, may_delete, waiting_jobs,
 };
+use crate::core::slots::Claimed;
 use crate::core::state::{
     Boundary, CycleState, Launch, NotServed, Phase, ProcessState, Registration,
 };
@@ -105,8 +106,9 @@ pub struct Observation {
     pub runners: BTreeMap<i64, Option<Runner>>,
     /// Why the launch command cannot run now (it went away mid-cycle), when it cannot.
     pub launch_problem: Option<String>,
-    /// Jobs the pool's other slots hold (`core::slots`): never registered for here.
-    pub claimed_elsewhere: BTreeSet<i64>,
+    /// Job attempts the pool's other slots claim or hold (`core::slots`): never registered for
+    /// here.
+    pub claimed_elsewhere: Claimed,
 }
 
 /// Facts about this run (not the cycle) that decisions depend on.
@@ -291,9 +293,11 @@ impl TeardownReason {
 pub enum Step {
     /// No cycle and no waiting job: the idle tick. Nothing to do.
     Idle,
-    /// Write a new cycle.json (phase `applying`) that claims this job, the oldest servable one.
+    /// Write a new cycle.json (phase `applying`) that claims this job attempt, the oldest
+    /// servable one.
     StartCycle {
         job_id: i64,
+        job_handle: String,
     },
     /// `tofu init` when needed, `tofu apply`, `tofu output -json`.
     Apply,
@@ -384,7 +388,9 @@ pub fn servable_jobs<'a>(
     now: Timestamp,
 ) -> Vec<&'a Job> {
     let mut w = waiting_jobs(jobs, &policy.label_names);
-    w.retain(|j| !ctx.holds.is_held(&j.handle, now) && !obs.claimed_elsewhere.contains(&j.id));
+    w.retain(|j| {
+        !ctx.holds.is_held(&j.handle, now) && !obs.claimed_elsewhere.covers(j.id, &j.handle)
+    });
     w.retain(|j| {
         ctx.holds
             .may_serve(j, policy.share, policy.take_over_after, now)
@@ -403,7 +409,10 @@ pub fn decide(
     let Some(state) = state else {
         return match &obs.jobs {
             Some(jobs) => match servable_jobs(jobs, obs, policy, ctx, now).first() {
-                Some(job) => Step::StartCycle { job_id: job.id },
+                Some(job) => Step::StartCycle {
+                    job_id: job.id,
+                    job_handle: job.handle.clone(),
+                },
                 None => Step::Idle,
             },
             None => Step::GiveUp {

@@ -183,10 +183,11 @@ pub trait StateStore {
     fn others(&mut self) -> Result<Others> {
         Ok(Others::default())
     }
-    /// Writes `state`, which claims `job_id` (a new registration's intent, or a new cycle), unless
-    /// another slot of the pool holds that job: then nothing is written and the answer names it.
-    /// Atomic against the other slots' claims (the pool's claims lock).
-    fn save_claiming(&mut self, state: &CycleState, _job_id: i64) -> Result<Claim> {
+    /// Writes `state`, which claims the attempt `handle` of job `job_id` (a new registration's
+    /// intent, or a new cycle), unless another slot of the pool holds that attempt: then nothing
+    /// is written and the answer names it. Atomic against the other slots' claims (the pool's
+    /// claims lock).
+    fn save_claiming(&mut self, state: &CycleState, _job_id: i64, _handle: &str) -> Result<Claim> {
         self.save(state).map(|()| Claim::Saved)
     }
 }
@@ -195,7 +196,7 @@ pub trait StateStore {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Claim {
     Saved,
-    /// Another slot holds the job (its name); nothing was written.
+    /// Another slot holds the job attempt (its name); nothing was written.
     HeldBy(String),
 }
 

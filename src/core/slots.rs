@@ -1,10 +1,14 @@
 //! Parallel slots of one pool: what the other slots hold (their claims on jobs and their
 //! registrations' names), and when a registration is too young for a sweep to judge.
 //!
-//! Each slot runs the single-VM cycle with its own cycle.json. A slot claims a job in its
+//! Each slot runs the single-VM cycle with its own cycle.json. A slot claims a job attempt in its
 //! cycle.json before it registers for it (the intent, or the job a new cycle is started for),
 //! under the pool's claims lock; the claim is released when that registration is forgotten, and
-//! a slot whose cycle.json is gone claims nothing. A sweep spares what another slot holds and any
+//! a slot whose cycle.json is gone claims nothing. A claim (and a hold) names the attempt by its
+//! handle: a rerun gives the job a new attempt and a new handle (Forgejo v15.0.3
+//! `models/actions/run_job.go` `PrepareNextAttempt`, called by `services/actions/rerun.go` once
+//! the attempt before is done), which no claim on the earlier attempt covers, and a runner
+//! started for the earlier handle is never given the new one (`IsRequestedByRunner`). A sweep spares what another slot holds and any
 //! registration whose name shows it was created less than [`sweep_min_age`] ago.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -35,16 +39,37 @@ pub fn parse_slot_dir_name(name: &str) -> Option<u32> {
     n.parse().ok().filter(|k| *k >= 2)
 }
 
+/// The job attempts this slot leaves alone: claimed or held by another slot.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Claimed {
+    /// Attempts, by handle.
+    pub handles: BTreeSet<String>,
+    /// Every attempt of these jobs: the job a cycle was started for, recorded by a version that
+    /// did not write its handle (`CycleState::claim` without `claim_handle`).
+    pub jobs: BTreeSet<i64>,
+}
+
+impl Claimed {
+    /// Whether the attempt `handle` of job `job_id` is claimed or held.
+    pub fn covers(&self, job_id: i64, handle: &str) -> bool {
+        self.handles.contains(handle) || self.jobs.contains(&job_id)
+    }
+}
+
 /// What the other slots of this pool hold, read from their cycle.json files.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Others {
-    /// Jobs another slot registered for (or is about to), or started its cycle for: which slot.
-    pub claimed: BTreeMap<i64, String>,
+    /// Job attempts (handles) another slot registered for (or is about to), or started its cycle
+    /// for: which slot.
+    pub claimed: BTreeMap<String, String>,
+    /// Jobs another slot started its cycle for, recorded without the attempt's handle (a
+    /// cycle.json of an earlier version): every attempt of them is that slot's.
+    pub claimed_any_attempt: BTreeMap<i64, String>,
     /// Names of every registration in another slot's cycle.json, intents included.
     pub names: BTreeSet<String>,
-    /// Jobs another slot holds in its `held-jobs.json` (Forgejo did not give them to its runner),
-    /// and until when: not served here either until the hold ends.
-    pub held: Vec<(i64, Timestamp)>,
+    /// Job attempts (handles) another slot holds in its `held-jobs.json` (Forgejo did not give
+    /// them to its runner), and until when: not served here either until the hold ends.
+    pub held: Vec<(String, Timestamp)>,
     /// Slots beyond `--slots` whose cycle is still in progress, each said in words: its VM and
     /// registrations stay until that slot runs again.
     pub beyond: Vec<String>,
@@ -57,7 +82,7 @@ impl Others {
             // A runner that took a job claims none: the job it was registered for, if it still
             // waits, will go to another runner.
             if !r.busy {
-                self.claimed.insert(r.job_id, slot.to_string());
+                self.claimed.insert(r.job_handle.clone(), slot.to_string());
             }
             self.names.insert(r.name.clone());
         }
@@ -66,18 +91,32 @@ impl Others {
         if let Some(job) = state.claim
             && matches!(state.phase, Phase::Applying | Phase::Running)
         {
-            self.claimed.insert(job, slot.to_string());
+            match &state.claim_handle {
+                Some(handle) => self.claimed.insert(handle.clone(), slot.to_string()),
+                None => self.claimed_any_attempt.insert(job, slot.to_string()),
+            };
         }
     }
 
-    /// The jobs this slot leaves alone at `now`: claimed by another slot, or held by one.
-    pub fn claimed_jobs(&self, now: Timestamp) -> BTreeSet<i64> {
-        let held = self.held.iter().filter(|(_, until)| now < *until);
+    /// The slot that claims the attempt `handle` of job `job_id`, if one does.
+    pub fn claimant(&self, job_id: i64, handle: &str) -> Option<&String> {
         self.claimed
-            .keys()
-            .copied()
-            .chain(held.map(|(job, _)| *job))
-            .collect()
+            .get(handle)
+            .or_else(|| self.claimed_any_attempt.get(&job_id))
+    }
+
+    /// The job attempts this slot leaves alone at `now`: claimed by another slot, or held by one.
+    pub fn claimed(&self, now: Timestamp) -> Claimed {
+        let held = self.held.iter().filter(|(_, until)| now < *until);
+        Claimed {
+            handles: self
+                .claimed
+                .keys()
+                .cloned()
+                .chain(held.map(|(handle, _)| handle.clone()))
+                .collect(),
+            jobs: self.claimed_any_attempt.keys().copied().collect(),
+        }
     }
 }
 
@@ -228,33 +267,52 @@ mod tests {
         assert_eq!(g.spares(&ahead(86_400)), Some(Spared::DoubtfulTime));
     }
 
+    fn handles(c: &Claimed) -> Vec<&str> {
+        c.handles.iter().map(String::as_str).collect()
+    }
+
     #[test]
     fn other_slots_claim_their_registrations_jobs_and_a_starting_cycles_job() {
         let now = ts("2026-12-01T21:00:00Z");
         let mut s = CycleState::new("c1".into(), now);
         s.claim = Some(7);
+        s.claim_handle = Some("h7".into());
         s.registrations
             .push(Registration::intent("p-c1-1-x".into(), 5, "h5".into(), now));
         let mut o = Others::default();
         o.add("slot 2", &s);
-        assert_eq!(o.claimed_jobs(now), [5, 7].into());
+        assert_eq!(handles(&o.claimed(now)), ["h5", "h7"]);
         assert_eq!(o.names, ["p-c1-1-x".to_string()].into());
+        // A claim is on the attempt: a rerun of job 5 (a new handle) is not claimed.
+        assert!(o.claimed(now).covers(5, "h5"));
+        assert!(!o.claimed(now).covers(5, "h5-rerun"));
+        assert_eq!(o.claimant(5, "h5").map(String::as_str), Some("slot 2"));
+        assert_eq!(o.claimant(5, "h5-rerun"), None);
+        // A start claim of an earlier version (no handle) covers every attempt of its job.
+        s.claim_handle = None;
+        let mut o = Others::default();
+        o.add("slot 2", &s);
+        assert!(o.claimed(now).covers(7, "any"));
+        assert_eq!(o.claimant(7, "any").map(String::as_str), Some("slot 2"));
         // Torn down: the job it started for is free; its registration still holds its job.
         s.phase = Phase::TearingDown;
         let mut o = Others::default();
         o.add("slot 2", &s);
-        assert_eq!(o.claimed_jobs(now), [5].into());
+        assert_eq!(handles(&o.claimed(now)), ["h5"]);
+        assert!(o.claimed(now).jobs.is_empty());
         // A runner that took a job (any job) claims none; its name is still held.
         s.registrations[0].busy = true;
         let mut o = Others::default();
         o.add("slot 2", &s);
-        assert_eq!(o.claimed_jobs(now), Default::default());
+        assert_eq!(o.claimed(now), Default::default());
         assert_eq!(o.names.len(), 1);
-        // Another slot's hold counts until it ends.
-        o.held.push((9, now.plus(Duration::from_secs(60))));
-        assert_eq!(o.claimed_jobs(now), [9].into());
+        // Another slot's hold counts until it ends, for that attempt.
+        o.held
+            .push(("h9".into(), now.plus(Duration::from_secs(60))));
+        assert_eq!(handles(&o.claimed(now)), ["h9"]);
+        assert!(!o.claimed(now).covers(9, "h9-rerun"));
         assert_eq!(
-            o.claimed_jobs(now.plus(Duration::from_secs(60))),
+            o.claimed(now.plus(Duration::from_secs(60))),
             Default::default()
         );
     }

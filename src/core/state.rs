@@ -197,6 +197,11 @@ pub struct CycleState {
     /// leave it to this one (`core::slots`). Written with the new cycle, under the claims lock.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub claim: Option<i64>,
+    /// The handle of the attempt of `claim` (a rerun is a new attempt with a new handle): the
+    /// claim is on that attempt only. Missing in a cycle.json of an earlier version: the claim
+    /// then covers every attempt of the job.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub claim_handle: Option<String>,
 }
 
 /// How `last_error` begins once a `tofu destroy` of the cycle failed (until one succeeds).
@@ -237,6 +242,7 @@ impl CycleState {
             boundary: None,
             previous: Vec::new(),
             claim: None,
+            claim_handle: None,
         }
     }
 

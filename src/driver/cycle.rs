@@ -189,14 +189,19 @@ impl Driver<'_, '_> {
         )
     }
 
-    /// Writes `state` (not yet this driver's), which claims `job_id`, unless another slot holds
-    /// that job (`StateStore::save_claiming`). `Err` as for [`Self::save`]. A refused claim
+    /// Writes `state` (not yet this driver's), which claims the attempt `handle` of `job_id`,
+    /// unless another slot holds that attempt (`StateStore::save_claiming`). `Err` as for [`Self::save`]. A refused claim
     /// writes nothing, so it is no progress: were it refused again and again (the planner
     /// choosing a job the store says another slot holds), the runaway guard stops the run.
-    fn save_claiming(&mut self, state: &CycleState, job_id: i64) -> Result<Claim, SaveFailed> {
+    fn save_claiming(
+        &mut self,
+        state: &CycleState,
+        job_id: i64,
+        handle: &str,
+    ) -> Result<Claim, SaveFailed> {
         let mut wrote = false;
         let claim = write(self.report, &mut *self.w.store, &mut wrote, |store| {
-            store.save_claiming(state, job_id)
+            store.save_claiming(state, job_id, handle)
         })?;
         if claim == Claim::Saved {
             self.progressed |= wrote;
@@ -261,7 +266,7 @@ impl Driver<'_, '_> {
             match others.map(|o| (o, self.w.forgejo.list_jobs())) {
                 None => {}
                 Some((o, Ok(jobs))) => {
-                    obs.claimed_elsewhere = o.claimed_jobs(self.w.clock.now());
+                    obs.claimed_elsewhere = o.claimed(self.w.clock.now());
                     // A held job that is no longer listed (done, cancelled, re-run) is forgotten;
                     // another share's waiting job is remembered from when it was first seen.
                     self.warn_without_handle(&jobs);
@@ -417,7 +422,7 @@ impl Driver<'_, '_> {
     /// Carries out one step. `Some(end)` ends the run.
     fn act(&mut self, step: Step, now: Timestamp) -> Option<End> {
         match step {
-            Step::StartCycle { job_id } => self.start_cycle(job_id, now),
+            Step::StartCycle { job_id, job_handle } => self.start_cycle(job_id, &job_handle, now),
             Step::Apply => self.apply(),
             Step::ResolveIntent { name } => self.resolve_intent(&name),
             Step::Forget { id } => {
@@ -691,7 +696,7 @@ mod tests {
         fn save_holds(&mut self, holds: &crate::core::holds::Holds) -> anyhow::Result<()> {
             self.inner.save_holds(holds)
         }
-        fn save_claiming(&mut self, _: &CycleState, _: i64) -> anyhow::Result<Claim> {
+        fn save_claiming(&mut self, _: &CycleState, _: i64, _: &str) -> anyhow::Result<Claim> {
             self.refused += 1;
             assert!(
                 self.refused < 10 * MAX_STEPS_WITHOUT_WAIT,
@@ -708,7 +713,11 @@ mod tests {
     fn a_claim_refused_again_and_again_is_a_runaway_not_progress() {
         let shared = ModelForgejo::new("debian");
         let runs_on = vec!["debian".to_string()];
-        shared.server().forgejo.add_job("h1".into(), runs_on, 1, 1);
+        {
+            let mut s = shared.server();
+            let now = s.now;
+            s.forgejo.add_job("h1".into(), runs_on, 1, 1, now);
+        }
         let mut forgejo = shared.clone();
         let mut launcher = shared.clone();
         let mut tofu = NoopTofu;
@@ -744,10 +753,9 @@ mod tests {
         let jobs = MAX_STEPS_WITHOUT_WAIT as usize * 2;
         for i in 0..jobs {
             let runs_on = vec!["debian".to_string()];
-            shared
-                .server()
-                .forgejo
-                .add_job(format!("h{i}"), runs_on, 1, 1);
+            let mut s = shared.server();
+            let now = s.now;
+            s.forgejo.add_job(format!("h{i}"), runs_on, 1, 1, now);
         }
         let mut forgejo = shared.clone();
         let mut launcher = shared.clone();

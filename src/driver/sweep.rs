@@ -336,7 +336,9 @@ mod tests {
                 let r = s.forgejo.live_mut(id).unwrap();
                 r.declare(Some(vec!["debian".into()]), now);
             }
-            let job = s.forgejo.add_job("h".into(), vec!["debian".into()], 1, 1);
+            let job = s
+                .forgejo
+                .add_job("h".into(), vec!["debian".into()], 1, 1, now);
             s.forgejo.start_task(job, 601, now);
         }
         let rep = sweep(&mut f.clone(), &licence(), "", 100);

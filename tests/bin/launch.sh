@@ -9,7 +9,8 @@
 # RUNNER_ACTION (the launch command's contract, docs/design.md "The launch command"):
 #   start (also when unset): start the runner; the token is on stdin. An empty JOB_HANDLE: exit 1.
 #   check: exit 0 while this runner's process still runs on the VM, 3 once it is gone.
-#   stop:  end that process (tell the fake it is gone), exit 0; also 0 when it was already gone.
+#   stop:  end that process (SIGTERM: tell the fake, which fails a running task), exit 0; also 0
+#          when it was already gone.
 #   anything else: exit 2.
 # Every call appends `<action> <RUNNER_ID>` to $VM_DIR/actions.log. Only a start writes
 # launch-env.N and launch-argv.N (tests count starts by them); check and stop do not.
@@ -82,10 +83,11 @@ stop)
     if alive "$pid"; then
         kill -KILL "$pid" 2> /dev/null || true
     fi
-    # The process is gone: the fake hears it at once (Forgejo would after 60 s). Best effort:
-    # a deleted registration answers 401.
+    # The process got SIGTERM (`one-job` reports a running task failed, and Forgejo deletes the
+    # runner) and is gone: the fake hears it at once (Forgejo would after 60 s). Best effort: a
+    # deleted registration answers 401.
     if [ -e "$tokenfile" ]; then
-        post disconnect > /dev/null
+        post terminate > /dev/null
         rm -f "$tokenfile"
     fi
     exit 0

@@ -1,6 +1,8 @@
 #!/bin/sh
 # create|destroy CYCLE_ID [SLOT]. Faults are switched on by files in $VM_DIR:
-#   fail-apply, fail-destroy (exit 1), slow-apply, slow-destroy (sleep 30; SIGINT ends it).
+#   fail-apply, fail-destroy (exit 1), slow-apply, slow-destroy (sleep 30; SIGINT ends it),
+#   graceful-shutdown (the destroy shuts the VM down: its runners get SIGTERM, and one that runs
+#   a task reports it failed, so Forgejo deletes it; else the VM is powered off).
 set -eu
 : "${VM_DIR:?VM_DIR must be set by the test}"
 action=$1
@@ -34,8 +36,10 @@ destroy)
         uuid=$(basename "$f")
         on=$(cat "$VM_DIR/runner-vm.$uuid" 2> /dev/null || echo "$id")
         [ "$on" = "$id" ] || continue
+        how=disconnect
+        [ -e "$VM_DIR/graceful-shutdown" ] && how=terminate
         curl -fsS -X POST -H "X-Runner-UUID: $uuid" --data-binary @"$f" \
-            "$FAKE_FORGEJO_URL/_fake/disconnect" > /dev/null || true
+            "$FAKE_FORGEJO_URL/_fake/$how" > /dev/null || true
         rm -f "$f"
     done
     echo "destroy $id" >> "$VM_DIR/vm.log"

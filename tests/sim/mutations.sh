@@ -107,7 +107,7 @@ mutate "sweep-without-destroy" src/core/planner/after.rs \
     ''
 
 mutate "apply-before-intent" src/driver/cycle/vm.rs \
-    '        match self.save_claiming(&state, job_id) {' \
+    '        match self.save_claiming(&state, job_id, job_handle) {' \
     '        match Ok::<Claim, SaveFailed>(Claim::Saved) {'
 
 mutate "no-sweep" src/core/planner/after.rs \
@@ -154,19 +154,19 @@ mutate "hold-not-written" src/driver/cycle.rs \
 # without them: the planner's filter of the jobs the other slots claimed (read before the jobs)
 # and the check under the claims lock, both for a new cycle and for a registration's intent.
 mutate "claims-ignored" src/core/planner.rs \
-    ' && !obs.claimed_elsewhere.contains(&j.id)' \
+    ' && !obs.claimed_elsewhere.covers(j.id, &j.handle)' \
     '' \
     src/driver/cycle/vm.rs \
-    '        match self.save_claiming(&state, job_id) {' \
+    '        match self.save_claiming(&state, job_id, job_handle) {' \
     '        match self.w.store.save(&state).map(|()| Claim::Saved).map_err(|_| SaveFailed) {' \
     src/driver/cycle/registrations.rs \
-    '        match self.save_claiming(&s, job_id) {' \
+    '        match self.save_claiming(&s, job_id, job_handle) {' \
     '        match self.w.store.save(&s).map(|()| Claim::Saved).map_err(|_| SaveFailed) {'
 
 # The check under the claims lock alone: the planner's filter was read before the jobs, and
 # another slot may claim the job in between.
 mutate "register-without-claims-lock" src/driver/cycle/registrations.rs \
-    '        match self.save_claiming(&s, job_id) {' \
+    '        match self.save_claiming(&s, job_id, job_handle) {' \
     '        match self.w.store.save(&s).map(|()| Claim::Saved).map_err(|_| SaveFailed) {'
 
 mutate "sweep-ignores-held" src/core/slots.rs \
@@ -179,6 +179,12 @@ mutate "sweep-ignores-held" src/core/slots.rs \
 mutate "sweep-spares-every-name" src/core/slots.rs \
     '        if self.held.contains(name) {' \
     '        if !name.is_empty() {'
+
+# A stop that failed recorded as done: the cycle then believes no process of that runner runs,
+# although it may come up between the read that found it offline and the DELETE.
+mutate "failed-stop-before-delete-taken-for-gone" src/driver/cycle/registrations.rs \
+    '                        ProcessState::NotGone(format!("RUNNER_ACTION=stop failed: {}", e.message))' \
+    '                        ProcessState::Gone'
 
 if ((missed)); then
     echo "$missed mutation(s) not caught" >&2

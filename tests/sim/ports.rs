@@ -180,6 +180,18 @@ impl Port {
                 None => s.api_fault(write, post),
             };
             let applied = fault.is_none_or(|f| f.applied());
+            let latency = match fault {
+                Some(ApiFault::Timeout | ApiFault::TimeoutApplied | ApiFault::LatePost) => {
+                    HTTP_TIMEOUT_MS
+                }
+                _ => s.rng.range(5, 120),
+            };
+            // The request travels to Forgejo and its answer back while the runner processes on
+            // our VMs go on (they connect, take their job, finish it): what one request read is
+            // not what the next one finds. A GET that found a runner offline and the DELETE that
+            // follows are two requests; Forgejo's DELETE checks no status.
+            let sent = s.now;
+            self.take_until(&mut s, sent + latency / 2, true);
             let value = if applied {
                 Some(op(&mut s, fault))
             } else {
@@ -189,16 +201,10 @@ impl Port {
                 && let Some(name) = late_name
             {
                 let slot = s.slot_of(self.inv);
-                s.schedule_late_post(slot, name);
+                s.schedule_late_post(slot, name, sent);
             }
-            let latency = match fault {
-                Some(ApiFault::Timeout | ApiFault::TimeoutApplied | ApiFault::LatePost) => {
-                    HTTP_TIMEOUT_MS
-                }
-                _ => s.rng.range(5, 120),
-            };
             let now = s.now;
-            self.take_until(&mut s, now + latency, false);
+            self.take_until(&mut s, now + latency - latency / 2, true);
             if fault.is_some() {
                 let now = s.now;
                 s.invs[self.inv].last_fault_at = now;
@@ -271,6 +277,7 @@ impl Forgejo for SimForgejo {
     }
 
     fn get_runner(&mut self, id: i64) -> Result<Option<Runner>, ApiError> {
+        let inv = self.0.inv;
         self.0.api(
             "GET",
             "GET runner",
@@ -283,6 +290,9 @@ impl Forgejo for SimForgejo {
                     && let Some(r) = &mut r
                 {
                     odd(s, r);
+                }
+                if let Some(r) = &r {
+                    s.saw(inv, id, r.status.clone());
                 }
                 r
             },
@@ -332,6 +342,7 @@ impl Forgejo for SimForgejo {
     }
 
     fn list_runners_page(&mut self, page: u32, limit: u32) -> Result<RunnerPage, ApiError> {
+        let inv = self.0.inv;
         self.0.api(
             "GET",
             "GET runner page",
@@ -343,6 +354,9 @@ impl Forgejo for SimForgejo {
                 if f == Some(ApiFault::OddRows) && !rows.is_empty() {
                     let i = s.rng.below(rows.len() as u64) as usize;
                     odd(s, &mut rows[i]);
+                }
+                for r in &rows {
+                    s.saw(inv, r.id, r.status.clone());
                 }
                 RunnerPage {
                     rows,
@@ -561,7 +575,7 @@ impl Launcher for SimLauncher {
             }
             let slot = s.slot_of(self.0.inv);
             let vm = current_vm(&s, slot);
-            s.check_launch(self.0.inv, req.runner_id, req.job_id);
+            s.check_launch(self.0.inv, req.runner_id, req.job_id, req.job_handle);
             let p = s.cfg.launch;
             let fault = if s.faults_on && s.rng.chance(p) {
                 let f = s
@@ -813,19 +827,24 @@ impl StateStore for SimStore {
     /// Under the pool's claims lock: read the other slots' claims and write this one, or not.
     /// Atomic here (no step boundary between the read and the write), with the boundaries and
     /// faults of `save` around it, and a read of the others that can fail as in `others`.
-    fn save_claiming(&mut self, state: &CycleState, job_id: i64) -> anyhow::Result<Claim> {
+    fn save_claiming(
+        &mut self,
+        state: &CycleState,
+        job_id: i64,
+        handle: &str,
+    ) -> anyhow::Result<Claim> {
         if self.alone() {
             return self.save(state).map(|()| Claim::Saved);
         }
         let what = format!("save({})", phase_name(state.phase));
         self.0.boundary("before", &what);
-        let mut others = self.read_others().inspect_err(|_| {
+        let others = self.read_others().inspect_err(|_| {
             self.0
                 .sim
                 .borrow_mut()
                 .log(format!("{what} -> err (others)"));
         })?;
-        if let Some(by) = others.claimed.remove(&job_id) {
+        if let Some(by) = others.claimant(job_id, handle).cloned() {
             let mut s = self.0.sim.borrow_mut();
             s.stats.claims_refused += 1;
             s.log(format!("{what} refused: job {job_id} is held by {by}"));
@@ -853,8 +872,9 @@ impl StateStore for SimStore {
             if s.tracing {
                 let text = match &r {
                     Ok(o) => format!(
-                        "read others -> claimed {:?}, {} name(s)",
+                        "read others -> claimed {:?} {:?}, {} name(s)",
                         o.claimed.keys().collect::<Vec<_>>(),
+                        o.claimed_any_attempt.keys().collect::<Vec<_>>(),
                         o.names.len()
                     ),
                     Err(_) => "read others -> err".to_string(),

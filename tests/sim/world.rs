@@ -161,6 +161,10 @@ enum Bg {
     LegacyFinish(i64),
     /// A POST whose client gave up lands now (the slot that sent it, the name).
     LatePost(usize, String),
+    /// Someone reruns the job once it is done (`RerunJob`: a new attempt, a new handle).
+    JobRerun(i64),
+    /// `cancel_abandoned_jobs` (`CancelAbandonedJobs`, `@every 6h`).
+    AbandonedCron,
 }
 
 /// Fault rates of one seed (all zero once the world goes quiet).
@@ -246,6 +250,13 @@ pub const EV_WOKEN: &str = "runner: a polling runner of ours was given its relea
 pub const EV_ORPHAN: &str =
     "runner: a process polled on after its registration was deleted, until the VM went";
 pub const EV_STOPPED: &str = "runner: RUNNER_ACTION=stop ended a process of ours on the VM";
+pub const EV_RERUN: &str = "forgejo: a done job was rerun (a new attempt, a new handle)";
+pub const EV_SIGTERM_TASK: &str =
+    "runner: SIGTERM cancelled a running task of ours; Forgejo deleted the runner at once";
+pub const EV_ABANDONED: &str = "forgejo: cancel_abandoned_jobs cancelled a job waiting 24 h";
+pub const EV_RACED_DELETE: &str = "api: a runner came up between the read that found it offline and the DELETE (deleted while up)";
+pub const EV_RACED_DELETE_ACTIVE: &str =
+    "api: a runner took its job between the read that found it offline and the DELETE";
 
 #[derive(Default, Clone)]
 pub struct Stats {
@@ -434,8 +445,12 @@ pub struct Sim {
     pub slots: Vec<Slot>,
     /// The invocations running now, outermost first.
     pub stack: Vec<usize>,
-    /// For each job: the runners our launches were for, and the slot that launched each.
-    launches: BTreeMap<i64, Vec<(usize, i64)>>,
+    /// For each job attempt (handle): the runners our launches were for, and the slot that
+    /// launched each.
+    launches: BTreeMap<String, Vec<(usize, i64)>>,
+    /// What each invocation last read of each runner (GET or a list row): when, and the status.
+    /// A DELETE that finds the runner up is the product's error unless it read it offline.
+    seen: BTreeMap<(usize, i64), (i64, RunnerStatus)>,
     /// VMs on which no runner ever connects.
     broken_vms: Vec<String>,
     vm_starts: BTreeMap<String, VmStarts>,
@@ -535,6 +550,7 @@ impl Sim {
             slots,
             stack: Vec::new(),
             launches: BTreeMap::new(),
+            seen: BTreeMap::new(),
             broken_vms: Vec::new(),
             vm_starts: BTreeMap::new(),
             launched_ok: BTreeMap::new(),
@@ -778,6 +794,9 @@ impl Sim {
         self.schedule(z, Bg::ZombieCron);
         let e = now + self.rng.range(0, rules::ENDLESS_CRON_MS);
         self.schedule(e, Bg::EndlessCron);
+        // No job here waits 24 h (a seed lasts a few hours): the cron runs, and finds none.
+        let a = now + self.rng.range(0, rules::ABANDONED_CRON_MS);
+        self.schedule(a, Bg::AbandonedCron);
         let at = now + self.rng.range(MIN, 20 * MIN);
         self.schedule(at, Bg::OtherPoolRegister);
     }
@@ -814,7 +833,7 @@ impl Sim {
         };
         let handle = format!("{:08x}-h", self.rng.next_u64() as u32);
         self.forgejo
-            .add_job(handle, Self::names(runs_on), owner_id, repo_id)
+            .add_job(handle, Self::names(runs_on), owner_id, repo_id, self.now)
     }
 
     // -- Forgejo's job assignment -----------------------------------------------------------------
@@ -973,6 +992,10 @@ impl Sim {
                     let at = now + self.rng.range(5 * SEC, 5 * MIN);
                     self.schedule(at, Bg::JobTakenByOther(id));
                 }
+                if self.faults_on && self.rng.chance(0.1) {
+                    let at = now + self.rng.range(2 * MIN, 40 * MIN);
+                    self.schedule(at, Bg::JobRerun(id));
+                }
                 let gap = self.rng.range(SEC, 2 * self.mean_arrival_ms);
                 self.schedule(now + gap, Bg::JobArrival);
             }
@@ -1084,6 +1107,30 @@ impl Sim {
                 if self.forgejo.live(id).is_some() {
                     self.final_update_task(id);
                 }
+            }
+            Bg::JobRerun(j) => {
+                // `RerunJob` refuses a job that is not done (`ErrRerunJobStillRunning`): asked
+                // again later, while jobs still arrive.
+                if !self.arrivals_on {
+                    return;
+                }
+                let handle = format!("{:08x}-h", self.rng.next_u64() as u32);
+                if self.forgejo.rerun_job(j, handle.clone(), now) {
+                    self.event(EV_RERUN);
+                    self.log(format!("forgejo: job {j} rerun as attempt {handle}"));
+                } else if self.forgejo.jobs.contains_key(&j) {
+                    let at = now + self.rng.range(MIN, 20 * MIN);
+                    self.schedule(at, Bg::JobRerun(j));
+                }
+            }
+            Bg::AbandonedCron => {
+                let cancelled = self
+                    .forgejo
+                    .cancel_abandoned_jobs(now, rules::ABANDONED_JOB_TIMEOUT_MS);
+                for _ in cancelled {
+                    self.event(EV_ABANDONED);
+                }
+                self.schedule(now + rules::ABANDONED_CRON_MS, Bg::AbandonedCron);
             }
             Bg::LatePost(slot, name) => {
                 let id = self.srv_register(slot, &name);
@@ -1235,11 +1282,17 @@ impl Sim {
     }
 
     /// `tofu destroy` of the module in `slot`'s workspace: its VMs go, and every runner process
-    /// on them stops.
+    /// on them stops: at once (powered off), or, half the time, by a shutdown that sends it
+    /// SIGTERM first (a running task is then reported failed and Forgejo deletes the runner,
+    /// `Forgejo::terminate`).
     pub fn destroy_vms(&mut self, slot: usize) {
         let now = self.now;
         for vm in std::mem::take(&mut self.slots[slot].vms) {
-            self.log(format!("tofu: VM {vm} destroyed"));
+            let graceful = self.rng.chance(0.5);
+            self.log(format!(
+                "tofu: VM {vm} destroyed ({})",
+                if graceful { "shut down" } else { "powered off" }
+            ));
             self.vm_starts.remove(&vm);
             self.broken_vms.retain(|v| *v != vm);
             let on_vm: Vec<i64> = self
@@ -1256,6 +1309,11 @@ impl Sim {
                 };
                 if r.deleted {
                     self.event(EV_ORPHAN);
+                } else if graceful {
+                    if self.forgejo.terminate(id, now).is_some() {
+                        self.event(EV_SIGTERM_TASK);
+                        self.log(format!("runner {id}: SIGTERM failed its task; deleted"));
+                    }
                 } else if r.polling {
                     r.stops_polling(now);
                 }
@@ -1282,9 +1340,10 @@ impl Sim {
         self.procs.contains_key(&id)
     }
 
-    /// `RUNNER_ACTION=stop`: the process of runner `id` ends; Forgejo sees it stop polling.
-    /// forgejo-runner ends on SIGTERM (main.go `signal.NotifyContext`; the poller returns,
-    /// internal/app/poll/single.go), and the default launch SIGKILLs what does not.
+    /// `RUNNER_ACTION=stop`: SIGTERM (then SIGKILL) ends the process of runner `id`
+    /// (forgejo-runner main.go `signal.NotifyContext`; the poller returns,
+    /// internal/app/poll/single.go); a task it runs is reported failed and Forgejo deletes the
+    /// runner (`Forgejo::terminate`); else Forgejo sees it stop polling.
     pub fn stop_runner_process(&mut self, id: i64) {
         let now = self.now;
         if self.procs.remove(&id).is_none() {
@@ -1293,10 +1352,9 @@ impl Sim {
         self.event(EV_STOPPED);
         self.log(format!("runner {id}: process stopped"));
         self.launched_ok.remove(&id);
-        if let Some(r) = self.forgejo.runners.get_mut(&id)
-            && r.polling
-        {
-            r.stops_polling(now);
+        if self.forgejo.terminate(id, now).is_some() {
+            self.event(EV_SIGTERM_TASK);
+            self.log(format!("runner {id}: SIGTERM failed its task; deleted"));
         }
     }
 
@@ -1457,6 +1515,11 @@ impl Sim {
         self.forgejo.live(id)
     }
 
+    /// Invocation `inv` read runner `id` with this status (a GET, a list row), now.
+    pub fn saw(&mut self, inv: usize, id: i64, status: RunnerStatus) {
+        self.seen.insert((inv, id), (self.now, status));
+    }
+
     /// `DELETE …/runners/{id}` sent by invocation `inv`, as applied by the server; checks the
     /// deletion invariants.
     pub fn srv_delete(&mut self, inv: usize, id: i64, reason: &str) -> bool {
@@ -1464,7 +1527,8 @@ impl Sim {
             return false;
         };
         let status = status_of(r, self.now);
-        let (name, owner, never_connected) = (r.name.clone(), r.extra, r.labels.is_none());
+        let (name, owner, never_connected, busy) =
+            (r.name.clone(), r.extra, r.labels.is_none(), r.busy);
         let destroy_ok = self.invs[inv].destroy_ok;
         let slot = self.slot_of(inv);
         let host = self.slots[slot].host;
@@ -1486,10 +1550,40 @@ impl Sim {
             }
         }
         if status != RunnerStatus::Offline {
-            self.violate(format!(
-                "deleted runner {id} ({name}, {owner:?}) while it was {} (reason {reason})",
-                status.as_str()
-            ));
+            // Forgejo's DELETE does no status check (`routers/api/v1/shared/runners.go`): a
+            // runner that comes up between the read that found it offline and the DELETE is
+            // deleted while up. No client can close that window; what the product must never do
+            // is decide on a reading that was not `offline`, nor let it happen to a runner whose
+            // process it recorded as stopped (then nothing could have come up).
+            let read = self.seen.get(&(inv, id)).cloned();
+            let stopped = self.slots[slot].disk.as_ref().is_some_and(|(_, st)| {
+                st.registrations.iter().any(|g| {
+                    g.id == Some(id)
+                        && g.stopped
+                            == Some(ci_ephemeral_provisioner::core::state::ProcessState::Gone)
+                })
+            });
+            match read {
+                Some((at, RunnerStatus::Offline)) if !stopped => {
+                    self.event(EV_RACED_DELETE);
+                    if busy {
+                        self.event(EV_RACED_DELETE_ACTIVE);
+                    }
+                    self.log(format!(
+                        "runner {id} ({name}) came up after it was read offline at t+{} ms; deleted while {}",
+                        at - T0,
+                        status.as_str()
+                    ));
+                }
+                _ => self.violate(format!(
+                    "deleted runner {id} ({name}, {owner:?}) while it was {} (reason {reason}; last read by this run: {})",
+                    status.as_str(),
+                    match read {
+                        Some((at, st)) => format!("{} at t+{} ms{}", st.as_str(), at - T0, if stopped { ", its process recorded as stopped" } else { "" }),
+                        None => "never".to_string(),
+                    }
+                )),
+            }
         }
         if !name.starts_with(prefix) {
             self.violate(format!(
@@ -1528,8 +1622,9 @@ impl Sim {
         id
     }
 
-    pub fn schedule_late_post(&mut self, slot: usize, name: &str) {
-        let at = self.now + HTTP_TIMEOUT_MS + self.rng.range(0, HTTP_TIMEOUT_MS - SEC);
+    /// A POST sent at `sent` whose client gives up lands later, but before twice the timeout.
+    pub fn schedule_late_post(&mut self, slot: usize, name: &str, sent: i64) {
+        let at = sent + HTTP_TIMEOUT_MS + self.rng.range(0, HTTP_TIMEOUT_MS - SEC);
         self.schedule(at, Bg::LatePost(slot, name.to_string()));
     }
 
@@ -1597,15 +1692,17 @@ impl Sim {
         }
     }
 
-    /// At the launch of runner `id` for job `job` by invocation `inv`: never two runners of one
-    /// host launched for one job. A registration this host launched earlier for the same job
-    /// that Forgejo still has (not deleted: its runner may still take the job) is one too many:
-    /// the host's slots claim a job before registering for it, and hold the claim until the
-    /// registration is forgotten, which only follows its deletion.
-    pub fn check_launch(&mut self, inv: usize, id: i64, job: i64) {
+    /// At the launch of runner `id` for the attempt `handle` of job `job` by invocation `inv`:
+    /// never two runners of one host launched for one job attempt. A registration this host
+    /// launched earlier for the same attempt that Forgejo still has (not deleted: its runner may
+    /// still take the job) is one too many: the host's slots claim an attempt before registering
+    /// for it, and hold the claim until the registration is forgotten, which only follows its
+    /// deletion. (A rerun is a new attempt with a new handle: a runner of the earlier attempt is
+    /// never given it, `IsRequestedByRunner`.)
+    pub fn check_launch(&mut self, inv: usize, id: i64, job: i64, handle: &str) {
         let slot = self.slot_of(inv);
         let host = self.slots[slot].host;
-        let earlier = self.launches.get(&job).and_then(|l| {
+        let earlier = self.launches.get(handle).and_then(|l| {
             l.iter()
                 .find(|(s, other)| {
                     *other != id
@@ -1617,10 +1714,13 @@ impl Sim {
         if let Some((by, other)) = earlier {
             let (me, them) = (self.slot_name(slot), self.slot_name(by));
             self.violate(format!(
-                "two runners of one host launched for job {job}: {me} launches runner {id} while runner {other}, launched by {them} for the same job, is still registered"
+                "two runners of one host launched for job {job} (attempt {handle}): {me} launches runner {id} while runner {other}, launched by {them} for the same attempt, is still registered"
             ));
         }
-        self.launches.entry(job).or_default().push((slot, id));
+        self.launches
+            .entry(handle.to_string())
+            .or_default()
+            .push((slot, id));
     }
 
     /// A job Forgejo still lists (waiting or running) under this handle.

@@ -20,7 +20,7 @@
 //! `tiny_http` cannot do on its own (dropping a `tiny_http::Request` answers 500, and the
 //! keep-alive connection stays open).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -146,21 +146,9 @@ struct FakeRow {
 
 type RunnerRow = model::RunnerRow<FakeRow>;
 
+/// The model's JSON of the row (`RunnerRow::json`), with a test's status override applied.
 fn runner_json(r: &RunnerRow, now: i64) -> Value {
-    let mut v = json!({
-        "id": r.id,
-        "uuid": r.uuid,
-        "owner_id": r.owner_id,
-        "repo_id": r.repo_id,
-        "name": r.name,
-        "status": r.status(now),
-        "version": r.version,
-        // No labels: `null` before Declare; after a Declare of none Forgejo shows `null` for
-        // a nil list (`[]` for an empty one; the product reads both as none).
-        "labels": r.labels.as_ref().filter(|l| !l.is_empty()),
-        "description": r.description,
-        "ephemeral": r.ephemeral,
-    });
+    let mut v: Value = serde_json::from_str(&r.json(now)).expect("the model writes JSON");
     match r.extra.status_override.as_deref() {
         None => {}
         Some("") => {
@@ -212,21 +200,6 @@ fn apply_conn(r: &mut RunnerRow, conn: &Conn, now: i64) {
             r.last_active = r.last_online - 3_600_000;
         }
     }
-}
-
-fn job_json(j: &JobRow) -> Value {
-    json!({
-        "id": j.id,
-        "attempt": j.attempt,
-        "handle": j.handle,
-        "repo_id": j.repo_id,
-        "owner_id": j.owner_id,
-        "name": j.name,
-        "needs": null,
-        "runs_on": j.runs_on,
-        "task_id": j.task_id,
-        "status": j.status,
-    })
 }
 
 fn job_snapshot(j: &JobRow) -> JobSnapshot {
@@ -627,19 +600,7 @@ impl World {
         let total = total as i64;
         let shown: Vec<Value> = rows.iter().map(|r| runner_json(r, now)).collect();
         let mut reply = Reply::json(200, &Value::Array(shown));
-        reply.headers.push(("X-Total-Count", total.to_string()));
-        let links = api_links(&self.root_url, &inc.path, &q, total, limit, page);
-        if links.is_empty() {
-            reply
-                .headers
-                .push(("Access-Control-Expose-Headers", "X-Total-Count".to_string()));
-        } else {
-            reply.headers.push(("Link", links.join(",")));
-            reply.headers.push((
-                "Access-Control-Expose-Headers",
-                "X-Total-Count, Link".to_string(),
-            ));
-        }
+        reply.headers = model::list_headers(&self.root_url, &inc.path, &q, total, limit, page);
         reply
     }
 
@@ -655,23 +616,8 @@ impl World {
             // `bind()` formats the field names of the error, a slice.
             return Reply::error(422, "[Name]: Required");
         };
-        // The REST handler stores the name as sent (shared/runners.go RegisterRunner; only the
-        // runner's own Register RPC cuts it), into `name VARCHAR(255)`: PostgreSQL refuses a
-        // longer one. The handler then writes its error and, without a return, the answer it
-        // would have given: a 500 with both bodies, the second with id 0 and a token.
-        if name.chars().count() > 255 {
-            let token = self.runner_token();
-            let mut reply = Reply::error(
-                500,
-                "CreateRunner: pq: value too long for type character varying(255)",
-            );
-            let answer = json!({"id": 0, "uuid": self.uuid_v4(), "token": token});
-            reply.body.push(b'\n');
-            reply
-                .body
-                .extend(serde_json::to_vec(&answer).expect("serialize json"));
-            return reply;
-        }
+        // `CreateRunner` cuts a name over 255 bytes (`forgejo_rules::stored_runner_name`) and
+        // the registration is created all the same (201).
         let description = obj
             .and_then(|o| o.get("description"))
             .and_then(Value::as_str)
@@ -703,18 +649,10 @@ impl World {
                 l.split(',').collect()
             }
         });
-        let matching: Vec<Value> = self
-            .forgejo
-            .list_jobs(&scope, labels.as_deref())
-            .into_iter()
-            .map(job_json)
-            .collect();
-        // A nil Go slice: an empty result is `null`.
-        if matching.is_empty() {
-            Reply::json(200, &Value::Null)
-        } else {
-            Reply::json(200, &Value::Array(matching))
-        }
+        let matching = self.forgejo.list_jobs(&scope, labels.as_deref());
+        let mut reply = Reply::json(200, &Value::Null);
+        reply.body = model::jobs_json(&matching).into_bytes();
+        reply
     }
 
     // -- simulated runner process ---------------------------------------------------------------
@@ -782,6 +720,14 @@ impl World {
                     Ok(_) => Reply::json(200, &self.control_job_json(id, job_id)),
                     Err(reply) => reply,
                 }
+            }
+            // SIGTERM to `one-job`: a running task is cancelled and reported `failure`, and
+            // Forgejo deletes the ephemeral runner at once (`Forgejo::terminate`); the process
+            // then exits.
+            "terminate" => {
+                let deleted = self.forgejo.terminate(id, now).is_some();
+                self.process_dies(id, now);
+                Reply::json(200, &json!({"runner_id": id, "runner_deleted": deleted}))
             }
             "disconnect" => {
                 self.process_dies(id, now);
@@ -1090,8 +1036,30 @@ impl FakeForgejo {
         let runs_on = runs_on.iter().map(|s| s.to_string()).collect();
         let id = w
             .forgejo
-            .add_job(handle.clone(), runs_on, owner_id, repo_id);
+            .add_job(handle.clone(), runs_on, owner_id, repo_id, now_ms());
         (id, handle)
+    }
+
+    /// Reruns a done job (the web UI's "Re-run", `services/actions/rerun.go` `RerunJob`): a new
+    /// attempt with a new handle, `waiting` (`forgejo_model::Forgejo::rerun_job`). Returns the
+    /// new handle; panics when the job is unknown or not done (Forgejo refuses that rerun).
+    pub fn rerun_job(&self, job_id: i64) -> String {
+        let mut w = self.world();
+        let handle = w.uuid_v4();
+        assert!(
+            w.forgejo.rerun_job(job_id, handle.clone(), now_ms()),
+            "fake forgejo: job {job_id} is unknown or not done, so it cannot be rerun"
+        );
+        handle
+    }
+
+    /// The `cancel_abandoned_jobs` cron with this `ABANDONED_JOB_TIMEOUT` (Forgejo's default is
+    /// 24 h, `forgejo_rules::ABANDONED_JOB_TIMEOUT_MS`): every job still waiting or blocked whose
+    /// row is older is cancelled. Returns the jobs cancelled.
+    pub fn cancel_abandoned_jobs(&self, older_than: Duration) -> Vec<i64> {
+        let mut w = self.world();
+        w.forgejo
+            .cancel_abandoned_jobs(now_ms(), older_than.as_millis() as i64)
     }
 
     /// What `GET /api/v1/version` answers from now on (`FORGEJO_VERSION` until then).
@@ -1571,21 +1539,6 @@ fn hex_val(b: u8) -> Option<u8> {
     }
 }
 
-/// Go `url.QueryEscape`.
-fn query_escape(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for &b in s.as_bytes() {
-        match b {
-            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
-                out.push(b as char)
-            }
-            b' ' => out.push('+'),
-            _ => out.push_str(&format!("%{b:02X}")),
-        }
-    }
-    out
-}
-
 /// Go `url.ParseQuery` (lenient): pairs in order, values decoded.
 fn parse_query(q: &str) -> Vec<(String, String)> {
     q.split('&')
@@ -1609,64 +1562,4 @@ fn go_atoi(s: Option<&str>) -> i64 {
 /// `ctx.FormBool`: `strconv.ParseBool`, false on error.
 fn go_parse_bool(s: Option<&str>) -> bool {
     matches!(s, Some("1" | "t" | "T" | "true" | "TRUE" | "True"))
-}
-
-/// Go `url.Values.Encode` of the request query with `page` replaced: keys sorted.
-fn query_with_page(q: &[(String, String)], page: i64) -> String {
-    let mut by_key: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
-    for (k, v) in q {
-        by_key.entry(k.as_str()).or_default().push(v.as_str());
-    }
-    let page = page.to_string();
-    by_key.insert("page", vec![page.as_str()]);
-    by_key
-        .iter()
-        .flat_map(|(k, vs)| {
-            vs.iter()
-                .map(move |v| format!("{}={}", query_escape(k), query_escape(v)))
-        })
-        .collect::<Vec<_>>()
-        .join("&")
-}
-
-/// `genAPILinks` (services/context/api.go) with Gitea's paginator: `next`, `last`, `first`,
-/// `prev`, using `ROOT_URL`.
-fn api_links(
-    root_url: &str,
-    raw_path: &str,
-    q: &[(String, String)],
-    total: i64,
-    page_size: i64,
-    cur_page: i64,
-) -> Vec<String> {
-    let paging_num = page_size.max(1);
-    let total_pages = if total == 0 {
-        1
-    } else {
-        (total + paging_num - 1) / paging_num
-    };
-    let current = cur_page.max(1).min(total_pages);
-    let has_next = total > current * paging_num;
-    let is_last = total == 0 || (total > (current - 1) * paging_num && !has_next);
-    let path = raw_path.trim_start_matches('/');
-    let link = |page: i64, rel: &str| {
-        format!(
-            "<{root_url}{path}?{}>; rel=\"{rel}\"",
-            query_with_page(q, page)
-        )
-    };
-    let mut links = Vec::new();
-    if has_next {
-        links.push(link(current + 1, "next"));
-    }
-    if !is_last {
-        links.push(link(total_pages, "last"));
-    }
-    if current != 1 {
-        links.push(link(1, "first"));
-    }
-    if current > 1 {
-        links.push(link(current - 1, "prev"));
-    }
-    links
 }

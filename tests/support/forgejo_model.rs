@@ -107,6 +107,12 @@ pub struct JobRow {
     pub queued_behind: bool,
     /// When its task started (Unix ms), for `stop_endless_tasks`.
     pub started: i64,
+    /// When the row was last written (`Updated`, xorm's `updated` column: every `UpdateRunJob`),
+    /// for `cancel_abandoned_jobs`.
+    pub updated: i64,
+    /// The runners that had a task of an earlier attempt (Forgejo keeps every attempt's task,
+    /// so `HasTaskForRunner` still finds them after a rerun).
+    pub earlier_runners: Vec<i64>,
 }
 
 impl JobRow {
@@ -327,7 +333,7 @@ impl<X> Forgejo<X> {
     // -- runner rows ------------------------------------------------------------------------------
 
     /// `RegisterRunner`/`CreateRunner`: a row that never connected (offline, no version, labels
-    /// `null`). Returns its id.
+    /// `null`), its name cut to 255 bytes (`forgejo_rules::stored_runner_name`). Returns its id.
     pub fn register(&mut self, new: NewRunner<'_, X>) -> i64 {
         let id = new.id.unwrap_or(self.next_runner_id);
         assert!(
@@ -342,7 +348,7 @@ impl<X> Forgejo<X> {
                 id,
                 uuid: new.uuid,
                 token: new.token,
-                name: new.name.to_string(),
+                name: rules::stored_runner_name(new.name),
                 description: new.description.to_string(),
                 owner_id: new.owner_id,
                 repo_id: new.repo_id,
@@ -391,10 +397,29 @@ impl<X> Forgejo<X> {
         visible: bool,
         page: i64,
         limit: i64,
-        mut tie: impl FnMut(i64, u64) -> u64,
+        tie: impl FnMut(i64, u64) -> u64,
     ) -> (Vec<&RunnerRow<X>>, usize) {
-        let limit = self.page_size(limit) as usize;
-        let mut rows: Vec<(i64, u64, &RunnerRow<X>)> = self
+        let order = self.runner_order(now, scope, visible, tie);
+        let total = order.len();
+        let shown = self
+            .page_of(&order, page, limit)
+            .iter()
+            .filter_map(|id| self.runners.get(id))
+            .collect();
+        (shown, total)
+    }
+
+    /// The ids of the rows the scope lists, in the list's order (`list_runners`, every page).
+    /// The same while no row is added or deleted and no row's `last_online` changes (a polling
+    /// row is "now", ahead of every other): a caller may keep it that long.
+    pub fn runner_order(
+        &self,
+        now: i64,
+        scope: &Scope,
+        visible: bool,
+        mut tie: impl FnMut(i64, u64) -> u64,
+    ) -> Vec<i64> {
+        let mut rows: Vec<(i64, u64, i64)> = self
             .runners
             .values()
             .filter(|r| !r.deleted && scope.lists(r, visible))
@@ -402,35 +427,34 @@ impl<X> Forgejo<X> {
                 (
                     r.effective_last_online(now),
                     tie(r.id, self.rows_version),
-                    r,
+                    r.id,
                 )
             })
             .collect();
         rows.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
-        let total = rows.len();
-        let (skip, take) = if page >= 1 {
-            ((page as usize - 1) * limit, limit)
-        } else {
-            (0, usize::MAX)
-        };
-        let shown = rows
-            .into_iter()
-            .skip(skip)
-            .take(take)
-            .map(|t| t.2)
-            .collect();
-        (shown, total)
+        rows.into_iter().map(|t| t.2).collect()
+    }
+
+    /// Page `page` (from 1; ≤ 0: all of it) of `limit` (clamped, `page_size`) of a list order.
+    pub fn page_of<'o>(&self, order: &'o [i64], page: i64, limit: i64) -> &'o [i64] {
+        if page < 1 {
+            return order;
+        }
+        let limit = self.page_size(limit) as usize;
+        let start = ((page as usize - 1).saturating_mul(limit)).min(order.len());
+        &order[start..(start + limit).min(order.len())]
     }
 
     // -- job rows ---------------------------------------------------------------------------------
 
-    /// A waiting job (attempt 1, named `job-{id}`). Returns its id.
+    /// A waiting job (attempt 1, named `job-{id}`), written at `now`. Returns its id.
     pub fn add_job(
         &mut self,
         handle: String,
         runs_on: Vec<String>,
         owner_id: i64,
         repo_id: i64,
+        now: i64,
     ) -> i64 {
         let id = self.next_job_id;
         self.next_job_id += 1;
@@ -449,9 +473,54 @@ impl<X> Forgejo<X> {
                 runner_id: None,
                 queued_behind: false,
                 started: 0,
+                updated: now,
+                earlier_runners: Vec::new(),
             },
         );
         id
+    }
+
+    /// `RerunJob` of a done job (`services/actions/rerun.go` → `rerunSingleJob` →
+    /// `ActionRunJob.PrepareNextAttempt`, `models/actions/run_job.go`): `attempt + 1`, a new
+    /// `handle`, `task_id` 0, `waiting` (the job that is rerun is never `blocked`, even with
+    /// `needs`). A job that is not done cannot be rerun (`ErrRerunJobStillRunning`): false.
+    /// The task of the attempt before stays: its runner still "had a task".
+    pub fn rerun_job(&mut self, job: i64, handle: String, now: i64) -> bool {
+        let Some(j) = self.jobs.get_mut(&job).filter(|j| j.is_done()) else {
+            return false;
+        };
+        j.attempt += 1;
+        j.handle = handle;
+        j.task_id = 0;
+        j.status = "waiting".to_string();
+        if let Some(r) = j.runner_id.take() {
+            j.earlier_runners.push(r);
+        }
+        j.started = 0;
+        j.queued_behind = false;
+        j.updated = now;
+        true
+    }
+
+    /// `CancelAbandonedJobs` (`services/actions/clear_tasks.go`): the jobs still `waiting` or
+    /// `blocked` whose row was not updated for `timeout` ms (`ABANDONED_JOB_TIMEOUT`, 24 h),
+    /// however long they were listed, end `cancelled`. They have no task: no runner is touched.
+    /// Returns them, id ascending.
+    pub fn cancel_abandoned_jobs(&mut self, now: i64, timeout: i64) -> Vec<i64> {
+        let abandoned: Vec<i64> = self
+            .jobs
+            .values()
+            .filter(|j| matches!(j.status.as_str(), "waiting" | "blocked"))
+            .filter(|j| j.updated < now - timeout)
+            .map(|j| j.id)
+            .collect();
+        for id in &abandoned {
+            if let Some(j) = self.jobs.get_mut(id) {
+                j.status = "cancelled".to_string();
+                j.updated = now;
+            }
+        }
+        abandoned
     }
 
     /// `GetActionRunJobs` (`routers/api/v1/shared/action.go`): waiting and running jobs of the
@@ -487,7 +556,9 @@ impl<X> Forgejo<X> {
 
     /// `HasTaskForRunner`: a task was ever created for this runner.
     pub fn has_had_task(&self, runner: i64) -> bool {
-        self.jobs.values().any(|j| j.runner_id == Some(runner))
+        self.jobs
+            .values()
+            .any(|j| j.runner_id == Some(runner) || j.earlier_runners.contains(&runner))
     }
 
     /// What the assignment rule reads of the runner, asking with `handle`.
@@ -527,6 +598,7 @@ impl<X> Forgejo<X> {
             j.task_id = task_id;
             j.runner_id = Some(runner);
             j.started = now;
+            j.updated = now;
         }
         if let Some(r) = self.runners.get_mut(&runner) {
             r.busy = true;
@@ -547,18 +619,47 @@ impl<X> Forgejo<X> {
     /// `UpdateTask`): the job succeeds, the runner is done with it, and an ephemeral runner is
     /// deleted. Returns the deleted runner.
     pub fn final_update_task(&mut self, job: i64, now: i64) -> Option<i64> {
-        let j = self.jobs.get_mut(&job)?;
-        j.status = "success".to_string();
-        let id = j.runner_id?;
-        let r = self.runners.get_mut(&id)?;
+        self.final_update_task_with(job, "success", now)
+    }
+
+    /// The final UpdateTask with this result (`success`, `failure`, `cancelled`): the job ends
+    /// with it (`UpdateTaskByState`), and an ephemeral runner is deleted (`runner.go`: any
+    /// result other than unspecified). A deleted runner cannot report (its RPC fails
+    /// Unauthenticated): nothing changes then. Returns the deleted runner.
+    pub fn final_update_task_with(&mut self, job: i64, result: &str, now: i64) -> Option<i64> {
+        let id = self.jobs.get(&job)?.runner_id?;
+        let r = self.runners.get_mut(&id).filter(|r| !r.deleted)?;
         r.busy = false;
         r.last_active = now;
         r.last_online = now;
-        let ephemeral = r.ephemeral && !r.deleted;
+        let ephemeral = r.ephemeral;
+        let j = self.jobs.get_mut(&job)?;
+        j.status = result.to_string();
+        j.updated = now;
         if ephemeral {
             self.delete(id, now);
         }
         ephemeral.then_some(id)
+    }
+
+    /// SIGTERM (or SIGINT) to the runner's `one-job` process: its context is cancelled
+    /// (forgejo-runner `main.go` `signal.NotifyContext`); the poller stops asking
+    /// (`internal/app/poll/single.go`, whose task context derives from the same context), a
+    /// running task is cancelled, and the reporter's `Close` still sends the final state, result
+    /// `failure` (`internal/pkg/report/reporter.go`), so Forgejo ends the job and deletes the
+    /// ephemeral runner at once. Then the process exits. Returns the runner Forgejo deleted.
+    pub fn terminate(&mut self, runner: i64, now: i64) -> Option<i64> {
+        let deleted = match self.running_job_of(runner) {
+            Some(job) => self.final_update_task_with(job, "failure", now),
+            None => None,
+        };
+        if let Some(r) = self.runners.get_mut(&runner)
+            && !r.deleted
+            && (r.polling || r.busy)
+        {
+            r.stops_polling(now);
+        }
+        deleted
     }
 
     /// `StopTask` (`services/actions/task.go`): the job ends with `status`, and the ephemeral
@@ -567,6 +668,7 @@ impl<X> Forgejo<X> {
     pub fn stop_task(&mut self, job: i64, status: &str, now: i64) -> Option<i64> {
         let j = self.jobs.get_mut(&job)?;
         j.status = status.to_string();
+        j.updated = now;
         let id = j.runner_id?;
         let ephemeral = self
             .runners
@@ -584,7 +686,9 @@ impl<X> Forgejo<X> {
         match self.jobs.get(&job) {
             Some(j) if j.is_running() => self.stop_task(job, "cancelled", now),
             Some(j) if !j.is_done() => {
-                self.jobs.get_mut(&job)?.status = "cancelled".to_string();
+                let j = self.jobs.get_mut(&job)?;
+                j.status = "cancelled".to_string();
+                j.updated = now;
                 None
             }
             _ => None,
@@ -839,4 +943,185 @@ impl<X> Forgejo<X> {
             self.delete(r, now);
         }
     }
+}
+
+// -- the wire ---------------------------------------------------------------------------------------
+
+/// A JSON string literal (Go's `encoding/json` also escapes `<`, `>` and `&`; no reader here
+/// depends on that).
+pub fn json_str(s: &str) -> String {
+    let mut out = String::with_capacity(s.len() + 2);
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
+}
+
+fn json_strs(items: &[String]) -> String {
+    let items: Vec<String> = items.iter().map(|s| json_str(s)).collect();
+    format!("[{}]", items.join(","))
+}
+
+impl<X> RunnerRow<X> {
+    /// The runner as the REST API shows it (`structs.ActionRunner`,
+    /// `modules/structs/repo_actions.go`, in its field order): the status computed now; `labels`
+    /// `null` before Declare, and after a Declare of none (a nil list).
+    pub fn json(&self, now: i64) -> String {
+        let labels = match &self.labels {
+            Some(l) if !l.is_empty() => json_strs(l),
+            _ => "null".to_string(),
+        };
+        format!(
+            "{{\"id\":{},\"uuid\":{},\"owner_id\":{},\"repo_id\":{},\"name\":{},\"status\":\"{}\",\"version\":{},\"labels\":{labels},\"description\":{},\"ephemeral\":{}}}",
+            self.id,
+            json_str(&self.uuid),
+            self.owner_id,
+            self.repo_id,
+            json_str(&self.name),
+            self.status(now),
+            json_str(&self.version),
+            json_str(&self.description),
+            self.ephemeral
+        )
+    }
+}
+
+impl JobRow {
+    /// The job as the REST jobs search shows it (`structs.ActionRunJob`,
+    /// `modules/structs/action.go`, in its field order; `needs` is not modelled: `null`).
+    pub fn json(&self) -> String {
+        format!(
+            "{{\"id\":{},\"attempt\":{},\"handle\":{},\"repo_id\":{},\"owner_id\":{},\"name\":{},\"needs\":null,\"runs_on\":{},\"task_id\":{},\"status\":{}}}",
+            self.id,
+            self.attempt,
+            json_str(&self.handle),
+            self.repo_id,
+            self.owner_id,
+            json_str(&self.name),
+            json_strs(&self.runs_on),
+            self.task_id,
+            json_str(&self.status)
+        )
+    }
+}
+
+/// The body of the jobs search: a JSON array, `null` for none (a nil Go slice).
+pub fn jobs_json(jobs: &[&JobRow]) -> String {
+    if jobs.is_empty() {
+        return "null".to_string();
+    }
+    let items: Vec<String> = jobs.iter().map(|j| j.json()).collect();
+    format!("[{}]", items.join(","))
+}
+
+/// Go `url.QueryEscape`.
+pub fn query_escape(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for &b in s.as_bytes() {
+        match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                out.push(b as char)
+            }
+            b' ' => out.push('+'),
+            _ => out.push_str(&format!("%{b:02X}")),
+        }
+    }
+    out
+}
+
+/// Go `url.Values.Encode` of the request query with `page` replaced: keys sorted.
+fn query_with_page(q: &[(String, String)], page: i64) -> String {
+    let mut by_key: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+    for (k, v) in q {
+        by_key.entry(k.as_str()).or_default().push(v.as_str());
+    }
+    let page = page.to_string();
+    by_key.insert("page", vec![page.as_str()]);
+    by_key
+        .iter()
+        .flat_map(|(k, vs)| {
+            vs.iter()
+                .map(move |v| format!("{}={}", query_escape(k), query_escape(v)))
+        })
+        .collect::<Vec<_>>()
+        .join("&")
+}
+
+/// `genAPILinks` (`services/context/api.go`) with Gitea's paginator: `next`, `last`, `first`,
+/// `prev`, using `ROOT_URL`; `q` is the request's query, decoded.
+pub fn api_links(
+    root_url: &str,
+    raw_path: &str,
+    q: &[(String, String)],
+    total: i64,
+    page_size: i64,
+    cur_page: i64,
+) -> Vec<String> {
+    let paging_num = page_size.max(1);
+    let total_pages = if total == 0 {
+        1
+    } else {
+        (total + paging_num - 1) / paging_num
+    };
+    let current = cur_page.max(1).min(total_pages);
+    let has_next = total > current * paging_num;
+    let is_last = total == 0 || (total > (current - 1) * paging_num && !has_next);
+    let path = raw_path.trim_start_matches('/');
+    let link = |page: i64, rel: &str| {
+        format!(
+            "<{root_url}{path}?{}>; rel=\"{rel}\"",
+            query_with_page(q, page)
+        )
+    };
+    let mut links = Vec::new();
+    if has_next {
+        links.push(link(current + 1, "next"));
+    }
+    if !is_last {
+        links.push(link(total_pages, "last"));
+    }
+    if current != 1 {
+        links.push(link(1, "first"));
+    }
+    if current > 1 {
+        links.push(link(current - 1, "prev"));
+    }
+    links
+}
+
+/// The headers of a runner list page (`ListRunners` → `ctx.SetLinkHeader`,
+/// `ctx.SetTotalCountHeader`): `Link` when there is one, then `X-Total-Count`, and the CORS
+/// header naming them.
+pub fn list_headers(
+    root_url: &str,
+    raw_path: &str,
+    q: &[(String, String)],
+    total: i64,
+    page_size: i64,
+    page: i64,
+) -> Vec<(&'static str, String)> {
+    let links = api_links(root_url, raw_path, q, total, page_size, page);
+    let mut h = Vec::new();
+    if links.is_empty() {
+        h.push(("X-Total-Count", total.to_string()));
+        h.push(("Access-Control-Expose-Headers", "X-Total-Count".to_string()));
+    } else {
+        h.push(("Link", links.join(",")));
+        h.push(("X-Total-Count", total.to_string()));
+        h.push((
+            "Access-Control-Expose-Headers",
+            "Link, X-Total-Count".to_string(),
+        ));
+    }
+    h
 }

@@ -14,10 +14,14 @@
 //!   (`Parse`: the name is what comes before the first `:`; `parse_label` below);
 //! - status: `models/actions/runner.go` (`RunnerOfflineTime`, `RunnerIdleTime`, `Status()`);
 //! - clean-ups: `modules/setting/actions.go` (`ZOMBIE_TASK_TIMEOUT`, `ENDLESS_TASK_TIMEOUT`,
-//!   `CONCURRENCY_GROUP_QUEUE_ENABLED` true by default), `services/cron/tasks_actions.go`
-//!   (`stop_zombie_tasks` `@every 5m`, `stop_endless_tasks` `@every 30m`),
+//!   `ABANDONED_JOB_TIMEOUT`, `CONCURRENCY_GROUP_QUEUE_ENABLED` true by default),
+//!   `services/cron/tasks_actions.go` (`stop_zombie_tasks` `@every 5m`, `stop_endless_tasks`
+//!   `@every 30m`, `cancel_abandoned_jobs` `@every 6h`, each also at start),
 //!   `services/actions/task.go` `StopTask` (deletes an ephemeral runner; also on cancel,
-//!   `services/actions/rerun.go` `cancelSingleJob`);
+//!   `services/actions/rerun.go` `cancelSingleJob`), `services/actions/clear_tasks.go`
+//!   `CancelAbandonedJobs`;
+//! - registration: `models/actions/runner.go` `CreateRunner` cuts the name with
+//!   `modules/util/truncate.go` `SplitStringAtByteN(name, 255)`;
 //! - paging: `modules/setting/api.go` (`DEFAULT_PAGING_NUM`, `MAX_RESPONSE_ITEMS`).
 #![allow(dead_code)]
 
@@ -32,6 +36,13 @@ pub const ZOMBIE_CRON_MS: i64 = 5 * 60_000;
 /// longer is stopped and its ephemeral runner deleted, while the runner process may still run.
 pub const ENDLESS_TASK_TIMEOUT_MS: i64 = 3 * 3_600_000;
 pub const ENDLESS_CRON_MS: i64 = 30 * 60_000;
+/// `[actions].ABANDONED_JOB_TIMEOUT` and the `cancel_abandoned_jobs` cron interval: a job still
+/// `waiting` or `blocked` whose row was not updated for this long is cancelled (it has no task,
+/// so no runner is touched).
+pub const ABANDONED_JOB_TIMEOUT_MS: i64 = 24 * 3_600_000;
+pub const ABANDONED_CRON_MS: i64 = 6 * 3_600_000;
+/// `action_runner.name` is `VARCHAR(255)`; `CreateRunner` cuts a longer name to fit.
+pub const RUNNER_NAME_MAX_BYTES: usize = 255;
 /// `[api].DEFAULT_PAGING_NUM` and `[api].MAX_RESPONSE_ITEMS`.
 pub const DEFAULT_PAGING_NUM: i64 = 30;
 pub const MAX_RESPONSE_ITEMS: i64 = 50;
@@ -47,6 +58,26 @@ pub fn status(now: i64, last_online: i64, last_active: i64) -> &'static str {
     } else {
         "active"
     }
+}
+
+/// `util.SplitStringAtByteN(name, 255)` as `CreateRunner` applies it (`models/actions/runner.go`;
+/// `modules/util/truncate.go`): a name of at most 255 bytes is kept; a longer one is cut to its
+/// longest prefix of whole characters of at most 252 bytes, followed by "…" (3 bytes), and the
+/// registration is created (201) under that name. (For bytes that are not UTF-8 Go cuts at 252
+/// and appends "..."; a name sent as JSON is always UTF-8.)
+pub fn stored_runner_name(name: &str) -> String {
+    let n = RUNNER_NAME_MAX_BYTES;
+    if name.len() <= n {
+        return name.to_string();
+    }
+    let mut end = 0;
+    for c in name.chars() {
+        if end + c.len_utf8() > n - 3 {
+            break;
+        }
+        end += c.len_utf8();
+    }
+    format!("{}…", &name[..end])
 }
 
 /// forgejo-runner's `labels.Label`: what one `--label` value means to it.
@@ -319,6 +350,19 @@ pub const CASES: &[Case] = &[
 /// Label names of a runner's `--label` values (each one `parse_label` takes).
 pub fn names(labels: &[&str]) -> Vec<String> {
     declared_names(&labels.join(",")).unwrap_or_else(|e| panic!("{labels:?}: {e}"))
+}
+
+/// Checks `stored_runner_name` against Forgejo's `TestSplitStringAtByteN`-style cases: kept up
+/// to 255 bytes, else whole characters up to 252 bytes and "…".
+pub fn check_stored_runner_name() {
+    let a255 = "a".repeat(255);
+    assert_eq!(stored_runner_name(&a255), a255);
+    let cut = stored_runner_name(&"a".repeat(256));
+    assert_eq!(cut, format!("{}…", "a".repeat(252)));
+    assert_eq!(cut.len(), 255);
+    // A 2-byte character across byte 252 is dropped whole: 251 bytes and "…".
+    let mixed = format!("{}é{}", "a".repeat(251), "b".repeat(10));
+    assert_eq!(stored_runner_name(&mixed), format!("{}…", "a".repeat(251)));
 }
 
 /// Checks `may_take` itself against the table (each model runs the table through its own API).

@@ -77,6 +77,22 @@ fn handle(job_id: i64) -> String {
     format!("handle-{job_id}")
 }
 
+/// The step that starts a cycle for job `job_id` (its attempt `handle(job_id)`).
+fn start(job_id: i64) -> Step {
+    Step::StartCycle {
+        job_id,
+        job_handle: handle(job_id),
+    }
+}
+
+/// Other slots claim the attempts `handle(id)` of these jobs.
+fn claimed(ids: &[i64]) -> crate::core::slots::Claimed {
+    crate::core::slots::Claimed {
+        handles: ids.iter().map(|id| handle(*id)).collect(),
+        jobs: Default::default(),
+    }
+}
+
 /// A registration with a known id, made for job `JOB`, requested at `at(REQUESTED)`. A launched
 /// one (`Launch::Done`) has been seen connected; see `never_seen` for one that has not.
 fn reg(id: i64, launch: Launch, launched_at: Option<Timestamp>) -> Registration {
@@ -255,7 +271,7 @@ fn builders_agree_with_the_policy() {
 fn no_state_with_a_waiting_matching_job_starts_a_cycle() {
     assert_eq!(
         no_state(&obs(Some(vec![waiting_debian(5)]), vec![])),
-        Step::StartCycle { job_id: 5 }
+        start(5)
     );
     // Mixed with jobs that do not count.
     let jobs = vec![
@@ -264,10 +280,7 @@ fn no_state_with_a_waiting_matching_job_starts_a_cycle() {
         job(3, "waiting", &[]),
         job(4, "waiting", &["debian"]),
     ];
-    assert_eq!(
-        no_state(&obs(Some(jobs), vec![])),
-        Step::StartCycle { job_id: 4 }
-    );
+    assert_eq!(no_state(&obs(Some(jobs), vec![])), start(4));
 }
 
 #[test]
@@ -2075,12 +2088,12 @@ fn a_held_job_gets_no_runner_until_its_hold_ends() {
     );
     assert_eq!(
         decide(None, &jobs, &held(5, HOUR), &policy(), at(HOUR)),
-        Step::StartCycle { job_id: 5 }
+        start(5)
     );
     // A held job of another attempt (another handle) holds nothing here.
     assert_eq!(
         decide(None, &jobs, &held(6, HOUR), &policy(), at(0)),
-        Step::StartCycle { job_id: 5 }
+        start(5)
     );
     // A free VM serves the next waiting job, not the held one, and idles out on held ones.
     let mut st = state(Phase::Running);
@@ -2312,16 +2325,16 @@ fn the_next_runner_starts_only_once_the_previous_process_is_known_gone() {
 #[test]
 fn a_job_another_slot_holds_gets_no_cycle_and_no_runner_here() {
     let mut o = obs(Some(vec![waiting_debian(5), waiting_debian(9)]), vec![]);
-    o.claimed_elsewhere = [5].into();
+    o.claimed_elsewhere = claimed(&[5]);
     // No cycle: the next job is the one this slot starts for.
-    assert_eq!(no_state(&o), Step::StartCycle { job_id: 9 });
-    o.claimed_elsewhere = [5, 9].into();
+    assert_eq!(no_state(&o), start(9));
+    o.claimed_elsewhere = claimed(&[5, 9]);
     assert_eq!(no_state(&o), Step::Idle);
     // A free VM: the held job is not registered for, and the VM idles out on it.
     let mut st = state(Phase::Running);
     st.vm_ready_at = Some(at(0));
     st.free_since = Some(at(0));
-    o.claimed_elsewhere = [5].into();
+    o.claimed_elsewhere = claimed(&[5]);
     assert_eq!(
         plan(&st, &o, &ctx(), at(MIN)),
         Step::Register {
@@ -2333,7 +2346,7 @@ fn a_job_another_slot_holds_gets_no_cycle_and_no_runner_here() {
             },
         }
     );
-    o.claimed_elsewhere = [5, 9].into();
+    o.claimed_elsewhere = claimed(&[5, 9]);
     assert!(is_wait(&plan(&st, &o, &ctx(), at(MIN))));
     assert_eq!(
         plan(&st, &o, &ctx(), at(IDLE)),
@@ -2341,6 +2354,26 @@ fn a_job_another_slot_holds_gets_no_cycle_and_no_runner_here() {
             reason: TeardownReason::Idle
         }
     );
+}
+
+/// A claim is on one attempt of a job: once job 5 is rerun (a new attempt with a new handle,
+/// Forgejo's `PrepareNextAttempt`), another slot's claim on its first attempt no longer keeps it
+/// from this slot; a start claim written without a handle still covers every attempt.
+#[test]
+fn a_claim_on_one_attempt_leaves_the_rerun_free() {
+    let mut rerun = waiting_debian(5);
+    rerun.handle = "handle-5-attempt-2".into();
+    let mut o = obs(Some(vec![rerun]), vec![]);
+    o.claimed_elsewhere = claimed(&[5]);
+    assert_eq!(
+        no_state(&o),
+        Step::StartCycle {
+            job_id: 5,
+            job_handle: "handle-5-attempt-2".into()
+        }
+    );
+    o.claimed_elsewhere.jobs.insert(5);
+    assert_eq!(no_state(&o), Step::Idle);
 }
 
 #[test]
@@ -2351,18 +2384,12 @@ fn another_hosts_share_is_served_only_after_the_take_over_wait() {
     // Job 6 is this host's (6 mod 2 = 0), job 5 the other host's.
     let both = obs(Some(vec![waiting_debian(5), waiting_debian(6)]), vec![]);
     let mut c = ctx();
-    assert_eq!(
-        decide(None, &both, &c, &p, at(0)),
-        Step::StartCycle { job_id: 6 }
-    );
+    assert_eq!(decide(None, &both, &c, &p, at(0)), start(6));
     let other = obs(Some(vec![waiting_debian(5)]), vec![]);
     assert_eq!(decide(None, &other, &c, &p, at(0)), Step::Idle);
     let jobs = [waiting_debian(5)];
     let waiting: Vec<&Job> = jobs.iter().collect();
     assert!(c.holds.note_other_shares(&waiting, p.share, at(0)));
     assert_eq!(decide(None, &other, &c, &p, at(MIN)), Step::Idle);
-    assert_eq!(
-        decide(None, &other, &c, &p, at(2 * MIN)),
-        Step::StartCycle { job_id: 5 }
-    );
+    assert_eq!(decide(None, &other, &c, &p, at(2 * MIN)), start(5));
 }

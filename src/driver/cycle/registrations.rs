@@ -393,6 +393,7 @@ impl Driver<'_, '_> {
         s.next_seq += 1;
         // The intent claims its job (the cycle's start claim has done its work).
         s.claim = None;
+        s.claim_handle = None;
         s.registrations
             .push(crate::core::state::Registration::intent(
                 name.clone(),
@@ -400,7 +401,7 @@ impl Driver<'_, '_> {
                 job_handle.to_string(),
                 now,
             ));
-        match self.save_claiming(&s, job_id) {
+        match self.save_claiming(&s, job_id, job_handle) {
             Err(SaveFailed) => return Some(End::Done),
             Ok(Claim::HeldBy(slot)) => {
                 log::info!("job {job_id} was claimed by {slot} meanwhile; not registering for it");

@@ -4,9 +4,14 @@ use super::*;
 use crate::core::state::DESTROY_FAILED;
 
 impl Driver<'_, '_> {
-    /// A new cycle.json, claiming `job_id` for this slot; nothing when another slot of the pool
-    /// claimed it meanwhile (the next observation shows that claim).
-    pub(super) fn start_cycle(&mut self, job_id: i64, now: Timestamp) -> Option<End> {
+    /// A new cycle.json, claiming the attempt `job_handle` of `job_id` for this slot; nothing when
+    /// another slot of the pool claimed it meanwhile (the next observation shows that claim).
+    pub(super) fn start_cycle(
+        &mut self,
+        job_id: i64,
+        job_handle: &str,
+        now: Timestamp,
+    ) -> Option<End> {
         if let Err(e) = self.w.tofu.check_config() {
             return Some(End::Config(format!("a job is waiting but {e:#}")));
         }
@@ -23,7 +28,8 @@ impl Driver<'_, '_> {
             .runner_prefix
             .clone_from(&self.cfg.policy.runner_prefix);
         state.claim = Some(job_id);
-        match self.save_claiming(&state, job_id) {
+        state.claim_handle = Some(job_handle.to_string());
+        match self.save_claiming(&state, job_id, job_handle) {
             Err(SaveFailed) => return Some(End::Done),
             Ok(Claim::HeldBy(slot)) => {
                 log::info!("job {job_id} was claimed by {slot} meanwhile; no cycle for it here");
