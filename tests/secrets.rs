@@ -698,12 +698,14 @@ fn an_inherited_descriptor_reaches_no_child() {
     fs::write(&inherited, "not for children").unwrap();
     let file = fs::File::open(&inherited).unwrap();
     let raw = file.as_raw_fd();
-    // On fd 9 without close-on-exec (dup2 clears it), as a careless parent would leave it.
+    // On fd 9 without close-on-exec, as a careless parent would leave it.
     let with_fd_9 = |c: &mut Command| {
-        // SAFETY: dup2(2) only, between fork and exec.
+        // SAFETY: dup2(2) and fcntl(2) only, between fork and exec.
         unsafe {
             c.pre_exec(move || {
-                if libc::dup2(raw, 9) < 0 {
+                // dup2 onto itself keeps close-on-exec, so clear it explicitly: the file may
+                // already be fd 9.
+                if libc::dup2(raw, 9) < 0 || libc::fcntl(9, libc::F_SETFD, 0) < 0 {
                     return Err(std::io::Error::last_os_error());
                 }
                 Ok(())
