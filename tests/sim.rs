@@ -146,7 +146,6 @@ const EVENTS: &[&str] = &[
     world::EV_STOPPED,
     world::EV_RERUN,
     world::EV_SIGTERM_TASK,
-    world::EV_RACED_DELETE,
 ];
 
 #[test]

@@ -422,7 +422,9 @@ pub fn decide(
     };
     let step = match state.phase {
         Phase::Applying => Step::Apply,
-        Phase::Running => decide_running(state, obs, ctx, policy, now),
+        Phase::Running => {
+            not_next_to_a_live_process(state, decide_running(state, obs, ctx, policy, now))
+        }
         Phase::TearingDown => decide_tearing_down(state, obs, ctx, policy),
         Phase::Destroyed => decide_destroyed(state, obs, ctx, policy, now),
     };
@@ -434,6 +436,33 @@ pub fn decide(
         },
         step => step,
     }
+}
+
+/// Why the stop of a registration's runner failed, if it did (`stopped`: not gone). Its process
+/// may still run, so it may come up between the reading that found it offline and the DELETE
+/// (Forgejo's DELETE checks no status, `routers/api/v1/shared/runners.go`) and take a job that
+/// is then lost with it. Such a registration is deleted only once the VM is destroyed.
+pub fn stop_failed(reg: &Registration) -> Option<&str> {
+    match &reg.stopped {
+        Some(ProcessState::NotGone(why)) => Some(why),
+        _ => None,
+    }
+}
+
+/// While the VM runs, a DELETE of a registration whose stop failed becomes the teardown: the
+/// destroy ends its process, and the registration is deleted after it.
+fn not_next_to_a_live_process(state: &CycleState, step: Step) -> Step {
+    if let Step::Delete { target, .. } = &step
+        && let Some(why) = state.registration(target.id()).and_then(stop_failed)
+    {
+        return Step::Teardown {
+            reason: TeardownReason::PreviousRunnerNotGone {
+                runner_id: target.id(),
+                why: why.to_string(),
+            },
+        };
+    }
+    step
 }
 
 #[cfg(test)]

@@ -186,6 +186,15 @@ mutate "failed-stop-before-delete-taken-for-gone" src/driver/cycle/registrations
     '                        ProcessState::NotGone(format!("RUNNER_ACTION=stop failed: {}", e.message))' \
     '                        ProcessState::Gone'
 
+# The DELETE of a registration whose stop failed made while the VM runs, not after the destroy:
+# its runner may come up between the read and the DELETE and take a job lost with it.
+mutate "delete-next-to-a-live-process" src/core/planner.rs \
+    '            not_next_to_a_live_process(state, decide_running(state, obs, ctx, policy, now))' \
+    '            decide_running(state, obs, ctx, policy, now)' \
+    src/core/planner/after.rs \
+    '            Some(Some(_)) if stop_failed(reg).is_some() => {}' \
+    ''
+
 if ((missed)); then
     echo "$missed mutation(s) not caught" >&2
     exit 1

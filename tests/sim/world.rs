@@ -1553,15 +1553,14 @@ impl Sim {
             // Forgejo's DELETE does no status check (`routers/api/v1/shared/runners.go`): a
             // runner that comes up between the read that found it offline and the DELETE is
             // deleted while up. No client can close that window; what the product must never do
-            // is decide on a reading that was not `offline`, nor let it happen to a runner whose
-            // process it recorded as stopped (then nothing could have come up).
+            // is decide on a reading that was not `offline`, nor let it happen to a runner it
+            // tried to stop: one whose stop worked cannot come up, and one whose stop failed is
+            // deleted only after the destroy ended its process (`core::planner::stop_failed`).
             let read = self.seen.get(&(inv, id)).cloned();
             let stopped = self.slots[slot].disk.as_ref().is_some_and(|(_, st)| {
-                st.registrations.iter().any(|g| {
-                    g.id == Some(id)
-                        && g.stopped
-                            == Some(ci_ephemeral_provisioner::core::state::ProcessState::Gone)
-                })
+                st.registrations
+                    .iter()
+                    .any(|g| g.id == Some(id) && g.stopped.is_some())
             });
             match read {
                 Some((at, RunnerStatus::Offline)) if !stopped => {
@@ -1579,7 +1578,7 @@ impl Sim {
                     "deleted runner {id} ({name}, {owner:?}) while it was {} (reason {reason}; last read by this run: {})",
                     status.as_str(),
                     match read {
-                        Some((at, st)) => format!("{} at t+{} ms{}", st.as_str(), at - T0, if stopped { ", its process recorded as stopped" } else { "" }),
+                        Some((at, st)) => format!("{} at t+{} ms{}", st.as_str(), at - T0, if stopped { ", after this cycle tried to stop its process" } else { "" }),
                         None => "never".to_string(),
                     }
                 )),

@@ -26,6 +26,8 @@ pub(super) fn decide_tearing_down(
         let Some(id) = reg.id else { continue };
         match obs.runners.get(&id) {
             Some(None) => return Step::Forget { id },
+            // A runner whose stop failed may come up while the VM runs: after the destroy.
+            Some(Some(_)) if stop_failed(reg).is_some() => {}
             Some(Some(r)) if !ctx.failed_deletes.contains(&id) => {
                 if let Some(target) = may_delete(r, cycle_prefix(state, policy)) {
                     return Step::Delete {

@@ -2393,3 +2393,30 @@ fn another_hosts_share_is_served_only_after_the_take_over_wait() {
     assert_eq!(decide(None, &other, &c, &p, at(MIN)), Step::Idle);
     assert_eq!(decide(None, &other, &c, &p, at(2 * MIN)), start(5));
 }
+
+/// A runner whose stop failed may still come up on the VM between the reading that found it
+/// offline and the DELETE (which checks no status) and take a job that is then lost with it: it
+/// is deleted only after the destroy. A stop that worked deletes at once.
+#[test]
+fn a_registration_whose_stop_failed_is_deleted_only_after_the_destroy() {
+    let why = "RUNNER_ACTION=stop failed: exit status 1".to_string();
+    let mut r = reg(1, Launch::Done, Some(at(MIN)));
+    r.stopped = Some(ProcessState::NotGone(why.clone()));
+    let o = obs(Some(vec![]), vec![seen(ours(1, RunnerStatus::Offline))]);
+    let now = at(MIN + GRACE + HOUR);
+    let running = state_with(Phase::Running, vec![r.clone()]);
+    assert_eq!(
+        plan(&running, &o, &ctx(), now),
+        teardown(TeardownReason::PreviousRunnerNotGone { runner_id: 1, why })
+    );
+    let tearing = state_with(Phase::TearingDown, vec![r.clone()]);
+    assert_eq!(plan(&tearing, &o, &ctx(), now), Step::Destroy);
+    let destroyed = state_with(Phase::Destroyed, vec![r.clone()]);
+    assert!(is_delete(&plan(&destroyed, &o, &destroyed_ctx(), now)));
+    // The same registration with its process stopped is deleted while the VM runs.
+    r.stopped = Some(ProcessState::Gone);
+    for phase in [Phase::Running, Phase::TearingDown] {
+        let st = state_with(phase, vec![r.clone()]);
+        assert!(is_delete(&plan(&st, &o, &ctx(), now)), "{phase:?}");
+    }
+}
