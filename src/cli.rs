@@ -9,10 +9,19 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use crate::adapters::events_file::MIN_MAX_BYTES;
 use crate::core::time::parse_duration;
 
+/// `--version`: the crate's version and the commit it was built from (build.rs: `unknown` when
+/// built outside a git checkout, `-dirty` when tracked files differed from that commit).
+pub const VERSION: &str = concat!(
+    env!("CARGO_PKG_VERSION"),
+    " (commit ",
+    env!("CI_EPHEMERAL_PROVISIONER_COMMIT"),
+    ")"
+);
+
 #[derive(Debug, Parser)]
 #[command(
     name = "ci-ephemeral-provisioner",
-    version,
+    version = VERSION,
     about = "Runs VM-isolated, ephemeral Forgejo Actions runners: one provisioner cycle per start.",
     long_about = "Runs VM-isolated, ephemeral Forgejo Actions runners: one provisioner cycle per start.\n\n\
 A systemd timer starts `run`. With no cycle in progress and no waiting job it asks Forgejo once and \

@@ -24,7 +24,7 @@ fn main() -> ExitCode {
     logging::init_logging(verbose, dry_run);
     log::debug!(
         "ci-ephemeral-provisioner {} ({sub})",
-        env!("CARGO_PKG_VERSION")
+        ci_ephemeral_provisioner::cli::VERSION
     );
     let result = match cli.command {
         Command::Run(a) => commands::run::cmd_run(a),

@@ -441,3 +441,33 @@ fn a_scope_that_does_not_exist_fails_with_its_name() {
         "{l}"
     );
 }
+
+/// `--version`: the crate's version and the commit of this checkout the binary was built from
+/// (`-dirty` when tracked files differ from it), so an installed binary names its source.
+#[test]
+fn version_names_the_version_and_the_commit_of_this_checkout() {
+    let out = std::process::Command::new(support::harness::BIN)
+        .arg("--version")
+        .output()
+        .expect("run the binary");
+    assert!(out.status.success(), "{out:?}");
+    let text = String::from_utf8(out.stdout).unwrap();
+    let git = |args: &[&str]| {
+        let out = std::process::Command::new("git")
+            .arg("-C")
+            .arg(env!("CARGO_MANIFEST_DIR"))
+            .args(args)
+            .output()
+            .expect("run git");
+        assert!(out.status.success(), "git {args:?}: {out:?}");
+        String::from_utf8(out.stdout).unwrap().trim().to_string()
+    };
+    let head = git(&["rev-parse", "--short=12", "HEAD"]);
+    let dirty = !git(&["status", "--porcelain", "--untracked-files=no"]).is_empty();
+    let want = format!(
+        "ci-ephemeral-provisioner {} (commit {head}{})\n",
+        env!("CARGO_PKG_VERSION"),
+        if dirty { "-dirty" } else { "" }
+    );
+    assert_eq!(text, want);
+}
