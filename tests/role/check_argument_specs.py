@@ -4,8 +4,10 @@
 Every variable in defaults has an option with the same default and the same keys below it
 (the pool defaults and the launch settings), every option has a variable, the entries of the pool
 list accept exactly the keys of the pool defaults plus `name`, and each option's type matches its
-default. Usage: check_argument_specs.py [ROLE_DIR]   (needs PyYAML, which ansible-core brings).
+default; and role/README.md's two variable tables name exactly these variables and pool settings.
+Usage: check_argument_specs.py [ROLE_DIR]   (needs PyYAML, which ansible-core brings).
 """
+import re
 import sys
 from pathlib import Path
 
@@ -37,6 +39,23 @@ def compare(where, options, defaults, problems):
             compare(f"{where}{key}.", spec["options"], value, problems)
 
 
+def readme_tables(text):
+    """The names in the first column of each table of README.md's `## Variables`, per table."""
+    section = text.split("\n## Variables\n", 1)[-1].split("\n## ", 1)[0]
+    tables, rows = [], None
+    for line in section.splitlines():
+        if line.startswith("|"):
+            if rows is None:
+                rows = set()
+                tables.append(rows)
+            first = line.split("|")[1]
+            if not re.fullmatch(r"\s*-+\s*", first) and first.strip() not in ("variable", "key"):
+                rows |= {n.split(".")[0] for n in re.findall(r"`([^`]+)`", first)}
+        else:
+            rows = None
+    return tables
+
+
 def main():
     role = Path(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).resolve().parents[2] / "role")
     defaults = yaml.safe_load((role / "defaults/main.yml").read_text())
@@ -64,11 +83,26 @@ def main():
     if not element.get("name", {}).get("required"):
         problems.append("ci_ephemeral_provisioner_pools entries: name must be required")
 
+    readme = role / "README.md"
+    tables = readme_tables(readme.read_text()) if readme.exists() else []
+    if len(tables) != 2:
+        problems.append(f"{readme}: `## Variables` should have two tables (variables, pool settings), has {len(tables)}")
+    else:
+        prefix = "ci_ephemeral_provisioner_"
+        for where, listed, want in (
+            ("variables", tables[0], {k.removeprefix(prefix) for k in defaults}),
+            ("pool settings", tables[1], set(pool_defaults) | {"name"}),
+        ):
+            for key in sorted(want - listed):
+                problems.append(f"README.md's table of {where} lacks {key}")
+            for key in sorted(listed - want):
+                problems.append(f"README.md's table of {where} lists {key}, which the role does not have")
+
     for p in problems:
         print(f"argument_specs drift: {p}", file=sys.stderr)
     if problems:
         return 1
-    print(f"argument_specs mirror defaults: {len(options)} variables, {len(pool_defaults)} pool settings")
+    print(f"argument_specs mirror defaults and README.md: {len(options)} variables, {len(pool_defaults)} pool settings")
     return 0
 
 
