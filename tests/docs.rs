@@ -251,35 +251,69 @@ fn normalize(path: &Path) -> PathBuf {
     out
 }
 
-fn markdown_under(dir: &Path, recursive: bool, out: &mut Vec<PathBuf>) {
-    let Ok(entries) = fs::read_dir(dir) else {
-        return;
-    };
-    let mut entries: Vec<PathBuf> = entries.filter_map(|e| e.ok().map(|e| e.path())).collect();
-    entries.sort();
-    for p in entries {
-        if p.is_dir() {
-            if recursive {
-                markdown_under(&p, true, out);
-            }
-        } else if p.extension().is_some_and(|e| e == "md") {
-            out.push(p);
+/// The files git does not ignore (tracked, or new and not ignored) that exist, and the directories
+/// that hold them: what the documentation may link to and what it is made of. A role installed
+/// into an ignored directory, a build's output, are neither.
+fn repository_files() -> BTreeSet<PathBuf> {
+    let r = root();
+    let out = std::process::Command::new("git")
+        .arg("-C")
+        .arg(&r)
+        .args([
+            "ls-files",
+            "-z",
+            "--cached",
+            "--others",
+            "--exclude-standard",
+        ])
+        .output()
+        .expect("run git ls-files (the link check reads the repository's files from git)");
+    assert!(
+        out.status.success(),
+        "git ls-files in {}: {out:?}",
+        r.display()
+    );
+    let mut set = BTreeSet::new();
+    for rel in out.stdout.split(|b| *b == 0).filter(|p| !p.is_empty()) {
+        let path = r.join(String::from_utf8_lossy(rel).as_ref());
+        if fs::symlink_metadata(&path).is_err() {
+            continue; // deleted, not yet committed
         }
+        let mut p = path.as_path();
+        while let Some(parent) = p.parent() {
+            if !set.insert(parent.to_path_buf()) || parent == r {
+                break;
+            }
+            p = parent;
+        }
+        set.insert(path);
     }
+    set
 }
 
-/// README.md, docs/*.md, role/README.md and examples/**/*.md (those that exist).
+/// README.md, docs/*.md, role/README.md and examples/**/*.md, as git sees them.
 fn documentation_files() -> Vec<PathBuf> {
     let r = root();
-    let mut files = vec![r.join("README.md"), r.join("role/README.md")];
-    markdown_under(&r.join("docs"), false, &mut files);
-    markdown_under(&r.join("examples"), true, &mut files);
-    files.retain(|p| p.is_file());
-    files
+    repository_files()
+        .into_iter()
+        .filter(|p| p.extension().is_some_and(|e| e == "md") && p.is_file())
+        .filter(|p| {
+            let rel = p.strip_prefix(&r).unwrap_or(p);
+            rel == Path::new("README.md")
+                || rel == Path::new("role/README.md")
+                || rel.parent() == Some(Path::new("docs"))
+                || rel.starts_with("examples")
+        })
+        .collect()
 }
 
 /// What is wrong with every relative link of `file` (empty when they all resolve).
 fn broken_links(file: &Path) -> Vec<String> {
+    broken_links_among(file, &repository_files())
+}
+
+/// The same, where a link may point only into `files` (a file or directory git does not ignore).
+fn broken_links_among(file: &Path, files: &BTreeSet<PathBuf>) -> Vec<String> {
     let text = read(file);
     let own_anchors = anchors(&text);
     let shown = file
@@ -314,6 +348,13 @@ fn broken_links(file: &Path) -> Vec<String> {
             };
             if !dest.exists() {
                 problems.push(format!("{here}: {} does not exist", dest.display()));
+                continue;
+            }
+            if dest != file && !files.contains(&dest) {
+                problems.push(format!(
+                    "{here}: {} is ignored by git (not part of the repository)",
+                    dest.display()
+                ));
                 continue;
             }
             let Some(anchor) = anchor else { continue };
@@ -369,14 +410,58 @@ fn the_link_check_sees_a_broken_link_and_a_broken_anchor() {
         "# Title: one\n\n```\n[in a code block](missing-in-fence.md)\n```\n\n\
          Fine: [a](other.md#the-check-command), [b](#title-one), [c](https://example.org/x),\n\
          `[code](missing-in-code.md)`.\n\
-         Broken: [d](missing.md), [e](other.md#no-such-heading), [f](#nowhere).\n",
+         Broken: [d](missing.md), [e](other.md#no-such-heading), [f](#nowhere),\n         [g](ignored.md).\n",
     )
     .unwrap();
-    let problems = broken_links(&doc);
-    assert_eq!(problems.len(), 3, "{problems:#?}");
+    fs::write(dir.path().join("ignored.md"), "# Ignored\n").unwrap();
+    // What git sees: the directory, the page and other.md; ignored.md exists but is ignored.
+    let files: BTreeSet<PathBuf> = [
+        dir.path().to_path_buf(),
+        doc.clone(),
+        dir.path().join("other.md"),
+    ]
+    .into_iter()
+    .collect();
+    let problems = broken_links_among(&doc, &files);
+    assert_eq!(problems.len(), 4, "{problems:#?}");
     assert!(problems[0].contains("missing.md") && problems[0].contains("does not exist"));
     assert!(problems[1].contains("#no-such-heading"));
     assert!(problems[2].contains("#nowhere"));
+    assert!(problems[3].contains("ignored.md") && problems[3].contains("ignored by git"));
+}
+
+/// A page in a directory git ignores (a role installed into one, tofu's .terraform/) is not
+/// documentation: its links are not checked, and nothing may link to it.
+#[test]
+fn the_link_check_skips_what_git_ignores() {
+    let dir = root().join(format!(
+        "examples/hetzner/.terraform/docs-test-{}",
+        std::process::id()
+    ));
+    fs::create_dir_all(&dir).unwrap();
+    let page = dir.join("README.md");
+    fs::write(
+        &page,
+        "# Installed elsewhere\n\n[broken](../../nowhere.md)\n",
+    )
+    .unwrap();
+    let files = documentation_files();
+    let tracked = repository_files();
+    fs::remove_dir_all(&dir).unwrap();
+    assert!(
+        !files.contains(&page),
+        "an ignored page is checked: {}",
+        page.display()
+    );
+    assert!(!tracked.contains(&page) && !tracked.contains(&dir));
+    assert!(
+        files.contains(&root().join("examples/ansible/README.md")),
+        "{files:#?}"
+    );
+    assert!(
+        tracked.contains(&root().join("role")),
+        "directories of tracked files are in it"
+    );
 }
 
 #[test]
@@ -1011,4 +1096,28 @@ fn the_quick_start_names_what_ci_installs_and_a_quick_test() {
     );
     assert!(quick.contains("about 20 minutes"), "{quick}");
     assert!(quick.contains("\ncargo test --lib --test "), "{quick}");
+}
+
+/// Every input of the example module (`variable "…"` in examples/hetzner/variables.tf) has its
+/// row in the Inputs table of examples/hetzner/README.md, and the table lists nothing else.
+#[test]
+fn the_example_modules_inputs_table_lists_every_variable() {
+    let tf = read(&root().join("examples/hetzner/variables.tf"));
+    let declared: BTreeSet<String> = tf
+        .lines()
+        .filter_map(|l| l.strip_prefix("variable \"")?.split('"').next())
+        .map(str::to_string)
+        .collect();
+    let readme = read(&root().join("examples/hetzner/README.md"));
+    let table: BTreeSet<String> = section(&readme, "## Inputs")
+        .into_iter()
+        .filter(|l| l.starts_with("| `"))
+        .filter_map(|l| cells(l).first().cloned())
+        .map(|c| c.trim_matches('`').to_string())
+        .collect();
+    assert!(declared.len() > 10, "{declared:?}");
+    assert_eq!(
+        table, declared,
+        "examples/hetzner/README.md's Inputs table and variables.tf disagree"
+    );
 }
