@@ -6,7 +6,10 @@
 //!
 //! Ignored by default (needs root, systemd-container, a rootfs and a venv); `.ci/role` runs it:
 //! `ROLE_E2E_ROOTFS=<bookworm rootfs, modified in place> ANSIBLE_VENV=<venv with ansible-core>
-//! cargo test --test role_e2e -- --ignored`. `ROLE_E2E_BINARY` defaults to the musl release build.
+//! cargo test --test role_e2e -- --ignored`. `ROLE_E2E_BINARY` defaults to `.ci/release`'s
+//! dist/ci-ephemeral-provisioner (with its .sha256 beside it). Every play deploys
+//! examples/ansible (site.yml, inventory, group_vars) with the test's variables over it; the last
+//! one the example's own pool, with stand-ins for Forgejo, the cloud and the VM.
 
 mod support;
 
@@ -485,21 +488,37 @@ fn wait_until(what: &str, host: &Host, mut cond: impl FnMut() -> bool) {
     eprintln!("  after {:.1?}", start.elapsed());
 }
 
-/// Where the role takes the binary from.
+/// Where the role takes the binary from (the other source emptied: the example's group_vars
+/// name a local path).
 enum Source<'a> {
+    /// A file on the controller, checked against the `.sha256` file beside it.
     Local(&'a Path),
-    Url { url: String, sha256: String },
+    /// A file on the controller and the SHA-256 it must have.
+    LocalWithSha256 {
+        path: &'a Path,
+        sha256: String,
+    },
+    Url {
+        url: String,
+        sha256: String,
+    },
 }
 
 impl Source<'_> {
     fn yaml(&self) -> String {
         match self {
             Source::Local(p) => format!(
-                "ci_ephemeral_provisioner_binary_local_path: {}",
+                "ci_ephemeral_provisioner_binary_local_path: {}\nci_ephemeral_provisioner_binary_url: \"\"",
                 p.display()
             ),
+            Source::LocalWithSha256 { path, sha256 } => format!(
+                "ci_ephemeral_provisioner_binary_local_path: {}\nci_ephemeral_provisioner_binary_url: \"\"\n\
+                 ci_ephemeral_provisioner_binary_sha256: \"{sha256}\"",
+                path.display()
+            ),
             Source::Url { url, sha256 } => format!(
-                "ci_ephemeral_provisioner_binary_url: {url}\nci_ephemeral_provisioner_binary_sha256: \"{sha256}\""
+                "ci_ephemeral_provisioner_binary_local_path: \"\"\nci_ephemeral_provisioner_binary_url: {url}\n\
+                 ci_ephemeral_provisioner_binary_sha256: \"{sha256}\""
             ),
         }
     }
@@ -613,12 +632,10 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
     required_env("ANSIBLE_VENV");
     let binary = std::env::var("ROLE_E2E_BINARY")
         .map(PathBuf::from)
-        .unwrap_or_else(|_| {
-            manifest().join("target/x86_64-unknown-linux-musl/release/ci-ephemeral-provisioner")
-        });
+        .unwrap_or_else(|_| manifest().join("dist/ci-ephemeral-provisioner"));
     assert!(
-        binary.is_file(),
-        "{} is missing: build it first",
+        binary.is_file() && binary.with_extension("sha256").is_file(),
+        "{} or its .sha256 is missing: run .ci/release first",
         binary.display()
     );
     // ROLE_E2E_WORK keeps the keys, inventory, variables and logs for a look afterwards.
@@ -1330,12 +1347,59 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
     assert!(out.contains("did not match"), "{out}");
     assert!(hits.load(Ordering::SeqCst) > 0, "get_url never downloaded");
     assert_eq!(installed(), before, "the installed binary changed");
-    let right = Source::Url { url, sha256 };
+    let right = Source::Url {
+        url,
+        sha256: sha256.clone(),
+    };
     let (ok, out, changed) = host.play("url", &vars(&fake, work, &right, two_pools));
     assert!(ok, "{out}");
     assert_eq!(
         changed, 0,
         "same bytes from the URL changed something:\n{out}"
+    );
+    // A local file is checked too: against binary_sha256 when given (else its .sha256 file,
+    // as in every other play), before anything changes.
+    let wrong_local = Source::LocalWithSha256 {
+        path: &binary,
+        sha256: "0".repeat(64),
+    };
+    let (ok, out, _) = host.play(
+        "local-wrong-sha",
+        &vars(&fake, work, &wrong_local, two_pools),
+    );
+    assert!(
+        !ok && out.contains(&format!("has the SHA-256 {sha256}, not {}", "0".repeat(64))),
+        "a local binary with another SHA-256 was accepted:\n{out}"
+    );
+    assert_eq!(installed(), before, "the installed binary changed");
+    // The installed binary's --version: printed, and checked when a version is expected.
+    let version = env!("CARGO_PKG_VERSION");
+    let (ok, out, changed) = host.play(
+        "version",
+        &format!(
+            "{}ci_ephemeral_provisioner_version: \"{version}\"\n",
+            vars(&fake, work, &local, two_pools)
+        ),
+    );
+    assert!(ok && changed == 0, "{out}");
+    assert!(
+        out.contains(&format!(
+            "Installed: ci-ephemeral-provisioner {version} (commit "
+        )),
+        "{out}"
+    );
+    let (ok, out, _) = host.play(
+        "version-other",
+        &format!(
+            "{}ci_ephemeral_provisioner_version: \"9.9.9\"\n",
+            vars(&fake, work, &local, two_pools)
+        ),
+    );
+    assert!(
+        !ok && out.contains(&format!(
+            "--version says: ci-ephemeral-provisioner {version} (commit "
+        )) && out.contains("; but ci_ephemeral_provisioner_version is 9.9.9"),
+        "a binary of another version was accepted:\n{out}"
     );
 
     // Lowering the gpu pool's slots to 1 retires slot 2, never while it has a cycle in progress.
@@ -1700,6 +1764,113 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
     assert!(
         !host.file(pending).exists(),
         "the pending restart was not forgotten"
+    );
+
+    // The example itself (examples/ansible): its group_vars as they are, with stand-ins swapped in
+    // (tests/role/example_vars.py) for Forgejo, the vault's secrets, the cloud (the test module)
+    // and the "VM" (this host's sshd, whose host key the module outputs as the example's
+    // known_hosts_output). It replaces the test's pools and serves a job.
+    let hetzner_vm = "/var/lib/ci-ephemeral-provisioner/hetzner/vm";
+    let hcloud_stand_in = "hcloud-5tand-1n-9d2f";
+    let standins = serde_json::json!({
+        "vars": {
+            "ci_ephemeral_provisioner_forgejo_url": fake.url(),
+            "vault_forgejo_runner_token": API_TOKEN,
+            "vault_hcloud_token": hcloud_stand_in,
+            "ci_ephemeral_provisioner_timer_boot_delay": "1s",
+            "ci_ephemeral_provisioner_timer_interval": "2s",
+            "ci_ephemeral_provisioner_timer_accuracy": "100ms",
+        },
+        "pool": {
+            "tofu_module_src": manifest().join("tests/role/module"),
+            "environment": {
+                "VM_DIR": hetzner_vm,
+                "TF_VAR_ssh_key_path": "/etc/e2e/id_vm",
+                "TF_VAR_known_hosts": fs::read_to_string(work.join("known_hosts")).unwrap().trim(),
+            },
+            "launch": { "ssh_user": "root", "ssh_port": 2222 },
+            "idle_timeout": "1s",
+            "registration_grace": "5s",
+            "poll_interval": "500ms",
+            "http_timeout": "5s",
+        },
+    });
+    let standins_file = work.join("example-standins.json");
+    fs::write(&standins_file, standins.to_string()).unwrap();
+    let merged = work.join("example-vars.yml");
+    let (ok, out) = host.script(&[
+        "example-vars",
+        path_str(work),
+        path_str(&standins_file),
+        path_str(&merged),
+    ]);
+    assert!(ok, "{out}");
+    let (ok, out, _) = host.play("example", &fs::read_to_string(&merged).unwrap());
+    assert!(ok, "the example did not deploy:\n{out}");
+    for secret in [API_TOKEN, hcloud_stand_in] {
+        assert!(!out.contains(secret), "Ansible printed a secret:\n{out}");
+    }
+    // The example's pool, as its group_vars say; the test's pool is gone.
+    let env = host.read("etc/ci-ephemeral-provisioner/pools/hetzner/provisioner.env");
+    for want in [
+        "CI_EPHEMERAL_PROVISIONER_LABELS=\"debian:host\"",
+        "CI_EPHEMERAL_PROVISIONER_RUNNER_PREFIX=\"ephemeral-hetzner-\"",
+        "CI_EPHEMERAL_PROVISIONER_LAUNCH_TIMEOUT=\"5m\"",
+        "TF_VAR_name_prefix=\"ci-hetzner-\"",
+    ] {
+        assert!(
+            env.contains(want),
+            "{want} is not in provisioner.env:\n{env}"
+        );
+    }
+    assert_eq!(
+        host.sh_ok("stat -c '%a %U' /etc/ci-ephemeral-provisioner/pools/hetzner/secret.env")
+            .trim(),
+        "600 root"
+    );
+    assert!(
+        host.read("etc/ci-ephemeral-provisioner/pools/hetzner/secret.env")
+            .contains(&format!("TF_VAR_hcloud_token=\"{hcloud_stand_in}\"")),
+        "the example's vault_hcloud_token is not its pool's TF_VAR_hcloud_token"
+    );
+    assert_eq!(
+        host.sh("systemctl is-enabled ci-ephemeral-provisioner@default.timer")
+            .1
+            .trim(),
+        "disabled"
+    );
+    let hetzner = "ci-ephemeral-provisioner@hetzner.service";
+    let (job3, _) = fake.add_job(&["debian"]);
+    wait_until(
+        "the example's pool to run a job and be back at rest",
+        &host,
+        || {
+            let s = host.show(hetzner);
+            assert_ne!(
+                s["ActiveState"],
+                "failed",
+                "a run of the example's pool failed:\n{}",
+                host.journal(hetzner)
+            );
+            fake.jobs()
+                .iter()
+                .any(|j| j.id == job3 && j.status == "success")
+                && !host
+                    .file("var/lib/ci-ephemeral-provisioner/hetzner/cycle.json")
+                    .exists()
+                && host
+                    .read(&format!("{}/vm.log", &hetzner_vm[1..]))
+                    .contains("destroy ")
+                && s["ActiveState"] == "inactive"
+                && s["Result"] == "success"
+        },
+    );
+    assert!(
+        fake.runners()
+            .iter()
+            .all(|r| !r.name.starts_with("ephemeral-hetzner-")),
+        "the example's registrations left behind: {:?}",
+        fake.runners()
     );
     drop(host);
 }

@@ -3,17 +3,21 @@
 # with systemd-nspawn, sharing the host's network, sshd on 127.0.0.1:$SSH_PORT.
 #
 #   role_e2e.sh boot WORK ROOTFS   prepare ROOTFS (keys, sshd, tofu, fake forgejo-runner), boot it
-#   role_e2e.sh play WORK VARS     ansible-playbook site.yml against it, with -e @VARS
+#   role_e2e.sh play WORK VARS     ansible-playbook examples/ansible/site.yml against it, with the
+#                                  example's inventory and group_vars, its connection in
+#                                  WORK/connection.yml and -e @VARS over them
+#   role_e2e.sh example-vars WORK STANDINS OUT   the example's group_vars with STANDINS swapped
+#                                  in (tests/role/example_vars.py), into OUT
 #   role_e2e.sh exec WORK CMD...   run CMD inside the container (nsenter into all its namespaces)
 #   role_e2e.sh down WORK          stop the container (SIGTERM to nspawn = clean poweroff), tidy cgroups
 #
 # Needs root, systemd-container, and ANSIBLE_VENV (a venv with ansible-core). WORK holds the keys,
-# the inventory, nspawn's log and pid. `down` is safe to call any number of times.
+# the connection variables, nspawn's log and pid. `down` is safe to call any number of times.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 SSH_PORT=${SSH_PORT:-2222}
 
-cmd=${1:?usage: role_e2e.sh boot|play|exec|down WORK ...}
+cmd=${1:?usage: role_e2e.sh boot|play|example-vars|exec|down WORK ...}
 work=${2:?WORK directory missing}
 shift 2
 mkdir -p "$work"
@@ -64,9 +68,17 @@ boot)
     # known_hosts for the launch command: the container's own host key.
     printf '[localhost]:%s,[127.0.0.1]:%s %s\n' "$SSH_PORT" "$SSH_PORT" "$(cut -d' ' -f1,2 "$rootfs/etc/ssh/ssh_host_ed25519_key.pub")" \
         > "$work/known_hosts"
-    cat > "$work/inventory.ini" <<EOF
-[provisioner]
-e2e ansible_host=127.0.0.1 ansible_port=$SSH_PORT ansible_user=root ansible_python_interpreter=/usr/bin/python3 ansible_ssh_private_key_file=$work/id_ansible ansible_ssh_common_args='-o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null'
+    # The example's inventory names the operator's host: the container stands in for it, as
+    # extra variables (over the inventory's). Already root there: no become.
+    cat > "$work/connection.yml" <<EOF
+---
+ansible_host: 127.0.0.1
+ansible_port: $SSH_PORT
+ansible_user: root
+ansible_become: false
+ansible_python_interpreter: /usr/bin/python3
+ansible_ssh_private_key_file: $work/id_ansible
+ansible_ssh_common_args: -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null
 EOF
     # --register=no --keep-unit: no systemd/machined/D-Bus on this host.
     systemd-nspawn -D "$rootfs" -b -M role-e2e --register=no --keep-unit --console=passive \
@@ -88,9 +100,13 @@ play)
     vars=${1:?VARS file missing}
     shift
     export ANSIBLE_HOST_KEY_CHECKING=False ANSIBLE_NOCOLOR=1 ANSIBLE_FORCE_COLOR=0 ANSIBLE_PIPELINING=True
-    export ANSIBLE_ROLES_PATH="$here/roles"
+    example=$here/../../examples/ansible
     exec "${ANSIBLE_VENV:?ANSIBLE_VENV must name a venv with ansible-core}/bin/ansible-playbook" \
-        -i "$work/inventory.ini" "$here/site.yml" -e "@$vars" "$@"
+        -i "$example/inventory.ini" "$example/site.yml" -e "@$work/connection.yml" -e "@$vars" "$@"
+    ;;
+example-vars)
+    exec "${ANSIBLE_VENV:?ANSIBLE_VENV must name a venv with ansible-core}/bin/python" \
+        "$here/example_vars.py" "${1:?STANDINS missing}" "${2:?OUT missing}"
     ;;
 exec)
     cpid=$(container_pid) || { echo "the container is not running" >&2; exit 1; }

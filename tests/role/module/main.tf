@@ -38,3 +38,14 @@ output "ssh_private_key" {
   value     = file(var.ssh_key_path)
   sensitive = true
 }
+
+# A known_hosts line for the pool's launch.known_hosts_output (as the example's module makes one
+# per VM); "" for the pools that give launch.known_hosts instead.
+variable "known_hosts" {
+  type    = string
+  default = ""
+}
+
+output "known_hosts" {
+  value = var.known_hosts
+}
