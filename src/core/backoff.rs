@@ -166,7 +166,7 @@ pub enum Gate {
     Closed(Closed),
 }
 
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct Closed {
     pub since: Timestamp,
     pub until: Timestamp,
@@ -183,7 +183,8 @@ impl Closed {
             self.since,
             self.until,
             self.failures,
-            self.reason.map_or("of an unrecorded failure", FailureReason::describe)
+            self.reason
+                .map_or("of an unrecorded failure", FailureReason::describe)
         )
     }
 }
@@ -226,7 +227,7 @@ impl Backoff {
         let mut b = self.clone();
         b.version = BACKOFF_VERSION;
         match outcome {
-            CycleOutcome::Neutral => return (self.clone(), Change::Unchanged),
+            CycleOutcome::Neutral => (self.clone(), Change::Unchanged),
             CycleOutcome::Served => {
                 let ended = self.since.is_some();
                 // Served twice is reset twice: no need to remember it was counted.
@@ -235,7 +236,7 @@ impl Backoff {
                 if reset == *self {
                     return (reset, Change::Unchanged);
                 }
-                return (reset, Change::Reset { ended });
+                (reset, Change::Reset { ended })
             }
             CycleOutcome::Failed(reason) => {
                 b.last_counted_cycle_id.insert(slot, cycle_id.to_string());
