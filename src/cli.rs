@@ -332,7 +332,7 @@ pub struct SweepArgs {
 pub struct StatusArgs {
     /// Exit 1 when there is a warning (a health check): no success within --max-success-age,
     /// none since runs began (or no run at all), the last destroy failed, a cycle older than
-    /// --max-cycle-duration, an unreadable state file.
+    /// --max-cycle-duration, the pool backing off (its failure backoff), an unreadable state file.
     #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_CHECK")]
     pub check: bool,
 
