@@ -88,13 +88,14 @@ pub fn config(max_jobs: u32, prefix: &str, share: Share, slot: u32) -> CycleConf
     }
 }
 
-/// The failure backoff of every simulated pool: `--max-failed-cycles 3`, `--failure-backoff 2m`,
-/// a maximum of 16m (shorter than the default hour, so that seeds converge within
-/// `MAX_QUIET_RUNS`).
+/// The failure backoff of every simulated pool: `--max-failed-cycles 3`, a first backoff of 10m
+/// (longer than the default 2m: the timer runs of a seed are up to 3 minutes apart, and a shorter
+/// backoff would bound nothing the timer does not bound already), at most 40m (so that seeds
+/// converge within `MAX_QUIET_RUNS`).
 pub const BACKOFF: BackoffPolicy = BackoffPolicy {
     max_failed_cycles: 3,
-    initial: Duration::from_secs(120),
-    max: Duration::from_secs(960),
+    initial: Duration::from_secs(600),
+    max: Duration::from_secs(2400),
 };
 
 /// Simulated SIGKILLs and livelocks unwind silently; real panics still print.

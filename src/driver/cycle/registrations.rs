@@ -263,8 +263,8 @@ impl Driver<'_, '_> {
         }
         reg.failed_start = true;
         let name = reg.name.clone();
-        s.start_failures += 1;
         s.failure = Some(FailureReason::NeverConnected);
+        s.start_failures += 1;
         self.report.fail(format!(
             "runner {id} ({name}) never connected: its launch command exited 0, but Forgejo still showed it offline {grace} later; check forgejo-runner on the VM (installed, version 12.8 or newer, its log) and what the launch command starts"
         ));
