@@ -814,6 +814,82 @@ mod tests {
         assert!(store.inner.state.is_none());
     }
 
+    /// A backoff in force at the tests' clock.
+    fn closed_backoff(now: Timestamp) -> crate::core::backoff::Backoff {
+        let mut b = crate::core::backoff::Backoff::new();
+        b.consecutive_failed_cycles = 3;
+        b.since = Some(now);
+        b.until = Some(now.plus(Duration::from_secs(600)));
+        b.last_reason = Some(crate::core::backoff::FailureReason::ApplyFailed);
+        b
+    }
+
+    fn run_with_store(shared: &ModelForgejo, store: &mut MemoryStore) -> Report {
+        let mut forgejo = shared.clone();
+        let mut launcher = shared.clone();
+        let mut tofu = NoopTofu;
+        let mut clock = shared.clone();
+        let cfg = test_config();
+        let mut report = Report::new("run", false, clock.now());
+        let mut world = super::World {
+            forgejo: &mut forgejo,
+            tofu: &mut tofu,
+            launcher: &mut launcher,
+            store,
+            clock: &mut clock,
+        };
+        assert_eq!(run(&mut world, &cfg, &mut report), End::Done);
+        report
+    }
+
+    #[test]
+    fn a_backoff_in_force_starts_no_cycle_and_says_why() {
+        let shared = ModelForgejo::new("debian");
+        let now = {
+            let mut s = shared.server();
+            let now = s.now;
+            s.forgejo
+                .add_job("h1".into(), vec!["debian".into()], 1, 1, now);
+            now
+        };
+        let mut store = MemoryStore {
+            backoff: closed_backoff(Timestamp(now)),
+            ..MemoryStore::default()
+        };
+        let report = run_with_store(&shared, &mut store);
+        assert_eq!(report.outcome, "backing_off");
+        assert!(report.failures.is_empty(), "{:?}", report.failures);
+        let closed = report
+            .backoff
+            .expect("the report says since, until and why");
+        assert_eq!(closed.failures, 3);
+        assert!(store.state.is_none(), "no cycle started");
+        assert!(report.events.is_empty(), "{:?}", report.events);
+    }
+
+    /// Only a new VM is gated: a cycle in progress (here one whose teardown was decided) goes on
+    /// to its destroy and its end, and is counted.
+    #[test]
+    fn a_backoff_in_force_does_not_cut_a_cycle_in_progress_short() {
+        let shared = ModelForgejo::new("debian");
+        let now = Timestamp(shared.server().now);
+        let mut state = CycleState::new("20261014t150757z-ab12".into(), now);
+        state.apply_failed("tofu apply failed: x".into(), "tofu apply failed".into());
+        let mut store = MemoryStore {
+            state: Some(state),
+            backoff: closed_backoff(now),
+            ..MemoryStore::default()
+        };
+        let report = run_with_store(&shared, &mut store);
+        assert_eq!(report.outcome, "cycle_finished", "{:?}", report.failures);
+        assert!(store.state.is_none());
+        assert_eq!(
+            store.backoff.consecutive_failed_cycles, 4,
+            "the cycle is counted"
+        );
+        assert!(report.events.iter().any(|e| e.step == "backoff"));
+    }
+
     #[test]
     fn a_long_busy_queue_is_progress_not_a_runaway() {
         // Each launched runner is given its job by Forgejo's rule and runs it at once: the job
