@@ -545,6 +545,21 @@ fn configuration_errors_exit_2() {
     assert_eq!(out.code, Some(2), "{out:?}");
     assert!(out.stderr.contains("--hard-deadline"), "{out:?}");
 
+    for (flags, says) in [
+        (
+            &["--failure-backoff", "2m", "--failure-backoff-max", "1m"][..],
+            "--failure-backoff-max",
+        ),
+        (&["--failure-backoff", "0s"][..], "at least 1s"),
+        (&["--max-failed-cycles", "1001"][..], "at most 1000"),
+    ] {
+        let mut c = env.cmd("run");
+        c.args(flags);
+        let out = env.exec(c);
+        assert_eq!(out.code, Some(2), "{flags:?}: {out:?}");
+        assert!(out.stderr.contains(says), "{flags:?}: {out:?}");
+    }
+
     // A cycle must start but no module is configured: exit 2 before anything is written.
     env.fake.add_job(&["debian"]);
     let mut c = env.cmd("run");
