@@ -353,7 +353,8 @@ pub struct StatusArgs {
 #[derive(Debug, Args)]
 pub struct LocalArgs {
     /// Directory of cycle.json, cycle.lock, last-run.json, events.jsonl (and events.jsonl.1),
-    /// counters.json and held-jobs.json; owned by this user, not writable by group or others
+    /// counters.json, held-jobs.json and the pool's backoff.json; owned by this user, not
+    /// writable by group or others
     /// [default: $STATE_DIRECTORY, else /var/lib/ci-ephemeral-provisioner].
     #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_STATE_DIR", value_name = "DIR")]
     pub state_dir: Option<PathBuf>,
