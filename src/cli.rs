@@ -294,6 +294,27 @@ pub struct RunArgs {
     /// --max-cycle-duration.
     #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_HARD_DEADLINE", default_value = "24h", value_parser = parse_duration, value_name = "DURATION")]
     pub hard_deadline: Duration,
+
+    /// After this many cycles of the pool in a row ended with a failure (apply, launch, a runner
+    /// that never connected, wrong labels, destroy) and without serving a job, no slot of the
+    /// pool starts a new VM for --failure-backoff (doubled with each further failed cycle, at
+    /// most --failure-backoff-max); runs meanwhile exit 0 saying until when. A cycle that serves
+    /// a job ends it. 0 turns the backoff off.
+    #[arg(
+        long,
+        env = "CI_EPHEMERAL_PROVISIONER_MAX_FAILED_CYCLES",
+        default_value_t = 3,
+        value_name = "N"
+    )]
+    pub max_failed_cycles: u32,
+
+    /// The first backoff after --max-failed-cycles failed cycles (at least 1s).
+    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_FAILURE_BACKOFF", default_value = "2m", value_parser = parse_duration, value_name = "DURATION")]
+    pub failure_backoff: Duration,
+
+    /// The longest backoff, however many cycles failed (not shorter than --failure-backoff).
+    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_FAILURE_BACKOFF_MAX", default_value = "1h", value_parser = parse_duration, value_name = "DURATION")]
+    pub failure_backoff_max: Duration,
 }
 
 #[derive(Debug, Args)]
@@ -320,7 +341,7 @@ pub struct SweepArgs {
 pub struct StatusArgs {
     /// Exit 1 when there is a warning (a health check): no success within --max-success-age,
     /// none since runs began (or no run at all), the last destroy failed, a cycle older than
-    /// --max-cycle-duration, an unreadable state file.
+    /// --max-cycle-duration, the pool backing off (its failure backoff), an unreadable state file.
     #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_CHECK")]
     pub check: bool,
 
@@ -341,7 +362,8 @@ pub struct StatusArgs {
 #[derive(Debug, Args)]
 pub struct LocalArgs {
     /// Directory of cycle.json, cycle.lock, last-run.json, events.jsonl (and events.jsonl.1),
-    /// counters.json and held-jobs.json; owned by this user, not writable by group or others
+    /// counters.json, held-jobs.json and the pool's backoff.json; owned by this user, not
+    /// writable by group or others
     /// [default: $STATE_DIRECTORY, else /var/lib/ci-ephemeral-provisioner].
     #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_STATE_DIR", value_name = "DIR")]
     pub state_dir: Option<PathBuf>,

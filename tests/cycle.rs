@@ -545,6 +545,21 @@ fn configuration_errors_exit_2() {
     assert_eq!(out.code, Some(2), "{out:?}");
     assert!(out.stderr.contains("--hard-deadline"), "{out:?}");
 
+    for (flags, says) in [
+        (
+            &["--failure-backoff", "2m", "--failure-backoff-max", "1m"][..],
+            "--failure-backoff-max",
+        ),
+        (&["--failure-backoff", "0s"][..], "at least 1s"),
+        (&["--max-failed-cycles", "1001"][..], "at most 1000"),
+    ] {
+        let mut c = env.cmd("run");
+        c.args(flags);
+        let out = env.exec(c);
+        assert_eq!(out.code, Some(2), "{flags:?}: {out:?}");
+        assert!(out.stderr.contains(says), "{flags:?}: {out:?}");
+    }
+
     // A cycle must start but no module is configured: exit 2 before anything is written.
     env.fake.add_job(&["debian"]);
     let mut c = env.cmd("run");
@@ -2134,4 +2149,108 @@ fn the_test_launch_command_refuses_an_empty_job_handle() {
     let out = launch("h-7");
     assert_eq!(out.status.code(), Some(0), "{out:?}");
     assert!(env.vm.join("launch-env.7").exists());
+}
+
+/// `create` lines in the VM log: VMs started.
+fn vm_starts(env: &Env) -> usize {
+    env.vm_log()
+        .lines()
+        .filter(|l| l.starts_with("create "))
+        .count()
+}
+
+fn backoff_json(env: &Env) -> serde_json::Value {
+    let text = fs::read_to_string(env.state.join("backoff.json")).expect("backoff.json");
+    serde_json::from_str(&text).expect("backoff.json is JSON")
+}
+
+/// The done-when of the failure backoff: a pool whose every launch fails starts a bounded
+/// number of VMs, says why and until when, and serves again by itself once fixed.
+#[test]
+fn a_pool_whose_launches_all_fail_backs_off_says_until_when_and_serves_again_once_fixed() {
+    let env = Env::new();
+    env.set_launch_mode("fail");
+    env.fake.add_job(&["debian"]);
+    // 5s: far longer than the gap between two runs here, short enough to wait out.
+    let flags = [
+        "--output",
+        "json",
+        "--max-failed-cycles",
+        "2",
+        "--failure-backoff",
+        "5s",
+        "--failure-backoff-max",
+        "10s",
+    ];
+    for n in 1..=2 {
+        let out = env.run(&flags);
+        assert_eq!(out.code, Some(1), "{out:?}");
+        assert_eq!(vm_starts(&env), n);
+    }
+    let b = backoff_json(&env);
+    assert_eq!(b["consecutive_failed_cycles"], 2, "{b}");
+    assert_eq!(b["last_reason"], "broken_vm", "{b}");
+    let events = fs::read_to_string(env.state.join("events.jsonl")).unwrap();
+    assert!(events.contains("\"step\":\"backoff\""), "{events}");
+
+    // Backing off: nothing applied, nothing registered, exit 0, and it says why and until when.
+    let posts_before = posts(&env);
+    let out = env.run(&flags);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert_eq!(vm_starts(&env), 2, "no VM while backing off");
+    assert_eq!(
+        posts(&env),
+        posts_before,
+        "no registration while backing off"
+    );
+    let report = out.json();
+    assert_eq!(report["outcome"], "backing_off", "{report}");
+    assert_eq!(report["backoff"]["until"], b["until"], "{report}");
+    assert_eq!(report["backoff"]["reason"], "broken_vm", "{report}");
+    assert!(out.stderr.contains("backing off since"), "{}", out.stderr);
+    let last: serde_json::Value =
+        serde_json::from_str(&fs::read_to_string(env.state.join("last-run.json")).unwrap())
+            .unwrap();
+    assert_eq!(last["outcome"], "backing_off");
+    let status = env.exec(env.cmd("status"));
+    assert!(status.stdout.contains("backing off"), "{status:?}");
+
+    // Fixed; once the backoff has passed, the next run serves the job and ends the backoff.
+    env.set_launch_mode("one-job");
+    let until = ci_ephemeral_provisioner::core::time::Timestamp::parse_rfc3339(
+        b["until"].as_str().unwrap(),
+    )
+    .unwrap()
+    .to_system();
+    wait_for("the backoff to pass", || {
+        std::time::SystemTime::now() > until
+    });
+    let out = env.run(&flags);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert_eq!(vm_starts(&env), 3);
+    assert_eq!(out.json()["summary"]["consumed"], 1, "{out:?}");
+    let b = backoff_json(&env);
+    assert_eq!(b["consecutive_failed_cycles"], 0, "{b}");
+    assert!(b["until"].is_null(), "{b}");
+    let events = fs::read_to_string(env.state.join("events.jsonl")).unwrap();
+    assert!(events.contains("\"step\":\"backoff_ended\""), "{events}");
+    env.assert_at_rest();
+}
+
+#[test]
+fn an_unusable_backoff_file_starts_no_vm_and_fails_naming_it() {
+    let env = Env::new();
+    env.fake.add_job(&["debian"]);
+    fs::create_dir_all(&env.state).unwrap();
+    fs::write(env.state.join("backoff.json"), "{\"version\": 1, \"consecu").unwrap();
+    let out = env.run(&[]);
+    assert_eq!(out.code, Some(1), "{out:?}");
+    assert!(
+        out.stderr.contains("backoff.json is unusable"),
+        "{}",
+        out.stderr
+    );
+    assert_eq!(vm_starts(&env), 0);
+    assert_eq!(posts(&env), 0);
+    assert!(env.cycle_json().is_none());
 }

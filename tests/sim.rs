@@ -229,6 +229,10 @@ fn simulation() {
         stats.spared_held
     );
     println!(
+        "  failure backoff: {} broken-pool seed(s) (every start fails), {} cycle starts checked against its bound; {} new cycles refused while backing off",
+        stats.broken_pools, stats.broken_pool_starts, stats.backed_off
+    );
+    println!(
         "  faults injected: {} in total",
         stats.faults.values().sum::<u64>()
     );
@@ -304,6 +308,12 @@ fn simulation() {
             stats.seeds
         );
         assert!(stats.races_refused > 0, "no racing invocation was tried");
+        assert!(
+            stats.broken_pool_starts > 0 && stats.backed_off > 0,
+            "the failure backoff was never exercised ({} broken-pool starts, {} refused)",
+            stats.broken_pool_starts,
+            stats.backed_off
+        );
         assert!(
             stats.slot_runs_nested > 0 && stats.claims_refused > 0 && stats.spared_held > 0,
             "slots never ran nested ({}), never had a claim refused ({}) or a sweep never spared another slot's registration ({})",

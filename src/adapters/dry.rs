@@ -593,9 +593,20 @@ pub struct MemoryStore {
     /// What the pool's other slots held when the dry-run read their state (nothing for a
     /// fixture).
     pub others: Others,
+    /// The pool's failure backoff as the dry-run read it (a fresh one for a fixture).
+    pub backoff: crate::core::backoff::Backoff,
 }
 
 impl StateStore for MemoryStore {
+    fn load_backoff(&mut self) -> Result<crate::core::backoff::Backoff> {
+        Ok(self.backoff.clone())
+    }
+
+    fn save_backoff(&mut self, backoff: &crate::core::backoff::Backoff) -> Result<()> {
+        self.backoff = backoff.clone();
+        Ok(())
+    }
+
     fn others(&mut self) -> Result<Others> {
         Ok(self.others.clone())
     }

@@ -8,9 +8,12 @@ use std::{fs, io};
 
 use anyhow::{Context, Result, anyhow};
 
+use crate::core::backoff::{BACKOFF_FILE, Backoff, Change, CycleOutcome, parse_backoff};
 use crate::core::holds::{HOLDS_FILE, Holds, HoldsError, parse_holds};
 use crate::core::metrics::{COUNTERS_FILE, COUNTERS_VERSION, Counters};
-use crate::core::ports::{Claim, StateStore};
+use crate::core::ports::{
+    BackoffGate, Claim, Start, StateStore, record_outcome_in, save_starting_in,
+};
 use crate::core::slots::{Others, parse_slot_dir_name, slot_dir_name};
 use crate::core::state::{CycleState, MAX_STATE_BYTES, STATE_FILE, parse_state};
 
@@ -416,6 +419,117 @@ pub fn create_private(path: &Path) -> io::Result<fs::File> {
         .open(path)
 }
 
+impl FileStore {
+    /// The pool's claims lock, held until the answer is dropped: only to read the other slots'
+    /// claims and the backoff and write this slot's, never for long. A holder that keeps it past
+    /// CLAIMS_LOCK_WAIT is stuck: this fails (and the run with it) rather than wait without end.
+    fn claims_lock(&self) -> Result<fs::File> {
+        let path = self.slot.pool.join(CLAIMS_LOCK_FILE);
+        let lock = fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .mode(0o600)
+            .custom_flags(STATE_OPEN_FLAGS)
+            .open(&path)
+            .with_context(|| format!("cannot open the claims lock {}", path.display()))?;
+        let started = std::time::Instant::now();
+        loop {
+            match lock.try_lock() {
+                Ok(()) => return Ok(lock),
+                Err(fs::TryLockError::WouldBlock) if started.elapsed() < CLAIMS_LOCK_WAIT => {
+                    std::thread::sleep(std::time::Duration::from_millis(10));
+                }
+                Err(fs::TryLockError::WouldBlock) => {
+                    return Err(anyhow!(
+                        "another slot has held {} for {}s; is a run of this pool stuck? (`fuser {}` names it)",
+                        path.display(),
+                        CLAIMS_LOCK_WAIT.as_secs(),
+                        path.display()
+                    ));
+                }
+                Err(fs::TryLockError::Error(e)) => {
+                    return Err(anyhow!("cannot lock {}: {e}", path.display()));
+                }
+            }
+        }
+    }
+
+    /// The other slot that claims the attempt `handle` of `job_id`, if one does (with the
+    /// claims lock held).
+    fn claimant(&mut self, job_id: i64, handle: &str) -> Result<Option<String>> {
+        let others = self
+            .others()
+            .with_context(|| format!("claiming job {job_id} needs the other slots' claims"))?;
+        Ok(others.claimant(job_id, handle).cloned())
+    }
+
+    /// `save_claiming` with the claims lock held.
+    fn claim_locked(&mut self, state: &CycleState, job_id: i64, handle: &str) -> Result<Claim> {
+        if let Some(slot) = self.claimant(job_id, handle)? {
+            return Ok(Claim::HeldBy(slot));
+        }
+        self.save(state)?;
+        Ok(Claim::Saved)
+    }
+}
+
+/// A [`FileStore`] whose claims lock is held: its claim does not take it again.
+struct Locked<'a>(&'a mut FileStore);
+
+impl StateStore for Locked<'_> {
+    fn load(&mut self) -> Result<Option<CycleState>> {
+        self.0.load()
+    }
+    fn save(&mut self, state: &CycleState) -> Result<()> {
+        self.0.save(state)
+    }
+    fn remove(&mut self) -> Result<()> {
+        self.0.remove()
+    }
+    fn describe(&self) -> String {
+        self.0.describe()
+    }
+    fn load_holds(&mut self) -> Result<Holds, HoldsError> {
+        self.0.load_holds()
+    }
+    fn save_holds(&mut self, holds: &Holds) -> Result<()> {
+        self.0.save_holds(holds)
+    }
+    fn others(&mut self) -> Result<Others> {
+        self.0.others()
+    }
+    fn save_claiming(&mut self, state: &CycleState, job_id: i64, handle: &str) -> Result<Claim> {
+        self.0.claim_locked(state, job_id, handle)
+    }
+    fn load_backoff(&mut self) -> Result<Backoff> {
+        self.0.load_backoff()
+    }
+    fn save_backoff(&mut self, backoff: &Backoff) -> Result<()> {
+        self.0.save_backoff(backoff)
+    }
+}
+
+/// Reads the pool's `backoff.json`; a fresh backoff when there is none. Unreadable or unusable
+/// is an error naming the file: a backoff in force is never reset silently.
+pub fn read_backoff_file(path: &Path) -> Result<Backoff> {
+    let text = match read_state_text(path, MAX_STATE_BYTES) {
+        Ok(Some(t)) => t,
+        Ok(None) => return Ok(Backoff::new()),
+        Err(StateFileError::Unreadable(m) | StateFileError::NotPlain(m)) => {
+            return Err(anyhow!(
+                "{m}; the pool's failure backoff is unknown, so no new VM starts (docs/troubleshooting.md)"
+            ));
+        }
+    };
+    parse_backoff(&text).map_err(|e| {
+        anyhow!(
+            "{} is unusable: {e:#}; the pool's failure backoff is unknown, so no new VM starts: remove the file to clear it (docs/troubleshooting.md)",
+            path.display()
+        )
+    })
+}
+
 impl StateStore for FileStore {
     fn load(&mut self) -> Result<Option<CycleState>> {
         read_state_file(&self.path())
@@ -451,46 +565,45 @@ impl StateStore for FileStore {
     }
 
     fn save_claiming(&mut self, state: &CycleState, job_id: i64, handle: &str) -> Result<Claim> {
-        let path = self.slot.pool.join(CLAIMS_LOCK_FILE);
-        let lock = fs::OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .mode(0o600)
-            .custom_flags(STATE_OPEN_FLAGS)
-            .open(&path)
-            .with_context(|| format!("cannot open the claims lock {}", path.display()))?;
-        // Held only to read the other slots' claims and write this one: never for long. A holder
-        // that keeps it past CLAIMS_LOCK_WAIT is stuck: this claim fails (and the run with it)
-        // rather than wait without end.
-        let started = std::time::Instant::now();
-        loop {
-            match lock.try_lock() {
-                Ok(()) => break,
-                Err(fs::TryLockError::WouldBlock) if started.elapsed() < CLAIMS_LOCK_WAIT => {
-                    std::thread::sleep(std::time::Duration::from_millis(10));
-                }
-                Err(fs::TryLockError::WouldBlock) => {
-                    return Err(anyhow!(
-                        "another slot has held {} for {}s; is a run of this pool stuck? (`fuser {}` names it)",
-                        path.display(),
-                        CLAIMS_LOCK_WAIT.as_secs(),
-                        path.display()
-                    ));
-                }
-                Err(fs::TryLockError::Error(e)) => {
-                    return Err(anyhow!("cannot lock {}: {e}", path.display()));
-                }
-            }
+        let _lock = self.claims_lock()?;
+        self.claim_locked(state, job_id, handle)
+    }
+
+    fn load_backoff(&mut self) -> Result<Backoff> {
+        read_backoff_file(&self.slot.pool.join(BACKOFF_FILE))
+    }
+
+    fn save_backoff(&mut self, backoff: &Backoff) -> Result<()> {
+        let mut bytes =
+            serde_json::to_vec_pretty(backoff).context("cannot encode the failure backoff")?;
+        bytes.push(b'\n');
+        write_atomic(&self.slot.pool.join(BACKOFF_FILE), &bytes)
+    }
+
+    fn save_starting(
+        &mut self,
+        state: &CycleState,
+        job_id: i64,
+        handle: &str,
+        gate: &BackoffGate,
+    ) -> Result<Start> {
+        let _lock = self.claims_lock()?;
+        // The claim is checked before the backoff is re-armed for a retry: a job another slot
+        // holds costs no backoff.
+        if let Some(slot) = self.claimant(job_id, handle)? {
+            return Ok(Start::Claim(Claim::HeldBy(slot)));
         }
-        let others = self
-            .others()
-            .with_context(|| format!("claiming job {job_id} needs the other slots' claims"))?;
-        if let Some(slot) = others.claimant(job_id, handle).cloned() {
-            return Ok(Claim::HeldBy(slot));
-        }
-        self.save(state)?;
-        Ok(Claim::Saved)
+        save_starting_in(&mut Locked(self), state, job_id, handle, gate)
+    }
+
+    fn record_outcome(
+        &mut self,
+        gate: &BackoffGate,
+        cycle_id: &str,
+        outcome: CycleOutcome,
+    ) -> Result<(Backoff, Change)> {
+        let _lock = self.claims_lock()?;
+        record_outcome_in(self, gate, cycle_id, outcome)
     }
 
     fn save(&mut self, state: &CycleState) -> Result<()> {

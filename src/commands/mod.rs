@@ -207,6 +207,15 @@ pub(crate) fn cycle_config(
         forgejo_url,
         sweep_max_deletions: a.common.sweep_max_deletions,
         slot: a.common.local.slot,
+        backoff: backoff_policy(a),
+    }
+}
+
+pub(crate) fn backoff_policy(a: &RunArgs) -> crate::core::backoff::BackoffPolicy {
+    crate::core::backoff::BackoffPolicy {
+        max_failed_cycles: a.max_failed_cycles,
+        initial: a.failure_backoff,
+        max: a.failure_backoff_max,
     }
 }
 
@@ -239,6 +248,7 @@ pub(crate) fn validate_run_args(a: &RunArgs) -> Result<Labels, Fatal> {
             crate::core::time::format_duration(a.max_cycle_duration)
         )));
     }
+    backoff_policy(a).check().map_err(usage)?;
     check_metrics_file(&a.common)?;
     Ok(labels)
 }
@@ -261,6 +271,8 @@ pub(crate) struct MetricsTarget<'a> {
     path: &'a Path,
     /// `pool` (`--metrics-pool`) and, in a pool of several slots, `slot`.
     labels: Vec<(&'static str, String)>,
+    /// The pool's state directory (its failure backoff).
+    pool: PathBuf,
 }
 
 pub(crate) fn metrics_target(common: &ForgejoArgs) -> Option<MetricsTarget<'_>> {
@@ -272,12 +284,16 @@ pub(crate) fn metrics_target(common: &ForgejoArgs) -> Option<MetricsTarget<'_>> 
         if common.local.slots > 1 {
             labels.push(("slot", common.local.slot.to_string()));
         }
-        MetricsTarget { path, labels }
+        MetricsTarget {
+            path,
+            labels,
+            pool: state_dir(&common.local.state_dir),
+        }
     })
 }
 
 pub(crate) fn announce_run(dir: &Path, metrics: Option<MetricsTarget<'_>>, started: Timestamp) {
-    let Some(MetricsTarget { path, labels }) = metrics else {
+    let Some(MetricsTarget { path, labels, pool }) = metrics else {
         return;
     };
     let counters = crate::adapters::files::load_counters(dir).unwrap_or_else(|e| {
@@ -285,10 +301,25 @@ pub(crate) fn announce_run(dir: &Path, metrics: Option<MetricsTarget<'_>>, start
         crate::core::metrics::Counters::default()
     });
     let cycle = read_state_file(&dir.join(crate::core::state::STATE_FILE));
-    let text = crate::core::metrics::render(&counters, &cycle_view(&cycle), Some(started), &labels);
+    let backoff = pool_backoff(&pool);
+    let text = crate::core::metrics::render(
+        &counters,
+        &cycle_view(&cycle),
+        backoff.as_ref(),
+        Some(started),
+        &labels,
+    );
     if let Err(e) = crate::adapters::files::write_textfile(path, &text) {
         log::warn!("--metrics-file: {e:#}");
     }
+}
+
+/// The pool's failure backoff for the metrics; none when it cannot be read (the run that
+/// needs it reports that).
+fn pool_backoff(pool: &Path) -> Option<crate::core::backoff::Backoff> {
+    crate::adapters::files::read_backoff_file(&pool.join(crate::core::backoff::BACKOFF_FILE))
+        .inspect_err(|e| log::warn!("{e:#}; the metrics file shows no failure backoff"))
+        .ok()
 }
 
 fn cycle_view(
@@ -313,9 +344,16 @@ fn record_run(dir: &Path, metrics: Option<MetricsTarget<'_>>, report: &mut Repor
     };
     let mut counters = before.clone();
     counters.record(report);
-    if let Some(MetricsTarget { path, labels }) = metrics {
+    if let Some(MetricsTarget { path, labels, pool }) = metrics {
         let cycle = read_state_file(&dir.join(crate::core::state::STATE_FILE));
-        let text = crate::core::metrics::render(&counters, &cycle_view(&cycle), None, &labels);
+        let backoff = pool_backoff(&pool);
+        let text = crate::core::metrics::render(
+            &counters,
+            &cycle_view(&cycle),
+            backoff.as_ref(),
+            None,
+            &labels,
+        );
         if let Err(e) = crate::adapters::files::write_textfile(path, &text) {
             report.fail(format!("--metrics-file: {e:#}"));
             report.settle(report.exit_code == i32::from(EXIT_USAGE));

@@ -42,7 +42,9 @@ pub fn cmd_status(a: StatusArgs) -> Result<u8, Fatal> {
         max_success_age: a.max_success_age,
         max_cycle_duration: a.max_cycle_duration,
     };
-    let doc = crate::commands::status::gather(&dir, &limits, crate::adapters::clock::wall_now());
+    let pool = slot_dir(&a.local)?.pool;
+    let doc =
+        crate::commands::status::gather(&dir, &pool, &limits, crate::adapters::clock::wall_now());
     match a.local.output {
         OutputFormat::Json => {
             println!("{}", serde_json::to_string_pretty(&doc).unwrap_or_default());
@@ -58,7 +60,8 @@ pub fn cmd_status(a: StatusArgs) -> Result<u8, Fatal> {
 }
 
 /// Everything `status` shows, as one JSON document (the text form is rendered from it).
-pub fn gather(dir: &Path, limits: &Limits, now: Timestamp) -> Value {
+/// `dir` is the slot's directory, `pool` the pool's (where `backoff.json` is).
+pub fn gather(dir: &Path, pool: &Path, limits: &Limits, now: Timestamp) -> Value {
     let mut unreadable = Vec::new();
     let cycle_path = dir.join(STATE_FILE);
     let (cycle, cycle_error) = match read_state_file(&cycle_path) {
@@ -100,17 +103,27 @@ pub fn gather(dir: &Path, limits: &Limits, now: Timestamp) -> Value {
                 Vec::new()
             }
         };
+    let backoff = match crate::adapters::files::read_backoff_file(
+        &pool.join(crate::core::backoff::BACKOFF_FILE),
+    ) {
+        Ok(b) => Some(b),
+        Err(e) => {
+            unreadable.push(format!("{e:#}"));
+            None
+        }
+    };
     let (events, events_skipped, events_error) =
         match crate::adapters::events_file::tail(dir, EVENTS_SHOWN) {
             Ok(t) => (t.records, t.skipped, None),
             Err(e) => (Vec::new(), 0, Some(format!("{e:#}"))),
         };
-    let f = facts(
+    let mut f = facts(
         counters.as_ref(),
         last_run.as_ref(),
         cycle.as_ref(),
         unreadable,
     );
+    f.backoff = backoff.as_ref().and_then(|b| b.closed(now));
     let warnings = warnings(&f, limits, now);
     let secs_since = |t: Option<Timestamp>| t.map(|t| now.since(t).as_secs());
     let last_run_end = last_run
@@ -132,6 +145,8 @@ pub fn gather(dir: &Path, limits: &Limits, now: Timestamp) -> Value {
         "last_success_age_seconds": secs_since(f.last_success),
         "counters_error": counters_error,
         "held_jobs": held,
+        "backoff": backoff,
+        "backing_off": f.backoff,
         "events": events,
         "events_skipped": events_skipped,
         "events_error": events_error,

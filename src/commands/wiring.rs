@@ -25,6 +25,7 @@ use crate::commands::{
     EXIT_FAILED, EXIT_OK, Fatal, announce_run, events_file, finish, forgejo_target, metrics_target,
     print_plan, read_token, slot_dir, usage,
 };
+use crate::core::backoff::Backoff;
 use crate::core::holds::{HOLDS_FILE, Holds};
 use crate::core::licence::{DestroyRecord, SweepLicence, without_cycle};
 use crate::core::ports::{Clock, Forgejo, Launcher, StateStore, Tofu};
@@ -148,11 +149,16 @@ fn dry_cycle(
     flags: &DryRunArgs,
     label_names: &[String],
 ) -> Result<CycleRun, Fatal> {
-    let (world, (cycle, holds, others), now, url) = match &flags.fixture {
+    let (world, (cycle, holds, others, backoff), now, url) = match &flags.fixture {
         Some(path) => {
             let fx = load_fixture(path, label_names)?;
             let now = fx.now.unwrap_or_else(wall_now);
-            let files = (fx.cycle, Holds::default(), Others::default());
+            let files = (
+                fx.cycle,
+                Holds::default(),
+                Others::default(),
+                Backoff::new(),
+            );
             (fx.forgejo, files, now, FIXTURE_URL.to_string())
         }
         None => {
@@ -161,8 +167,10 @@ fn dry_cycle(
                 let cycle = read_state_file(&dir.join(STATE_FILE)).map_err(failed)?;
                 let holds = read_holds_file(&dir.join(HOLDS_FILE))
                     .map_err(|e| Fatal(EXIT_FAILED, format!("{e:#}")))?;
-                let others = FileStore::slot(slot.clone()).others().map_err(failed)?;
-                Ok((cycle, holds, others))
+                let mut files = FileStore::slot(slot.clone());
+                let others = files.others().map_err(failed)?;
+                let backoff = files.load_backoff().map_err(failed)?;
+                Ok((cycle, holds, others, backoff))
             })?;
             (world, files, wall_now(), url)
         }
@@ -177,6 +185,7 @@ fn dry_cycle(
                 state: cycle,
                 holds,
                 others,
+                backoff,
             }),
             clock: Box::new(DryClock { now }),
         },
@@ -220,6 +229,7 @@ pub(crate) fn sweep(a: &SweepArgs) -> Result<SweepRun, Fatal> {
                     state: None,
                     holds: Holds::default(),
                     others: Others::default(),
+                    backoff: Backoff::new(),
                 };
                 (fx.forgejo, licence.map_err(refused)?, Box::new(store), now)
             }

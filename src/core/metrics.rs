@@ -7,6 +7,7 @@ use std::fmt::Write as _;
 
 use serde::{Deserialize, Serialize};
 
+use crate::core::backoff::Backoff;
 pub use crate::core::licence::DestroyRecord;
 use crate::core::planner::DeleteReason;
 use crate::core::report::Report;
@@ -196,6 +197,7 @@ impl Out {
 pub fn render(
     c: &Counters,
     cycle: &CycleView<'_>,
+    backoff: Option<&Backoff>,
     running: Option<Timestamp>,
     labels: &[(&'static str, String)],
 ) -> String {
@@ -286,6 +288,21 @@ pub fn render(
         "gauge",
         "Runners started in the cycle in progress (0 when none is).",
         jobs,
+    );
+    o.one(
+        "failed_cycles_in_a_row",
+        "gauge",
+        "Cycles of the pool in a row that failed without serving a job (the failure backoff's count).",
+        backoff.map_or(0, |b| b.consecutive_failed_cycles),
+    );
+    o.one(
+        "backoff_until_timestamp_seconds",
+        "gauge",
+        "Unix time until which the pool starts no new VM (its failure backoff); 0 when none was set.",
+        backoff
+            .and_then(|b| b.until)
+            .map(secs)
+            .unwrap_or_else(|| "0".into()),
     );
     o.family(
         "registrations_deleted_total",
@@ -415,7 +432,7 @@ mod tests {
     fn render_follows_the_exposition_format() {
         let mut c = Counters::default();
         c.record(&report(0, 1_764_414_300_123));
-        let text = render(&c, &CycleView::None, None, &[]);
+        let text = render(&c, &CycleView::None, None, None, &[]);
         assert!(text.contains(
             "\nci_ephemeral_provisioner_last_success_timestamp_seconds 1764414301.623\n"
         ));
@@ -428,7 +445,7 @@ mod tests {
         assert!(text.contains("ci_ephemeral_provisioner_cycle_active 0"));
         assert!(!text.contains("\nci_ephemeral_provisioner_cycle_start_timestamp_seconds "));
         assert!(text.contains("\nci_ephemeral_provisioner_run_in_progress 0\n"));
-        let running = render(&c, &CycleView::None, Some(Timestamp(2_000)), &[]);
+        let running = render(&c, &CycleView::None, None, Some(Timestamp(2_000)), &[]);
         assert!(running.contains("\nci_ephemeral_provisioner_run_in_progress 1\n"));
         assert!(running.contains("\nci_ephemeral_provisioner_run_start_timestamp_seconds 2.000\n"));
         // Every sample belongs to a family declared (HELP then TYPE) before it; counters end in
@@ -456,12 +473,22 @@ mod tests {
     fn a_pool_and_slot_label_every_sample() {
         let mut c = Counters::default();
         c.record(&report(0, 1_764_414_300_123));
+        let mut b = Backoff::new();
+        b.consecutive_failed_cycles = 4;
+        b.until = Some(Timestamp(9_000));
         let text = render(
             &c,
             &CycleView::None,
+            Some(&b),
             Some(Timestamp(2_000)),
             &[("pool", "gpu".into()), ("slot", "2".into())],
         );
+        assert!(text.contains(
+            "\nci_ephemeral_provisioner_backoff_until_timestamp_seconds{pool=\"gpu\",slot=\"2\"} 9.000\n"
+        ));
+        assert!(text.contains(
+            "\nci_ephemeral_provisioner_failed_cycles_in_a_row{pool=\"gpu\",slot=\"2\"} 4\n"
+        ));
         let samples: Vec<&str> = text.lines().filter(|l| !l.starts_with('#')).collect();
         assert!(samples.len() > 10);
         for l in &samples {

@@ -3,6 +3,7 @@
 //! Its one way out is the `log` facade (the report logs each failure at error level); where the
 //! lines go is `adapters::logging`'s choice.
 
+pub mod backoff;
 pub mod escape;
 pub mod holds;
 pub mod labels;

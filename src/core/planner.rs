@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use serde::Serialize;
 
+use crate::core::backoff::FailureReason;
 use crate::core::holds::{Holds, Share};
 use crate::core::licence::SweepLicence;
 use crate::core::model::{
@@ -278,14 +279,26 @@ impl TeardownReason {
 
     /// Teardowns that mean this run failed (exit status 1).
     pub fn is_failure(&self) -> bool {
-        matches!(
-            self,
-            TeardownReason::HardDeadline
-                | TeardownReason::BrokenVm
-                | TeardownReason::ApplyFailed
-                | TeardownReason::LaunchUnusable { .. }
-                | TeardownReason::WrongLabels { .. }
-        )
+        self.failure().is_some()
+    }
+
+    /// The failure this teardown is, for the pool's failure backoff (`core::backoff`).
+    pub fn failure(&self) -> Option<FailureReason> {
+        Some(match self {
+            TeardownReason::HardDeadline => FailureReason::HardDeadline,
+            TeardownReason::BrokenVm => FailureReason::BrokenVm,
+            TeardownReason::ApplyFailed => FailureReason::ApplyFailed,
+            TeardownReason::LaunchUnusable { .. } => FailureReason::LaunchUnusable,
+            TeardownReason::WrongLabels { .. } => FailureReason::WrongLabels,
+            TeardownReason::Idle
+            | TeardownReason::JobCap
+            | TeardownReason::MaxCycleDuration
+            | TeardownReason::OutsideBoundary { .. }
+            | TeardownReason::PreviousRunnerNotGone { .. }
+            | TeardownReason::Stranded { .. }
+            | TeardownReason::CleanupFailing { .. }
+            | TeardownReason::PickupTimeout { .. } => return None,
+        })
     }
 }
 

@@ -8,6 +8,7 @@ use std::time::Duration;
 use anyhow::Result;
 use serde_json::Value;
 
+use crate::core::backoff::{Backoff, BackoffPolicy, Change, Closed, CycleOutcome, Gate};
 use crate::core::holds::{Holds, HoldsError};
 use crate::core::model::{Deletable, Job, Runner};
 use crate::core::secret::Secret;
@@ -190,6 +191,89 @@ pub trait StateStore {
     fn save_claiming(&mut self, state: &CycleState, _job_id: i64, _handle: &str) -> Result<Claim> {
         self.save(state).map(|()| Claim::Saved)
     }
+    /// The pool's failure backoff (`backoff.json`); a fresh one when there is no file, an error
+    /// naming the file when it cannot be read or used (a real backoff is never reset silently).
+    fn load_backoff(&mut self) -> Result<Backoff> {
+        Ok(Backoff::new())
+    }
+    fn save_backoff(&mut self, _backoff: &Backoff) -> Result<()> {
+        Ok(())
+    }
+    /// [`Self::save_claiming`] for a new cycle, unless the pool's failure backoff is in force
+    /// (`Start::BackingOff`, nothing written); a retry once it has passed re-arms it first. Atomic
+    /// against the other slots (the pool's claims lock).
+    fn save_starting(
+        &mut self,
+        state: &CycleState,
+        job_id: i64,
+        handle: &str,
+        gate: &BackoffGate,
+    ) -> Result<Start> {
+        save_starting_in(self, state, job_id, handle, gate)
+    }
+    /// Counts how cycle `cycle_id` ended in the pool's failure backoff (once per cycle), under
+    /// the pool's claims lock; what it is now, and what changed.
+    fn record_outcome(
+        &mut self,
+        gate: &BackoffGate,
+        cycle_id: &str,
+        outcome: CycleOutcome,
+    ) -> Result<(Backoff, Change)> {
+        record_outcome_in(self, gate, cycle_id, outcome)
+    }
+}
+
+/// What the backoff of a run goes by: the flags, the slot, the time.
+#[derive(Clone, Copy, Debug)]
+pub struct BackoffGate {
+    pub policy: BackoffPolicy,
+    pub slot: u32,
+    pub now: Timestamp,
+}
+
+/// [`StateStore::save_starting`] with the store's own `load_backoff`, `save_backoff` and
+/// `save_claiming` (a store that locks calls it with the claims lock held, and its claim then
+/// must not lock again).
+pub fn save_starting_in<S: StateStore + ?Sized>(
+    store: &mut S,
+    state: &CycleState,
+    job_id: i64,
+    handle: &str,
+    gate: &BackoffGate,
+) -> Result<Start> {
+    if !gate.policy.enabled() {
+        return store.save_claiming(state, job_id, handle).map(Start::Claim);
+    }
+    match store.load_backoff()?.gate(&gate.policy, gate.now) {
+        Gate::Closed(c) => Ok(Start::BackingOff(c)),
+        Gate::Open => store.save_claiming(state, job_id, handle).map(Start::Claim),
+        // Re-armed before the start: a crash between the two costs one backoff, never an
+        // extra VM.
+        Gate::Retry(armed) => {
+            store.save_backoff(&armed)?;
+            store.save_claiming(state, job_id, handle).map(Start::Claim)
+        }
+    }
+}
+
+/// [`StateStore::record_outcome`] with the store's own `load_backoff` and `save_backoff`.
+pub fn record_outcome_in<S: StateStore + ?Sized>(
+    store: &mut S,
+    gate: &BackoffGate,
+    cycle_id: &str,
+    outcome: CycleOutcome,
+) -> Result<(Backoff, Change)> {
+    if !gate.policy.enabled() {
+        return Ok((Backoff::new(), Change::Unchanged));
+    }
+    let (b, change) =
+        store
+            .load_backoff()?
+            .record(&gate.policy, gate.slot, cycle_id, outcome, gate.now);
+    if change != Change::Unchanged {
+        store.save_backoff(&b)?;
+    }
+    Ok((b, change))
 }
 
 /// The answer of [`StateStore::save_claiming`].
@@ -198,6 +282,14 @@ pub enum Claim {
     Saved,
     /// Another slot holds the job attempt (its name); nothing was written.
     HeldBy(String),
+}
+
+/// The answer of [`StateStore::save_starting`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Start {
+    Claim(Claim),
+    /// The pool's failure backoff is in force: no new cycle; nothing was written.
+    BackingOff(Closed),
 }
 
 pub enum Sleep {

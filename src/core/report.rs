@@ -221,6 +221,9 @@ pub struct Report {
     pub duration_ms: u64,
     /// Counted from `events` when the run ends.
     pub summary: Summary,
+    /// The pool's failure backoff kept this run from starting a VM: since, until and why.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub backoff: Option<crate::core::backoff::Closed>,
     #[serde(skip)]
     audit: Audit,
     #[serde(skip)]
@@ -278,6 +281,7 @@ impl Report {
             sweep: None,
             duration_ms: 0,
             summary: Summary::default(),
+            backoff: None,
             audit: Audit::default(),
             clock: ReportClock(None),
             audited: 0,

@@ -10,6 +10,7 @@ use anyhow::{Context, Result, anyhow};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use crate::core::backoff::{CycleOutcome, FailureReason};
 use crate::core::time::Timestamp;
 
 pub const STATE_VERSION: u64 = 1;
@@ -202,6 +203,12 @@ pub struct CycleState {
     /// then covers every attempt of the job.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub claim_handle: Option<String>,
+    /// A runner of this cycle took a job: the cycle resets the pool's failure backoff.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub served: bool,
+    /// The last failure of this cycle (`core::backoff`): counted when the cycle ends unserved.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failure: Option<FailureReason>,
 }
 
 /// How `last_error` begins once a `tofu destroy` of the cycle failed (until one succeeds).
@@ -218,6 +225,7 @@ impl CycleState {
     /// `tofu apply` failed: the VM (whatever of it exists) goes.
     pub fn apply_failed(&mut self, error: String, teardown_reason: String) {
         self.last_error = Some(error);
+        self.failure = Some(FailureReason::ApplyFailed);
         self.phase = Phase::TearingDown;
         self.teardown_reason = Some(teardown_reason);
     }
@@ -243,6 +251,17 @@ impl CycleState {
             previous: Vec::new(),
             claim: None,
             claim_handle: None,
+            served: false,
+            failure: None,
+        }
+    }
+
+    /// How this cycle ends for the pool's failure backoff.
+    pub fn outcome(&self) -> CycleOutcome {
+        match (self.served, self.failure) {
+            (true, _) => CycleOutcome::Served,
+            (false, Some(f)) => CycleOutcome::Failed(f),
+            (false, None) => CycleOutcome::Neutral,
         }
     }
 

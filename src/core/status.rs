@@ -29,6 +29,8 @@ pub struct Facts {
     pub cycle: Option<(String, Timestamp)>,
     /// Files that could not be read.
     pub unreadable: Vec<String>,
+    /// The pool's failure backoff, when it is in force.
+    pub backoff: Option<crate::core::backoff::Closed>,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -61,6 +63,9 @@ pub fn warnings(f: &Facts, l: &Limits, now: Timestamp) -> Vec<String> {
         w.push(format!(
             "the last tofu destroy failed (the VM may still exist; no sweep until a destroy succeeds): {e}"
         ));
+    }
+    if let Some(b) = &f.backoff {
+        w.push(format!("the pool is {}", b.describe()));
     }
     if let Some((id, started)) = &f.cycle
         && now.since(*started) > l.max_cycle_duration
@@ -192,6 +197,25 @@ pub fn text(doc: &Value) -> String {
             h["job_id"],
             s(&h["until"]),
             h["times"]
+        ));
+    }
+    let b = &doc["backoff"];
+    if !doc["backing_off"].is_null() {
+        o.push(format!(
+            "failure backoff: backing off since {} until {}, after {} failed cycle(s) in a row (the last: {})",
+            s(&doc["backing_off"]["since"]),
+            s(&doc["backing_off"]["until"]),
+            doc["backing_off"]["failures"],
+            s(&doc["backing_off"]["reason"])
+        ));
+    } else if b["consecutive_failed_cycles"]
+        .as_u64()
+        .is_some_and(|n| n > 0)
+    {
+        o.push(format!(
+            "failure backoff: not in force; {} failed cycle(s) in a row (the last: {})",
+            b["consecutive_failed_cycles"],
+            s(&b["last_reason"])
         ));
     }
     let r = &doc["last_run"];
@@ -407,11 +431,18 @@ mod tests {
             destroy_failing: Some("tofu exited 1".into()),
             cycle: Some(("c7".into(), t(100_000 - 6 * H as i64 - 1))),
             unreadable: vec!["cycle.json is unreadable".into()],
+            backoff: Some(crate::core::backoff::Closed {
+                since: t(1),
+                until: t(200_000),
+                failures: 3,
+                reason: Some(crate::core::backoff::FailureReason::ApplyFailed),
+            }),
         };
         let w = warnings(&f, &limits(), now);
-        assert_eq!(w.len(), 3, "{w:?}");
+        assert_eq!(w.len(), 4, "{w:?}");
         assert!(w[1].contains("destroy failed") && w[1].contains("tofu exited 1"));
-        assert!(w[2].contains("cycle c7") && w[2].contains("--max-cycle-duration 6h"));
+        assert!(w[2].contains("backing off since") && w[2].contains("tofu apply failed"));
+        assert!(w[3].contains("cycle c7") && w[3].contains("--max-cycle-duration 6h"));
     }
 
     #[test]

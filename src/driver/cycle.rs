@@ -4,13 +4,14 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use crate::core::backoff::{BackoffPolicy, Change};
 use crate::core::holds::HoldsError;
 use crate::core::model::Deletable;
 use crate::core::planner;
 use crate::core::planner::{DeleteReason, Observation, Policy, RunContext, Step, TeardownReason};
 use crate::core::ports::{
-    Claim, Clock, Deleted, Forgejo, LaunchRequest, Launcher, Outputs, ProcessCheck, Sleep,
-    StateStore, Tofu,
+    BackoffGate, Claim, Clock, Deleted, Forgejo, LaunchRequest, Launcher, Outputs, ProcessCheck,
+    Sleep, StateStore, Tofu,
 };
 use crate::core::report::{ALREADY_GONE, DELETED, PLANNED, Report, Stopwatch};
 use crate::core::state::{
@@ -30,6 +31,8 @@ pub struct CycleConfig {
     /// two slots' cycles (and their registrations' names) never share an id, whatever the clock
     /// and the random part say.
     pub slot: u32,
+    /// The pool's failure backoff (`--max-failed-cycles`, `--failure-backoff`, `--failure-backoff-max`).
+    pub backoff: BackoffPolicy,
 }
 
 /// The implementations this run uses, chosen once in `main`.
@@ -386,6 +389,11 @@ impl Driver<'_, '_> {
                     }
                 }
                 Step::Finish => {
+                    // Counted before cycle.json goes: a crash in between counts it again, once.
+                    if !self.record_outcome() {
+                        self.report.outcome = "failed".into();
+                        return End::Done;
+                    }
                     if let Err(e) = self.w.store.remove() {
                         self.report.fail(format!("{e:#}"));
                         self.report.outcome = "failed".into();
@@ -407,6 +415,57 @@ impl Driver<'_, '_> {
                     }
                 }
             }
+        }
+    }
+
+    fn backoff_gate(&self, now: Timestamp) -> BackoffGate {
+        BackoffGate {
+            policy: self.cfg.backoff,
+            slot: self.cfg.slot,
+            now,
+        }
+    }
+
+    /// Counts how this cycle ended in the pool's failure backoff, and says what that changed.
+    /// False when backoff.json could not be read or written (reported): cycle.json must stay,
+    /// so that the next run counts it.
+    fn record_outcome(&mut self) -> bool {
+        let Some(s) = &self.state else {
+            return true;
+        };
+        let (cycle_id, outcome) = (s.cycle_id.clone(), s.outcome());
+        let gate = self.backoff_gate(self.w.clock.now());
+        match self.w.store.record_outcome(&gate, &cycle_id, outcome) {
+            Err(e) => {
+                self.report.fail(format!(
+                    "cannot count how cycle {cycle_id} ended in the pool's failure backoff: {e:#}; cycle.json is kept and the next run counts it"
+                ));
+                false
+            }
+            Ok((b, Change::BackingOff)) => {
+                if let Some(closed) = b.closed(gate.now) {
+                    let detail = closed.describe();
+                    log::warn!("{detail}");
+                    self.report.event("backoff", false, detail);
+                }
+                true
+            }
+            Ok((_, Change::Reset { ended: true })) => {
+                let detail =
+                    format!("cycle {cycle_id} served a job: the pool's failure backoff is over");
+                log::info!("{detail}");
+                self.report.event("backoff_ended", true, detail);
+                true
+            }
+            Ok((b, Change::Counted)) => {
+                log::info!(
+                    "cycle {cycle_id} failed without serving a job: {} of {} in a row before the pool backs off",
+                    b.consecutive_failed_cycles,
+                    self.cfg.backoff.max_failed_cycles
+                );
+                true
+            }
+            Ok((_, Change::Unchanged | Change::Reset { ended: false })) => true,
         }
     }
 
@@ -433,6 +492,7 @@ impl Driver<'_, '_> {
                         .is_some_and(|r| r.launch == Launch::Done && !r.failed_start)
                 {
                     s.start_failures = 0;
+                    s.served = true;
                 }
                 let name = self.forget(id, now);
                 let e = self.report.event(
@@ -475,6 +535,7 @@ impl Driver<'_, '_> {
             }
             Step::MarkBusy { id } => {
                 let s = self.state.as_mut()?;
+                s.served = true;
                 if let Some(r) = s.registration_mut(id) {
                     r.busy = true;
                     log::info!("runner {id} ({}) took a job", r.name);
@@ -610,6 +671,9 @@ impl Driver<'_, '_> {
         if let Some(s) = &mut self.state {
             s.phase = Phase::TearingDown;
             s.teardown_reason = Some(text.clone());
+            if let Some(f) = reason.failure() {
+                s.failure = Some(f);
+            }
         }
         self.report.event("teardown", !reason.is_failure(), text);
         let end = self.save().err().map(|_| End::Done);
@@ -666,6 +730,11 @@ mod tests {
             forgejo_url: "https://forgejo.invalid".into(),
             sweep_max_deletions: 50,
             slot: 1,
+            backoff: BackoffPolicy {
+                max_failed_cycles: 3,
+                initial: Duration::from_secs(120),
+                max: Duration::from_secs(3600),
+            },
         }
     }
 
@@ -743,6 +812,82 @@ mod tests {
             report.failures
         );
         assert!(store.inner.state.is_none());
+    }
+
+    /// A backoff in force at the tests' clock.
+    fn closed_backoff(now: Timestamp) -> crate::core::backoff::Backoff {
+        let mut b = crate::core::backoff::Backoff::new();
+        b.consecutive_failed_cycles = 3;
+        b.since = Some(now);
+        b.until = Some(now.plus(Duration::from_secs(600)));
+        b.last_reason = Some(crate::core::backoff::FailureReason::ApplyFailed);
+        b
+    }
+
+    fn run_with_store(shared: &ModelForgejo, store: &mut MemoryStore) -> Report {
+        let mut forgejo = shared.clone();
+        let mut launcher = shared.clone();
+        let mut tofu = NoopTofu;
+        let mut clock = shared.clone();
+        let cfg = test_config();
+        let mut report = Report::new("run", false, clock.now());
+        let mut world = super::World {
+            forgejo: &mut forgejo,
+            tofu: &mut tofu,
+            launcher: &mut launcher,
+            store,
+            clock: &mut clock,
+        };
+        assert_eq!(run(&mut world, &cfg, &mut report), End::Done);
+        report
+    }
+
+    #[test]
+    fn a_backoff_in_force_starts_no_cycle_and_says_why() {
+        let shared = ModelForgejo::new("debian");
+        let now = {
+            let mut s = shared.server();
+            let now = s.now;
+            s.forgejo
+                .add_job("h1".into(), vec!["debian".into()], 1, 1, now);
+            now
+        };
+        let mut store = MemoryStore {
+            backoff: closed_backoff(Timestamp(now)),
+            ..MemoryStore::default()
+        };
+        let report = run_with_store(&shared, &mut store);
+        assert_eq!(report.outcome, "backing_off");
+        assert!(report.failures.is_empty(), "{:?}", report.failures);
+        let closed = report
+            .backoff
+            .expect("the report says since, until and why");
+        assert_eq!(closed.failures, 3);
+        assert!(store.state.is_none(), "no cycle started");
+        assert!(report.events.is_empty(), "{:?}", report.events);
+    }
+
+    /// Only a new VM is gated: a cycle in progress (here one whose teardown was decided) goes on
+    /// to its destroy and its end, and is counted.
+    #[test]
+    fn a_backoff_in_force_does_not_cut_a_cycle_in_progress_short() {
+        let shared = ModelForgejo::new("debian");
+        let now = Timestamp(shared.server().now);
+        let mut state = CycleState::new("20261014t150757z-ab12".into(), now);
+        state.apply_failed("tofu apply failed: x".into(), "tofu apply failed".into());
+        let mut store = MemoryStore {
+            state: Some(state),
+            backoff: closed_backoff(now),
+            ..MemoryStore::default()
+        };
+        let report = run_with_store(&shared, &mut store);
+        assert_eq!(report.outcome, "cycle_finished", "{:?}", report.failures);
+        assert!(store.state.is_none());
+        assert_eq!(
+            store.backoff.consecutive_failed_cycles, 4,
+            "the cycle is counted"
+        );
+        assert!(report.events.iter().any(|e| e.step == "backoff"));
     }
 
     #[test]

@@ -10,6 +10,7 @@ use std::sync::Once;
 use std::time::Duration;
 
 use ci_ephemeral_provisioner::adapters::files::{StateDirError, lock_state_dir};
+use ci_ephemeral_provisioner::core::backoff::BackoffPolicy;
 use ci_ephemeral_provisioner::core::holds::Share;
 use ci_ephemeral_provisioner::core::planner::Policy;
 use ci_ephemeral_provisioner::core::planner::ReuseWithin;
@@ -83,8 +84,19 @@ pub fn config(max_jobs: u32, prefix: &str, share: Share, slot: u32) -> CycleConf
         forgejo_url: "https://forgejo.sim".into(),
         sweep_max_deletions: 50,
         slot,
+        backoff: BACKOFF,
     }
 }
+
+/// The failure backoff of every simulated pool: `--max-failed-cycles 3`, a first backoff of 10m
+/// (longer than the default 2m: the timer runs of a seed are up to 3 minutes apart, and a shorter
+/// backoff would bound nothing the timer does not bound already), at most 40m (so that seeds
+/// converge within `MAX_QUIET_RUNS`).
+pub const BACKOFF: BackoffPolicy = BackoffPolicy {
+    max_failed_cycles: 3,
+    initial: Duration::from_secs(600),
+    max: Duration::from_secs(2400),
+};
 
 /// Simulated SIGKILLs and livelocks unwind silently; real panics still print.
 pub fn quiet_kills() {

@@ -107,8 +107,8 @@ mutate "sweep-without-destroy" src/core/planner/after.rs \
     ''
 
 mutate "apply-before-intent" src/driver/cycle/vm.rs \
-    '        match self.save_claiming(&state, job_id, job_handle) {' \
-    '        match Ok::<Claim, SaveFailed>(Claim::Saved) {'
+    '            store.save_starting(&state, job_id, job_handle, &gate)' \
+    '            Ok::<Start, anyhow::Error>(Start::Claim(Claim::Saved))'
 
 mutate "no-sweep" src/core/planner/after.rs \
     '    if !ctx.swept {
@@ -157,8 +157,8 @@ mutate "claims-ignored" src/core/planner.rs \
     ' && !obs.claimed_elsewhere.covers(j.id, &j.handle)' \
     '' \
     src/driver/cycle/vm.rs \
-    '        match self.save_claiming(&state, job_id, job_handle) {' \
-    '        match self.w.store.save(&state).map(|()| Claim::Saved).map_err(|_| SaveFailed) {' \
+    '            store.save_starting(&state, job_id, job_handle, &gate)' \
+    '            store.save(&state).map(|()| Start::Claim(Claim::Saved))' \
     src/driver/cycle/registrations.rs \
     '        match self.save_claiming(&s, job_id, job_handle) {' \
     '        match self.w.store.save(&s).map(|()| Claim::Saved).map_err(|_| SaveFailed) {'
@@ -168,6 +168,14 @@ mutate "claims-ignored" src/core/planner.rs \
 mutate "register-without-claims-lock" src/driver/cycle/registrations.rs \
     '        match self.save_claiming(&s, job_id, job_handle) {' \
     '        match self.w.store.save(&s).map(|()| Claim::Saved).map_err(|_| SaveFailed) {'
+
+# The failure backoff's gate never closes (a retry is always allowed): a broken pool starts VMs
+# without bound.
+mutate "no-backoff-gate" src/core/backoff.rs \
+    '        if let Some(c) = self.closed(now) {
+            return Gate::Closed(c);
+        }' \
+    ''
 
 mutate "sweep-ignores-held" src/core/slots.rs \
     '        if self.held.contains(name) {

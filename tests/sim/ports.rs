@@ -7,6 +7,7 @@ use std::rc::Rc;
 use std::time::Duration;
 
 use anyhow::bail;
+use ci_ephemeral_provisioner::core::backoff::{Backoff, Change, CycleOutcome, Gate};
 use ci_ephemeral_provisioner::core::holds::Holds;
 use ci_ephemeral_provisioner::core::holds::HoldsError;
 use ci_ephemeral_provisioner::core::holds::parse_holds;
@@ -15,6 +16,7 @@ use ci_ephemeral_provisioner::core::model::Job;
 use ci_ephemeral_provisioner::core::model::Runner;
 use ci_ephemeral_provisioner::core::model::RunnerStatus;
 use ci_ephemeral_provisioner::core::ports::ApiError;
+use ci_ephemeral_provisioner::core::ports::BackoffGate;
 use ci_ephemeral_provisioner::core::ports::Claim;
 use ci_ephemeral_provisioner::core::ports::Clock;
 use ci_ephemeral_provisioner::core::ports::Deleted;
@@ -27,9 +29,11 @@ use ci_ephemeral_provisioner::core::ports::Outputs;
 use ci_ephemeral_provisioner::core::ports::ProcessCheck;
 use ci_ephemeral_provisioner::core::ports::RunnerPage;
 use ci_ephemeral_provisioner::core::ports::Sleep;
+use ci_ephemeral_provisioner::core::ports::Start;
 use ci_ephemeral_provisioner::core::ports::StateStore;
 use ci_ephemeral_provisioner::core::ports::StepError;
 use ci_ephemeral_provisioner::core::ports::Tofu;
+use ci_ephemeral_provisioner::core::ports::record_outcome_in;
 use ci_ephemeral_provisioner::core::secret::Secret;
 use ci_ephemeral_provisioner::core::slots::Others;
 use ci_ephemeral_provisioner::core::state::CycleState;
@@ -859,6 +863,99 @@ impl StateStore for SimStore {
         self.0.checked(&what);
         self.0.boundary("after", &what);
         Ok(Claim::Saved)
+    }
+
+    fn load_backoff(&mut self) -> anyhow::Result<Backoff> {
+        let s = self.0.sim.borrow();
+        let me = s.slot_of(self.0.inv);
+        Ok(s.hosts[s.slots[me].host].backoff.clone())
+    }
+
+    fn save_backoff(&mut self, backoff: &Backoff) -> anyhow::Result<()> {
+        let mut s = self.0.sim.borrow_mut();
+        let me = s.slot_of(self.0.inv);
+        let h = s.slots[me].host;
+        s.hosts[h].backoff = backoff.clone();
+        let text = format!(
+            "save(backoff) {} failed, until {:?}",
+            backoff.consecutive_failed_cycles,
+            backoff.until.map(|u| u.0)
+        );
+        s.log(text);
+        Ok(())
+    }
+
+    /// Under the pool's claims lock, as `FileStore` does it: the other slots' claims, the gate
+    /// (and a retry's re-arm) and the write, with no step boundary in between.
+    fn save_starting(
+        &mut self,
+        state: &CycleState,
+        job_id: i64,
+        handle: &str,
+        gate: &BackoffGate,
+    ) -> anyhow::Result<Start> {
+        let what = format!("save({}) starting", phase_name(state.phase));
+        self.0.boundary("before", &what);
+        if !self.alone() {
+            let others = self.read_others().inspect_err(|_| {
+                self.0
+                    .sim
+                    .borrow_mut()
+                    .log(format!("{what} -> err (others)"));
+            })?;
+            if let Some(by) = others.claimant(job_id, handle).cloned() {
+                let mut s = self.0.sim.borrow_mut();
+                s.stats.claims_refused += 1;
+                s.log(format!("{what} refused: job {job_id} is held by {by}"));
+                drop(s);
+                self.0.boundary("after", &what);
+                return Ok(Start::Claim(Claim::HeldBy(by)));
+            }
+        }
+        if gate.policy.enabled() {
+            match self.load_backoff()?.gate(&gate.policy, gate.now) {
+                Gate::Closed(c) => {
+                    let mut s = self.0.sim.borrow_mut();
+                    s.stats.backed_off += 1;
+                    s.log(format!("{what}: backing off until {}", c.until.0));
+                    drop(s);
+                    self.0.boundary("after", &what);
+                    return Ok(Start::BackingOff(c));
+                }
+                Gate::Retry(armed) => self.save_backoff(&armed)?,
+                Gate::Open => {}
+            }
+        }
+        if self.disk_fault("cycle.json write fails") {
+            return Err(self.write_failed(&what));
+        }
+        self.write(&format!("{what} claiming job {job_id}"), state);
+        {
+            let mut s = self.0.sim.borrow_mut();
+            let slot = s.slot_of(self.0.inv);
+            s.cycle_started(slot, gate.now.0, &gate.policy);
+        }
+        self.0.checked(&what);
+        self.0.boundary("after", &what);
+        Ok(Start::Claim(Claim::Saved))
+    }
+
+    /// Under the claims lock; a crash after it and before cycle.json goes counts it again,
+    /// once.
+    fn record_outcome(
+        &mut self,
+        gate: &BackoffGate,
+        cycle_id: &str,
+        outcome: CycleOutcome,
+    ) -> anyhow::Result<(Backoff, Change)> {
+        self.0.boundary("before", "record outcome");
+        let r = record_outcome_in(self, gate, cycle_id, outcome);
+        self.0
+            .sim
+            .borrow_mut()
+            .log(format!("record outcome {cycle_id} {outcome:?}"));
+        self.0.boundary("after", "record outcome");
+        r
     }
 
     fn others(&mut self) -> anyhow::Result<Others> {

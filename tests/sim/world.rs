@@ -11,6 +11,7 @@
 
 use std::collections::{BTreeMap, VecDeque};
 
+use ci_ephemeral_provisioner::core::backoff::{Backoff, BackoffPolicy};
 use ci_ephemeral_provisioner::core::holds::Holds;
 use ci_ephemeral_provisioner::core::holds::Share;
 use ci_ephemeral_provisioner::core::holds::parse_holds;
@@ -290,6 +291,11 @@ pub struct Stats {
     /// Registrations a sweep spared: too young by their name, held by another slot.
     pub spared_young: u64,
     pub spared_held: u64,
+    /// Seeds of a broken pool (every start fails), cycle starts the backoff's invariant
+    /// checked in them, and new cycles refused by the backoff (in any seed).
+    pub broken_pools: u64,
+    pub broken_pool_starts: u64,
+    pub backed_off: u64,
 }
 
 impl Stats {
@@ -324,6 +330,9 @@ impl Stats {
         self.slot_runs_nested += o.slot_runs_nested;
         self.slot_runs_nested_waiting += o.slot_runs_nested_waiting;
         self.claims_refused += o.claims_refused;
+        self.broken_pools += o.broken_pools;
+        self.broken_pool_starts += o.broken_pool_starts;
+        self.backed_off += o.backed_off;
         self.spared_young += o.spared_young;
         self.spared_held += o.spared_held;
     }
@@ -381,6 +390,10 @@ pub struct Host {
     pub share: Share,
     /// Its slots, in order (`--slot 1` first): indices into `Sim::slots`.
     pub slots: Vec<usize>,
+    /// The pool's `backoff.json` (shared by its slots, written under its claims lock).
+    pub backoff: Backoff,
+    /// When each of its cycles started (by the time its gate was passed), in a broken pool.
+    pub cycle_starts: Vec<i64>,
 }
 
 /// One slot of one host's pool: its own directory (cycle.json, held-jobs.json, cycle.lock) and
@@ -456,6 +469,9 @@ pub struct Sim {
     vm_starts: BTreeMap<String, VmStarts>,
     /// Runners whose launch exited 0, and their VM.
     launched_ok: BTreeMap<i64, String>,
+    /// Every VM is broken while faults are on, and no job is cancelled, re-run or taken by
+    /// another runner: every start fails.
+    pub broken_pool: bool,
     pub cfg: FaultCfg,
     /// `--max-jobs-per-vm` of this seed.
     pub max_jobs: u32,
@@ -518,6 +534,8 @@ impl Sim {
                     Share::default()
                 },
                 slots: Vec::new(),
+                backoff: Backoff::new(),
+                cycle_starts: Vec::new(),
             };
             for k in 1..=n {
                 host.slots.push(slots.len());
@@ -531,6 +549,18 @@ impl Sim {
         }
         if slots.len() > 1 {
             cfg.interleave = levels(&mut rng, &[0.005, 0.02, 0.05]);
+        }
+        // A broken pool in one seed of ten: while faults are on, no runner on any VM ever
+        // connects, and no job goes away by itself: every start fails (the backoff's invariant).
+        // Half of them fail fast (every launch fails), so that a pool without the backoff would
+        // start a cycle at nearly every timer run; the other half fail slowly (no runner ever
+        // connects).
+        let broken_pool = rng.chance(0.1);
+        if broken_pool {
+            cfg.broken_vm = 1.0;
+            if rng.chance(0.5) {
+                cfg.launch = 1.0;
+            }
         }
         let max_jobs = rng.pick(&[3, 6]);
         let mean_arrival_ms = rng.range(2 * MIN, 15 * MIN);
@@ -554,6 +584,7 @@ impl Sim {
             broken_vms: Vec::new(),
             vm_starts: BTreeMap::new(),
             launched_ok: BTreeMap::new(),
+            broken_pool,
             cfg,
             max_jobs,
             faults_on: true,
@@ -573,6 +604,7 @@ impl Sim {
             tracing: tracing || echo,
             ours: BTreeMap::new(),
         };
+        sim.stats.broken_pools = u64::from(sim.broken_pool);
         let topology = sim.topology();
         sim.stats.topologies.insert(topology, 1);
         sim.populate();
@@ -649,6 +681,36 @@ impl Sim {
 
     pub fn trace_tail(&self) -> String {
         self.trace.iter().cloned().collect::<Vec<_>>().join("\n")
+    }
+
+    /// A cycle of `slot` started at `at` (it passed the backoff's gate). Invariant, while every
+    /// start fails: in any window of length T the pool of S slots starts at most
+    /// N + S - 1 + ⌈T / backoff⌉ cycles (`core::backoff`; each cycle starts at most one VM).
+    pub fn cycle_started(&mut self, slot: usize, at: i64, policy: &BackoffPolicy) {
+        if !(self.broken_pool && self.faults_on) {
+            return;
+        }
+        let h = self.slots[slot].host;
+        self.stats.broken_pool_starts += 1;
+        self.hosts[h].cycle_starts.push(at);
+        let starts = self.hosts[h].cycle_starts.clone();
+        let s = self.hosts[h].slots.len() as i64;
+        let n = i64::from(policy.max_failed_cycles);
+        let b = policy.initial.as_millis() as i64;
+        let last = *starts.iter().max().expect("just pushed");
+        for &from in &starts {
+            let in_window = starts.iter().filter(|&&t| t >= from).count() as i64;
+            // The half-open window [from, last + 1ms).
+            let t = last + 1 - from;
+            let bound = n + s - 1 + (t + b - 1) / b;
+            if in_window > bound {
+                self.violate(format!(
+                    "while every start failed, the pool of {s} slot(s) started {in_window} cycles within {} s, more than N + S - 1 + ceil(T / backoff) = {bound}",
+                    t / 1000
+                ));
+                return;
+            }
+        }
     }
 
     pub fn violate(&mut self, what: String) {
@@ -984,15 +1046,16 @@ impl Sim {
                     };
                     self.schedule(now + after, Bg::JobRelease(id));
                 }
-                if self.faults_on && self.rng.chance(0.1) {
+                let goes_away = !(self.broken_pool && self.faults_on);
+                if self.faults_on && self.rng.chance(0.1) && goes_away {
                     let at = now + self.rng.range(10 * SEC, 20 * MIN);
                     self.schedule(at, Bg::JobCancel(id));
                 }
-                if self.rng.chance(0.15) {
+                if self.rng.chance(0.15) && goes_away {
                     let at = now + self.rng.range(5 * SEC, 5 * MIN);
                     self.schedule(at, Bg::JobTakenByOther(id));
                 }
-                if self.faults_on && self.rng.chance(0.1) {
+                if self.faults_on && self.rng.chance(0.1) && goes_away {
                     let at = now + self.rng.range(2 * MIN, 40 * MIN);
                     self.schedule(at, Bg::JobRerun(id));
                 }

@@ -3,6 +3,7 @@
 //! and found again by name when a POST lost its answer.
 
 use super::*;
+use crate::core::backoff::FailureReason;
 use crate::core::model::Runner;
 use crate::core::resolve::{FoundRow, LostPost, could_be, resolve_lost_post};
 
@@ -262,6 +263,7 @@ impl Driver<'_, '_> {
         }
         reg.failed_start = true;
         let name = reg.name.clone();
+        s.failure = Some(FailureReason::NeverConnected);
         s.start_failures += 1;
         self.report.fail(format!(
             "runner {id} ({name}) never connected: its launch command exited 0, but Forgejo still showed it offline {grace} later; check forgejo-runner on the VM (installed, version 12.8 or newer, its log) and what the launch command starts"
@@ -417,6 +419,7 @@ impl Driver<'_, '_> {
             Err(e) => {
                 let s = self.state.as_mut()?;
                 s.start_failures += 1;
+                s.failure = Some(FailureReason::LaunchFailed);
                 if e.is_rejection() {
                     // Forgejo answered and refused: nothing was created, nothing to look up.
                     s.registrations.retain(|r| r.name != name);
@@ -534,6 +537,7 @@ impl Driver<'_, '_> {
         }
         let s = self.state.as_mut()?;
         s.start_failures += 1;
+        s.failure = Some(FailureReason::LaunchFailed);
         if let Some(r) = s.registration_mut(id) {
             r.launch = Launch::Failed;
         }

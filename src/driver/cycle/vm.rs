@@ -1,6 +1,8 @@
 //! The cycle's VM: a new cycle recorded before its apply, the apply and its outputs, the destroy.
 
 use super::*;
+use crate::core::backoff::FailureReason;
+use crate::core::ports::Start;
 use crate::core::state::DESTROY_FAILED;
 
 impl Driver<'_, '_> {
@@ -29,13 +31,24 @@ impl Driver<'_, '_> {
             .clone_from(&self.cfg.policy.runner_prefix);
         state.claim = Some(job_id);
         state.claim_handle = Some(job_handle.to_string());
-        match self.save_claiming(&state, job_id, job_handle) {
+        let gate = self.backoff_gate(now);
+        let mut wrote = false;
+        let claim = write(self.report, &mut *self.w.store, &mut wrote, |store| {
+            store.save_starting(&state, job_id, job_handle, &gate)
+        });
+        match claim {
             Err(SaveFailed) => return Some(End::Done),
-            Ok(Claim::HeldBy(slot)) => {
+            Ok(Start::Claim(Claim::HeldBy(slot))) => {
                 log::info!("job {job_id} was claimed by {slot} meanwhile; no cycle for it here");
                 return None;
             }
-            Ok(Claim::Saved) => {}
+            Ok(Start::BackingOff(closed)) => {
+                log::warn!("job {job_id} is waiting, but {}", closed.describe());
+                self.report.outcome = "backing_off".into();
+                self.report.backoff = Some(closed);
+                return Some(End::Done);
+            }
+            Ok(Start::Claim(Claim::Saved)) => self.progressed = true,
         }
         self.state = Some(state);
         self.report.cycle_id = Some(id.clone());
@@ -157,7 +170,11 @@ impl Driver<'_, '_> {
                 }
                 let s = self.state.as_mut()?;
                 s.last_error = Some(format!("{DESTROY_FAILED}: {}", e.message));
+                s.failure = Some(FailureReason::DestroyFailed);
                 self.save_before_ending();
+                // Counted now, not when the retried destroy works: a pool whose destroys fail
+                // must back off too (the cycle is counted once either way).
+                self.record_outcome();
                 self.report.fail(format!(
                     "tofu destroy failed: {}; no sweep; cycle.json is kept and the next run retries the destroy first",
                     e.message
