@@ -32,11 +32,16 @@ fn commit(dir: &Path) -> Option<String> {
     if Path::new(&top).canonicalize().ok()? != dir.canonicalize().ok()? {
         return None; // a tarball unpacked inside some other repository
     }
-    // Rerun when HEAD moves: HEAD itself, the branch it names, packed refs, the index (commits,
-    // staged changes). Only files that exist: cargo reruns every time for a missing one.
+    // Rerun when HEAD moves (HEAD itself, the branch it names, packed refs, the index: commits,
+    // staged changes) and when what the binary is built from changes (an unstaged edit makes it
+    // -dirty). Only files that exist: cargo reruns every time for a missing one.
     let git_dir = dir.join(git(dir, &["rev-parse", "--git-dir"])?);
     let common = dir.join(git(dir, &["rev-parse", "--git-common-dir"])?);
     let mut watch = vec![
+        dir.join("src"),
+        dir.join("Cargo.toml"),
+        dir.join("Cargo.lock"),
+        dir.join("build.rs"),
         git_dir.join("HEAD"),
         git_dir.join("index"),
         common.join("packed-refs"),

@@ -230,9 +230,14 @@ impl Backoff {
             CycleOutcome::Neutral => (self.clone(), Change::Unchanged),
             CycleOutcome::Served => {
                 let ended = self.since.is_some();
-                // Served twice is reset twice: no need to remember it was counted.
+                // Remembered as counted like a failure: recorded again (a destroy retried, a
+                // run resumed after a crash), it must not reset failures other slots counted
+                // since.
                 let mut reset = Backoff::new();
                 reset.last_counted_cycle_id = b.last_counted_cycle_id;
+                reset
+                    .last_counted_cycle_id
+                    .insert(slot, cycle_id.to_string());
                 if reset == *self {
                     return (reset, Change::Unchanged);
                 }
@@ -387,9 +392,31 @@ mod tests {
         assert_eq!(c, Change::Reset { ended: true });
         assert_eq!((r.since, r.until, r.last_reason), (None, None, None));
         assert_eq!(r.gate(&P, t(41)), Gate::Open);
-        // Served again: nothing to write.
-        let (_, c) = r.record(&P, 2, "h", CycleOutcome::Served, t(50));
+        // The same cycle recorded again: nothing to write.
+        let (_, c) = r.record(&P, 2, "g", CycleOutcome::Served, t(50));
         assert_eq!(c, Change::Unchanged);
+    }
+
+    /// A served cycle whose destroy keeps failing is recorded by every run that retries it: it
+    /// must not wipe the failures the other slots counted in between, or a pool of failing
+    /// slots never backs off.
+    #[test]
+    fn a_served_cycle_recorded_again_does_not_reset_later_failures() {
+        let (b, _) = b_served(&Backoff::new());
+        let mut b = b;
+        for i in 0..2 {
+            b = fail(&b, 2, &format!("f{i}"), 30 + i).0;
+        }
+        let (b, c) = b.record(&P, 1, "s1", CycleOutcome::Served, t(40));
+        assert_eq!(c, Change::Unchanged);
+        assert_eq!(b.consecutive_failed_cycles, 2);
+        let (b, c) = fail(&b, 2, "f2", 50);
+        assert_eq!(c, Change::BackingOff);
+        assert!(matches!(b.gate(&P, t(51)), Gate::Closed(_)));
+    }
+
+    fn b_served(b: &Backoff) -> (Backoff, Change) {
+        b.record(&P, 1, "s1", CycleOutcome::Served, t(20))
     }
 
     #[test]
