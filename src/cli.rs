@@ -315,6 +315,29 @@ pub struct RunArgs {
     /// The longest backoff, however many cycles failed (not shorter than --failure-backoff).
     #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_FAILURE_BACKOFF_MAX", default_value = "1h", value_parser = parse_duration, value_name = "DURATION")]
     pub failure_backoff_max: Duration,
+    /// Unused VMs the pool keeps booted, so that a job is launched at the next poll, with no VM
+    /// boot on its way. A run with no job to serve makes one (tofu apply, no registration) while
+    /// fewer are up, and waits on it for a job (asking Forgejo every --poll-interval); its first
+    /// job may be any repository's, and --reuse-within applies after it. A warm VM occupies a
+    /// slot (at most --slots); none is made while the pool backs off. 0: none.
+    #[arg(
+        long,
+        env = "CI_EPHEMERAL_PROVISIONER_WARM",
+        default_value_t = 0,
+        value_name = "N"
+    )]
+    pub warm: u32,
+
+    /// An unused warm VM older than this (since its apply) is destroyed, and a later run makes a
+    /// new one (images change).
+    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_WARM_MAX_AGE", default_value = "1h", value_parser = parse_duration, value_name = "DURATION")]
+    pub warm_max_age: Duration,
+
+    /// When --warm applies, in UTC: comma-separated windows `[DAYS ]HH:MM-HH:MM`, DAYS a day,
+    /// a range or days joined by `+`, e.g. 'Mon..Fri 07:00-19:00, Sat 09:00-13:00'. Outside them
+    /// the pool keeps no warm VM. Unset: always.
+    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_WARM_DURING", value_parser = crate::core::warm::Windows::parse, value_name = "WINDOWS")]
+    pub warm_during: Option<crate::core::warm::Windows>,
 }
 
 #[derive(Debug, Args)]

@@ -2254,3 +2254,91 @@ fn an_unusable_backoff_file_starts_no_vm_and_fails_naming_it() {
     assert_eq!(posts(&env), 0);
     assert!(env.cycle_json().is_none());
 }
+
+fn spawn_run(env: &Env, extra: &[&str]) -> (std::process::Child, std::path::PathBuf) {
+    let err = env.tmp.path().join(format!("warm-{}.stderr", extra.join("_")));
+    let mut c = env.cmd("run");
+    c.args(extra);
+    c.stdin(std::process::Stdio::null());
+    c.stdout(std::process::Stdio::null());
+    c.stderr(fs::File::create(&err).unwrap());
+    (c.spawn().expect("spawn the binary"), err)
+}
+
+fn stopped(mut child: std::process::Child) -> Option<i32> {
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    child.wait().unwrap().code()
+}
+
+/// The done-when of warm capacity: with `--warm 1` a job arriving at an idle pool is launched on
+/// a VM booted before it arrived (no apply on its path), and at `--warm 0` nothing is left.
+#[test]
+fn a_warm_vm_serves_the_next_job_with_no_apply_on_its_path_and_goes_at_warm_0() {
+    let env = Env::new();
+    let warm = ["--warm", "1", "--warm-max-age", "1h"];
+    let (child, err) = spawn_run(&env, &warm);
+    wait_for("the warm VM to be up", || {
+        env.cycle_json()
+            .is_some_and(|c| c["phase"] == "running" && c["warm"] == true)
+    });
+    assert_eq!(vm_starts(&env), 1);
+    assert_eq!(posts(&env), 0, "a warm VM registers no runner");
+    let (job, _) = env.fake.add_job(&["debian"]);
+    wait_for("the job to be served", || {
+        env.fake
+            .jobs()
+            .iter()
+            .any(|j| j.id == job && j.status == "success")
+    });
+    assert_eq!(vm_starts(&env), 1, "no VM boot between the job and its launch");
+    assert_eq!(posts(&env), 1);
+    // Used, the VM follows --idle-timeout (300ms here): the run tears it down and ends.
+    let mut child = child;
+    let status = child.wait().unwrap();
+    let stderr = fs::read_to_string(&err).unwrap();
+    assert_eq!(status.code(), Some(0), "{stderr}");
+    assert!(stderr.contains("(warm: no job yet)"), "{stderr}");
+    env.assert_at_rest();
+
+    // A warm VM left by a run that was stopped goes at the next run with --warm 0.
+    let (child, _) = spawn_run(&env, &warm);
+    wait_for("a new warm VM to be up", || {
+        env.cycle_json().is_some_and(|c| c["phase"] == "running")
+    });
+    assert_eq!(stopped(child), Some(1));
+    assert_eq!(env.live_vms().len(), 1, "{}", env.vm_log());
+    let out = env.run(&["--warm", "0", "--output", "json"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert!(
+        out.stderr.contains("the pool wants fewer warm VMs"),
+        "{}",
+        out.stderr
+    );
+    env.assert_at_rest();
+    assert_eq!(vm_starts(&env), 2);
+}
+
+#[test]
+fn warm_vms_are_bounded_by_the_slots_and_their_age() {
+    let env = Env::new();
+    let out = env.run(&["--warm", "2"]);
+    assert_eq!(out.code, Some(2), "{out:?}");
+    assert!(
+        out.stderr.contains("--warm 2 is more than --slots 1"),
+        "{}",
+        out.stderr
+    );
+    let out = env.run(&["--warm-during", "Mon..Fri 19:00-07:00"]);
+    assert_eq!(out.code, Some(2), "{out:?}");
+    assert!(out.stderr.contains("before it starts"), "{}", out.stderr);
+    // An unused warm VM past --warm-max-age goes, and the run ends; the next one makes another.
+    let out = env.run(&["--warm", "1", "--warm-max-age", "1s", "--output", "json"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert!(
+        out.stderr.contains("ran no job within --warm-max-age"),
+        "{}",
+        out.stderr
+    );
+    env.assert_at_rest();
+    assert_eq!(vm_starts(&env), 1);
+}

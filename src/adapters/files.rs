@@ -13,6 +13,7 @@ use crate::core::holds::{HOLDS_FILE, Holds, HoldsError, parse_holds};
 use crate::core::metrics::{COUNTERS_FILE, COUNTERS_VERSION, Counters};
 use crate::core::ports::{
     BackoffGate, Claim, Start, StateStore, record_outcome_in, save_starting_in,
+    save_starting_warm_in,
 };
 use crate::core::slots::{Others, parse_slot_dir_name, slot_dir_name};
 use crate::core::state::{CycleState, MAX_STATE_BYTES, STATE_FILE, parse_state};
@@ -550,7 +551,7 @@ impl StateStore for FileStore {
                         state.cycle_id, self.slot.n
                     ));
                 }
-                o.add(&name, &state);
+                o.add(k, &name, &state);
             }
             // Another slot's holds are advice like this slot's own: a file that cannot be read
             // is that slot's failure to report, not a reason to stop here.
@@ -594,6 +595,16 @@ impl StateStore for FileStore {
             return Ok(Start::Claim(Claim::HeldBy(slot)));
         }
         save_starting_in(&mut Locked(self), state, job_id, handle, gate)
+    }
+
+    fn save_starting_warm(
+        &mut self,
+        state: &CycleState,
+        wanted: u32,
+        gate: &BackoffGate,
+    ) -> Result<Start> {
+        let _lock = self.claims_lock()?;
+        save_starting_warm_in(&mut Locked(self), state, wanted, gate)
     }
 
     fn record_outcome(
@@ -970,5 +981,67 @@ mod tests {
                 .unwrap();
             }
         }
+    }
+
+    /// Slots racing to make the pool's last warm VM: the claims lock lets exactly `wanted` of
+    /// them write one, round after round, and the lowest slots count first.
+    #[test]
+    fn of_slots_racing_for_warm_vms_exactly_the_wanted_number_make_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let pool = dir.path().to_path_buf();
+        let slot = |k| SlotDir {
+            pool: pool.clone(),
+            k,
+            n: 4,
+        };
+        for k in 1..=4 {
+            take_lock(&slot(k)).map(drop).unwrap();
+        }
+        let gate = BackoffGate {
+            policy: crate::core::backoff::BackoffPolicy {
+                max_failed_cycles: 0,
+                initial: std::time::Duration::from_secs(1),
+                max: std::time::Duration::from_secs(1),
+            },
+            slot: 1,
+            now: Timestamp(1_760_000_000_000),
+        };
+        for wanted in [1u32, 2, 1, 3] {
+            let barrier = std::sync::Arc::new(std::sync::Barrier::new(4));
+            let handles: Vec<_> = (1..=4u32)
+                .map(|k| {
+                    let (pool, barrier) = (pool.clone(), barrier.clone());
+                    std::thread::spawn(move || {
+                        let mut store = FileStore::slot(SlotDir { pool, k, n: 4 });
+                        let mut s = CycleState::new(format!("c{k}"), gate.now);
+                        s.warm = true;
+                        barrier.wait();
+                        store.save_starting_warm(&s, wanted, &gate).unwrap()
+                    })
+                })
+                .collect();
+            let saved = handles
+                .into_iter()
+                .map(|h| h.join().unwrap())
+                .filter(|c| *c == Start::Claim(Claim::Saved))
+                .count();
+            assert_eq!(saved, wanted as usize, "--warm {wanted}: {saved} warm VMs");
+            let seen = FileStore::slot(slot(1)).others().unwrap();
+            let mine = FileStore::slot(slot(1)).load().unwrap().is_some();
+            assert_eq!(seen.warm.len() + usize::from(mine), wanted as usize);
+            for k in 1..=4 {
+                FileStore::slot(slot(k)).remove().unwrap();
+            }
+        }
+        // Slot 3 and slot 1 warm: slot 4 sees both, two of them below it.
+        for k in [1, 3] {
+            let mut s = CycleState::new(format!("c{k}"), gate.now);
+            s.warm = true;
+            FileStore::slot(slot(k)).save(&s).unwrap();
+        }
+        let w = FileStore::slot(slot(4)).others().unwrap().warm_elsewhere(4);
+        assert_eq!((w.total, w.in_lower_slots), (2, 2));
+        let w = FileStore::slot(slot(2)).others().unwrap().warm_elsewhere(2);
+        assert_eq!((w.total, w.in_lower_slots), (2, 1));
     }
 }

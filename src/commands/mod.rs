@@ -191,6 +191,11 @@ pub(crate) fn policy(a: &RunArgs, labels: &Labels) -> Policy {
             a.common.http_timeout.saturating_mul(2),
         ),
         reuse_within: a.reuse_within,
+        warm: crate::core::warm::WarmPolicy {
+            count: a.warm,
+            max_age: a.warm_max_age,
+            during: a.warm_during.clone().unwrap_or_default(),
+        },
     }
 }
 
@@ -249,6 +254,15 @@ pub(crate) fn validate_run_args(a: &RunArgs) -> Result<Labels, Fatal> {
         )));
     }
     backoff_policy(a).check().map_err(usage)?;
+    if a.warm > a.common.local.slots {
+        return Err(usage(format!(
+            "--warm {} is more than --slots {}: a warm VM occupies a slot; raise --slots or lower --warm",
+            a.warm, a.common.local.slots
+        )));
+    }
+    if a.warm > 0 && a.warm_max_age.is_zero() {
+        return Err(usage("--warm-max-age must be longer than 0"));
+    }
     check_metrics_file(&a.common)?;
     Ok(labels)
 }

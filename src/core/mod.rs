@@ -20,3 +20,4 @@ pub mod slots;
 pub mod state;
 pub mod status;
 pub mod time;
+pub mod warm;

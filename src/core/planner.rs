@@ -17,6 +17,7 @@ use crate::core::state::{
     Boundary, CycleState, Launch, NotServed, Phase, ProcessState, Registration,
 };
 use crate::core::time::{Timestamp, format_duration};
+use crate::core::warm::{WarmElsewhere, WarmPolicy, wants_another};
 
 mod after;
 mod running;
@@ -62,6 +63,8 @@ pub struct Policy {
     /// this host serves it too (`--take-over-after`).
     pub share: Share,
     pub take_over_after: Duration,
+    /// Warm capacity (`--warm`, `--warm-max-age`, `--warm-during`).
+    pub warm: WarmPolicy,
 }
 
 /// The trust boundary within which a VM runs one job after another (`--reuse-within`).
@@ -110,6 +113,8 @@ pub struct Observation {
     /// Job attempts the pool's other slots claim or hold (`core::slots`): never registered for
     /// here.
     pub claimed_elsewhere: Claimed,
+    /// The unused warm VMs of the pool's other slots (`core::warm`).
+    pub warm_elsewhere: WarmElsewhere,
 }
 
 /// Facts about this run (not the cycle) that decisions depend on.
@@ -227,6 +232,12 @@ pub enum TeardownReason {
         declared: Vec<String>,
         runs_on: Vec<String>,
     },
+    /// An unused warm VM is older than `--warm-max-age` (images change); a later run makes a new
+    /// one.
+    WarmExpired,
+    /// An unused warm VM the pool no longer wants: `--warm` was lowered or `--warm-during` is
+    /// outside its windows, and the slots below keep theirs.
+    WarmNotWanted,
 }
 
 impl TeardownReason {
@@ -274,6 +285,12 @@ impl TeardownReason {
                 declared.join(", "),
                 runs_on.join(", ")
             ),
+            TeardownReason::WarmExpired => {
+                "the warm VM ran no job within --warm-max-age; a later run makes a new one".into()
+            }
+            TeardownReason::WarmNotWanted => {
+                "the pool wants fewer warm VMs now (--warm, --warm-during) and the slots below keep theirs".into()
+            }
         }
     }
 
@@ -297,7 +314,9 @@ impl TeardownReason {
             | TeardownReason::PreviousRunnerNotGone { .. }
             | TeardownReason::Stranded { .. }
             | TeardownReason::CleanupFailing { .. }
-            | TeardownReason::PickupTimeout { .. } => return None,
+            | TeardownReason::PickupTimeout { .. }
+            | TeardownReason::WarmExpired
+            | TeardownReason::WarmNotWanted => return None,
         })
     }
 }
@@ -312,6 +331,9 @@ pub enum Step {
         job_id: i64,
         job_handle: String,
     },
+    /// Write a new cycle.json (phase `applying`) for a warm VM: no job yet, the pool wants one
+    /// more (`core::warm`).
+    StartWarm,
     /// `tofu init` when needed, `tofu apply`, `tofu output -json`.
     Apply,
     /// A registration whose POST answer was lost: find it by exact name, delete, forget.
@@ -421,11 +443,16 @@ pub fn decide(
 ) -> Step {
     let Some(state) = state else {
         return match &obs.jobs {
-            Some(jobs) => match servable_jobs(jobs, obs, policy, ctx, now).first() {
+            // The oldest jobs are the unused warm VMs' of the other slots, which poll for them:
+            // a new VM only for a job beyond those.
+            Some(jobs) => match servable_jobs(jobs, obs, policy, ctx, now)
+                .get(obs.warm_elsewhere.total as usize)
+            {
                 Some(job) => Step::StartCycle {
                     job_id: job.id,
                     job_handle: job.handle.clone(),
                 },
+                None if wants_another(&policy.warm, obs.warm_elsewhere, now) => Step::StartWarm,
                 None => Step::Idle,
             },
             None => Step::GiveUp {

@@ -211,6 +211,18 @@ pub trait StateStore {
     ) -> Result<Start> {
         save_starting_in(self, state, job_id, handle, gate)
     }
+    /// Writes `state`, a new warm VM's cycle (`core::warm`), unless the pool's failure backoff
+    /// is in force or the other slots' unused warm VMs already number `wanted`
+    /// (`Start::Claim(Claim::HeldBy)` naming them; nothing written). Atomic against the other
+    /// slots (the pool's claims lock), so that two slots never both make the last one.
+    fn save_starting_warm(
+        &mut self,
+        state: &CycleState,
+        wanted: u32,
+        gate: &BackoffGate,
+    ) -> Result<Start> {
+        save_starting_warm_in(self, state, wanted, gate)
+    }
     /// Counts how cycle `cycle_id` ended in the pool's failure backoff (once per cycle), under
     /// the pool's claims lock; what it is now, and what changed.
     fn record_outcome(
@@ -254,6 +266,33 @@ pub fn save_starting_in<S: StateStore + ?Sized>(
             store.save_claiming(state, job_id, handle).map(Start::Claim)
         }
     }
+}
+
+/// [`StateStore::save_starting_warm`] with the store's own `others`, `load_backoff`,
+/// `save_backoff` and `save` (called with the claims lock held by a store that locks).
+pub fn save_starting_warm_in<S: StateStore + ?Sized>(
+    store: &mut S,
+    state: &CycleState,
+    wanted: u32,
+    gate: &BackoffGate,
+) -> Result<Start> {
+    let warm = store.others()?.warm;
+    if warm.len() as u32 >= wanted {
+        let slots: Vec<String> = warm.iter().map(|k| format!("slot {k}")).collect();
+        return Ok(Start::Claim(Claim::HeldBy(format!(
+            "the warm VMs of {}",
+            slots.join(", ")
+        ))));
+    }
+    if gate.policy.enabled() {
+        match store.load_backoff()?.gate(&gate.policy, gate.now) {
+            Gate::Closed(c) => return Ok(Start::BackingOff(c)),
+            Gate::Open => {}
+            Gate::Retry(armed) => store.save_backoff(&armed)?,
+        }
+    }
+    store.save(state)?;
+    Ok(Start::Claim(Claim::Saved))
 }
 
 /// [`StateStore::record_outcome`] with the store's own `load_backoff` and `save_backoff`.

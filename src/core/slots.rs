@@ -73,11 +73,16 @@ pub struct Others {
     /// Slots beyond `--slots` whose cycle is still in progress, each said in words: its VM and
     /// registrations stay until that slot runs again.
     pub beyond: Vec<String>,
+    /// The slots (numbers) whose cycle is an unused warm VM (`core::warm::is_unused_warm`).
+    pub warm: BTreeSet<u32>,
 }
 
 impl Others {
-    /// Adds what the cycle of `slot` (its name, for messages) holds.
-    pub fn add(&mut self, slot: &str, state: &CycleState) {
+    /// Adds what the cycle of slot `k` (`slot`: its name, for messages) holds.
+    pub fn add(&mut self, k: u32, slot: &str, state: &CycleState) {
+        if crate::core::warm::is_unused_warm(state) {
+            self.warm.insert(k);
+        }
         for r in &state.registrations {
             // A runner that took a job claims none: the job it was registered for, if it still
             // waits, will go to another runner.
@@ -95,6 +100,14 @@ impl Others {
                 Some(handle) => self.claimed.insert(handle.clone(), slot.to_string()),
                 None => self.claimed_any_attempt.insert(job, slot.to_string()),
             };
+        }
+    }
+
+    /// The other slots' unused warm VMs, as slot `me` counts them.
+    pub fn warm_elsewhere(&self, me: u32) -> crate::core::warm::WarmElsewhere {
+        crate::core::warm::WarmElsewhere {
+            total: self.warm.len() as u32,
+            in_lower_slots: self.warm.range(..me.max(1)).count() as u32,
         }
     }
 
@@ -280,7 +293,7 @@ mod tests {
         s.registrations
             .push(Registration::intent("p-c1-1-x".into(), 5, "h5".into(), now));
         let mut o = Others::default();
-        o.add("slot 2", &s);
+        o.add(2, "slot 2", &s);
         assert_eq!(handles(&o.claimed(now)), ["h5", "h7"]);
         assert_eq!(o.names, ["p-c1-1-x".to_string()].into());
         // A claim is on the attempt: a rerun of job 5 (a new handle) is not claimed.
@@ -291,19 +304,19 @@ mod tests {
         // A start claim of an earlier version (no handle) covers every attempt of its job.
         s.claim_handle = None;
         let mut o = Others::default();
-        o.add("slot 2", &s);
+        o.add(2, "slot 2", &s);
         assert!(o.claimed(now).covers(7, "any"));
         assert_eq!(o.claimant(7, "any").map(String::as_str), Some("slot 2"));
         // Torn down: the job it started for is free; its registration still holds its job.
         s.phase = Phase::TearingDown;
         let mut o = Others::default();
-        o.add("slot 2", &s);
+        o.add(2, "slot 2", &s);
         assert_eq!(handles(&o.claimed(now)), ["h5"]);
         assert!(o.claimed(now).jobs.is_empty());
         // A runner that took a job (any job) claims none; its name is still held.
         s.registrations[0].busy = true;
         let mut o = Others::default();
-        o.add("slot 2", &s);
+        o.add(2, "slot 2", &s);
         assert_eq!(o.claimed(now), Default::default());
         assert_eq!(o.names.len(), 1);
         // Another slot's hold counts until it ends, for that attempt.

@@ -209,6 +209,10 @@ pub struct CycleState {
     /// The last failure of this cycle (`core::backoff`): counted when the cycle ends unserved.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub failure: Option<FailureReason>,
+    /// Started with no job, as warm capacity (`core::warm`): until its first runner it is bound
+    /// to no repository and kept up to `--warm-max-age` instead of `--idle-timeout`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub warm: bool,
 }
 
 /// How `last_error` begins once a `tofu destroy` of the cycle failed (until one succeeds).
@@ -253,6 +257,7 @@ impl CycleState {
             claim_handle: None,
             served: false,
             failure: None,
+            warm: false,
         }
     }
 

@@ -270,6 +270,7 @@ impl Driver<'_, '_> {
                 None => {}
                 Some((o, Ok(jobs))) => {
                     obs.claimed_elsewhere = o.claimed(self.w.clock.now());
+                    obs.warm_elsewhere = o.warm_elsewhere(self.cfg.slot);
                     // A held job that is no longer listed (done, cancelled, re-run) is forgotten;
                     // another share's waiting job is remembered from when it was first seen.
                     self.warn_without_handle(&jobs);
@@ -482,6 +483,7 @@ impl Driver<'_, '_> {
     fn act(&mut self, step: Step, now: Timestamp) -> Option<End> {
         match step {
             Step::StartCycle { job_id, job_handle } => self.start_cycle(job_id, &job_handle, now),
+            Step::StartWarm => self.start_warm(now),
             Step::Apply => self.apply(),
             Step::ResolveIntent { name } => self.resolve_intent(&name),
             Step::Forget { id } => {
@@ -724,6 +726,7 @@ mod tests {
                 share: Default::default(),
                 take_over_after: Duration::from_secs(120),
                 reuse_within: crate::core::planner::ReuseWithin::Repo,
+                warm: Default::default(),
             },
             poll_interval: Duration::from_secs(5),
             labels: "debian".into(),

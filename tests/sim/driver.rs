@@ -78,6 +78,7 @@ pub fn config(max_jobs: u32, prefix: &str, share: Share, slot: u32) -> CycleConf
             share,
             take_over_after: Duration::from_secs(120),
             reuse_within: ReuseWithin::Repo,
+            warm: Default::default(),
         },
         poll_interval: Duration::from_millis(POLL_MS as u64),
         labels: format!("{LABEL}:host"),

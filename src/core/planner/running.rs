@@ -2,6 +2,7 @@
 //! follow on this VM (its trust boundary, the earlier runner gone) or the VM must go.
 
 use super::*;
+use crate::core::warm::{WarmEnd, is_unused_warm, warm_end};
 
 pub(super) fn decide_running(
     state: &CycleState,
@@ -210,6 +211,22 @@ pub(super) fn decide_running(
                 }
             }
         }
+    }
+    // An unused warm VM waits for the pool's next job until it is too old or not wanted; the
+    // idle timeout starts with its first runner.
+    if is_unused_warm(state) {
+        let ready_at = state.vm_ready_at.unwrap_or(state.started_at);
+        return match warm_end(&policy.warm, ready_at, obs.warm_elsewhere, now) {
+            Some(WarmEnd::Expired) => Step::Teardown {
+                reason: TeardownReason::WarmExpired,
+            },
+            Some(WarmEnd::NotWanted) => Step::Teardown {
+                reason: TeardownReason::WarmNotWanted,
+            },
+            None => Step::Wait {
+                why: "warm VM up, waiting for a job".into(),
+            },
+        };
     }
     // Without a jobs list no runner can be started anyway (the POST needs Forgejo too), so the
     // idle timeout applies all the same: a teardown never needs Forgejo.

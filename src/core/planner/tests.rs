@@ -47,6 +47,7 @@ fn policy() -> Policy {
         share: Default::default(),
         take_over_after: Duration::from_secs(120),
         reuse_within: ReuseWithin::Repo,
+        warm: Default::default(),
     }
 }
 
@@ -162,6 +163,7 @@ fn obs(jobs: Option<Vec<Job>>, runners: Vec<(i64, Option<Runner>)>) -> Observati
         runners: runners.into_iter().collect(),
         launch_problem: None,
         claimed_elsewhere: Default::default(),
+        warm_elsewhere: Default::default(),
     }
 }
 
@@ -1735,6 +1737,7 @@ fn safety_rules_hold_for_every_combination_of_one_registration() {
                                     runners: runners.clone(),
                                     launch_problem: None,
                                     claimed_elsewhere: Default::default(),
+                                    warm_elsewhere: Default::default(),
                                 };
                                 for destroyed_this_run in [false, true] {
                                     for failed_delete in [false, true] {
@@ -1793,6 +1796,7 @@ fn safety_rules_hold_for_every_combination_of_two_registrations() {
                                         runners,
                                         launch_problem: None,
                                         claimed_elsewhere: Default::default(),
+                                        warm_elsewhere: Default::default(),
                                     };
                                     for destroyed_this_run in [false, true] {
                                         for failed in [false, true] {
@@ -2419,4 +2423,168 @@ fn a_registration_whose_stop_failed_is_deleted_only_after_the_destroy() {
         let st = state_with(phase, vec![r.clone()]);
         assert!(is_delete(&plan(&st, &o, &ctx(), now)), "{phase:?}");
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Warm VMs (`--warm`)
+// ---------------------------------------------------------------------------------------------
+
+const WARM_AGE: i64 = HOUR;
+
+fn warm_policy(count: u32) -> Policy {
+    Policy {
+        warm: crate::core::warm::WarmPolicy {
+            count,
+            max_age: Duration::from_millis(WARM_AGE as u64),
+            during: Default::default(),
+        },
+        ..policy()
+    }
+}
+
+fn warm_obs(jobs: Vec<Job>, total: u32, in_lower_slots: u32) -> Observation {
+    Observation {
+        warm_elsewhere: crate::core::warm::WarmElsewhere {
+            total,
+            in_lower_slots,
+        },
+        ..obs(Some(jobs), vec![])
+    }
+}
+
+/// An unused warm VM, ready at `at(0)`: bound to no repository yet.
+fn warm_state() -> CycleState {
+    let mut s = state(Phase::Running);
+    s.warm = true;
+    s.boundary = None;
+    s.vm_ready_at = Some(at(0));
+    s.free_since = Some(at(0));
+    s
+}
+
+#[test]
+fn an_idle_pool_that_wants_a_warm_vm_starts_one_and_only_while_too_few_are_up() {
+    let p = warm_policy(1);
+    let decide_none = |o: &Observation, p: &Policy| decide(None, o, &ctx(), p, at(0));
+    assert_eq!(decide_none(&warm_obs(vec![], 0, 0), &p), Step::StartWarm);
+    assert_eq!(decide_none(&warm_obs(vec![], 1, 0), &p), Step::Idle);
+    assert_eq!(
+        decide_none(&warm_obs(vec![], 0, 0), &warm_policy(0)),
+        Step::Idle
+    );
+    assert_eq!(
+        decide_none(&warm_obs(vec![], 1, 1), &warm_policy(2)),
+        Step::StartWarm
+    );
+    // A job the pool's unused warm VM will take gets no VM of its own; a second one does.
+    assert_eq!(
+        decide_none(&warm_obs(vec![waiting_debian(5)], 1, 0), &p),
+        Step::Idle
+    );
+    assert_eq!(
+        decide_none(
+            &warm_obs(vec![waiting_debian(5), waiting_debian(6)], 1, 0),
+            &p
+        ),
+        start(6)
+    );
+    // Without warm VMs elsewhere a waiting job starts a cycle for itself, as ever.
+    assert_eq!(
+        decide_none(&warm_obs(vec![waiting_debian(5)], 0, 0), &p),
+        start(5)
+    );
+}
+
+#[test]
+fn an_unused_warm_vm_waits_past_the_idle_timeout_and_goes_at_its_max_age() {
+    let p = warm_policy(1);
+    let st = warm_state();
+    let o = warm_obs(vec![], 0, 0);
+    let at_ = |t| decide(Some(&st), &o, &ctx(), &p, at(t));
+    assert!(is_wait(&at_(IDLE + SEC)), "the idle timeout does not apply");
+    assert!(is_wait(&at_(WARM_AGE - SEC)));
+    assert_eq!(at_(WARM_AGE), teardown(TeardownReason::WarmExpired));
+    assert!(!TeardownReason::WarmExpired.is_failure());
+    assert!(!TeardownReason::WarmNotWanted.is_failure());
+}
+
+#[test]
+fn a_warm_vm_the_pool_no_longer_wants_goes_unless_it_is_in_the_lowest_slots() {
+    let st = warm_state();
+    let now = at(MIN);
+    let d = |o: &Observation, p: &Policy| decide(Some(&st), o, &ctx(), p, now);
+    // --warm lowered to 0: every unused warm VM goes.
+    assert_eq!(
+        d(&warm_obs(vec![], 0, 0), &warm_policy(0)),
+        teardown(TeardownReason::WarmNotWanted)
+    );
+    // --warm 1 with another in a lower slot: this one goes; in a higher slot: this one stays.
+    assert_eq!(
+        d(&warm_obs(vec![], 1, 1), &warm_policy(1)),
+        teardown(TeardownReason::WarmNotWanted)
+    );
+    assert!(is_wait(&d(&warm_obs(vec![], 1, 0), &warm_policy(1))));
+    // Outside --warm-during the pool wants none (the tests' clock reads 08:53 UTC).
+    let mut outside = warm_policy(1);
+    outside.warm.during = crate::core::warm::Windows::parse("00:00-00:01").unwrap();
+    assert_eq!(
+        decide(
+            Some(&st),
+            &warm_obs(vec![], 0, 0),
+            &ctx(),
+            &outside,
+            at(MIN)
+        ),
+        teardown(TeardownReason::WarmNotWanted)
+    );
+}
+
+#[test]
+fn an_unused_warm_vm_takes_any_repositorys_job_and_its_first_job_sets_the_boundary() {
+    let p = warm_policy(1);
+    let st = warm_state();
+    let mut other_repo = waiting_debian(9);
+    other_repo.repo_id = Some(42);
+    other_repo.owner_id = Some(43);
+    assert_eq!(
+        decide(
+            Some(&st),
+            &warm_obs(vec![other_repo.clone()], 0, 0),
+            &ctx(),
+            &p,
+            at(MIN)
+        ),
+        Step::Register {
+            job_id: 9,
+            job_handle: handle(9),
+            boundary: Boundary {
+                repo_id: Some(42),
+                owner_id: Some(43),
+            },
+        }
+    );
+    // Used: the idle timeout and the trust boundary apply as to any cycle.
+    let mut used = st.clone();
+    used.jobs_started = 1;
+    used.boundary = Some(Boundary {
+        repo_id: Some(1),
+        owner_id: Some(1),
+    });
+    assert_eq!(
+        decide(
+            Some(&used),
+            &warm_obs(vec![other_repo], 0, 0),
+            &ctx(),
+            &p,
+            at(MIN)
+        ),
+        teardown(TeardownReason::OutsideBoundary {
+            job_id: 9,
+            reuse_within: ReuseWithin::Repo,
+        })
+    );
+    assert_eq!(
+        decide(Some(&used), &warm_obs(vec![], 0, 0), &ctx(), &p, at(IDLE)),
+        teardown(TeardownReason::Idle)
+    );
 }

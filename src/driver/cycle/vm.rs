@@ -14,47 +14,103 @@ impl Driver<'_, '_> {
         job_handle: &str,
         now: Timestamp,
     ) -> Option<End> {
-        if let Err(e) = self.w.tofu.check_config() {
-            return Some(End::Config(format!("a job is waiting but {e:#}")));
-        }
-        if let Err(e) = self.w.launcher.check_config() {
-            return Some(End::Config(format!("a job is waiting but {e:#}")));
-        }
-        let id = match self.cfg.slot {
-            0 | 1 => self.w.clock.new_cycle_id(now),
-            k => format!("{}-s{k}", self.w.clock.new_cycle_id(now)),
+        let mut state = match self.new_cycle(now) {
+            Ok(s) => s,
+            Err(problem) => return Some(End::Config(format!("a job is waiting but {problem}"))),
         };
-        log::info!("starting cycle {id}");
-        let mut state = CycleState::new(id.clone(), now);
-        state
-            .runner_prefix
-            .clone_from(&self.cfg.policy.runner_prefix);
         state.claim = Some(job_id);
         state.claim_handle = Some(job_handle.to_string());
         let gate = self.backoff_gate(now);
         let mut wrote = false;
-        let claim = write(self.report, &mut *self.w.store, &mut wrote, |store| {
+        let start = write(self.report, &mut *self.w.store, &mut wrote, |store| {
             store.save_starting(&state, job_id, job_handle, &gate)
         });
-        match claim {
-            Err(SaveFailed) => return Some(End::Done),
-            Ok(Start::Claim(Claim::HeldBy(slot))) => {
+        self.started(state, start, Some(job_id))
+    }
+
+    /// A new cycle.json for a warm VM (no job), unless the other slots made enough meanwhile or
+    /// the pool backs off.
+    pub(super) fn start_warm(&mut self, now: Timestamp) -> Option<End> {
+        let mut state = match self.new_cycle(now) {
+            Ok(s) => s,
+            Err(problem) => {
+                return Some(End::Config(format!(
+                    "the pool wants a warm VM (--warm) but {problem}"
+                )));
+            }
+        };
+        state.warm = true;
+        let gate = self.backoff_gate(now);
+        let wanted = self.cfg.policy.warm.wanted(now);
+        let mut wrote = false;
+        let start = write(self.report, &mut *self.w.store, &mut wrote, |store| {
+            store.save_starting_warm(&state, wanted, &gate)
+        });
+        self.started(state, start, None)
+    }
+
+    /// The cycle a start writes: a fresh id (slot K >= 2's end in `-sK`), this configuration's
+    /// prefix. `Err` when tofu or the launch command cannot be run (a configuration problem).
+    fn new_cycle(&mut self, now: Timestamp) -> Result<CycleState, String> {
+        self.w.tofu.check_config().map_err(|e| format!("{e:#}"))?;
+        self.w
+            .launcher
+            .check_config()
+            .map_err(|e| format!("{e:#}"))?;
+        let id = match self.cfg.slot {
+            0 | 1 => self.w.clock.new_cycle_id(now),
+            k => format!("{}-s{k}", self.w.clock.new_cycle_id(now)),
+        };
+        let mut state = CycleState::new(id, now);
+        state
+            .runner_prefix
+            .clone_from(&self.cfg.policy.runner_prefix);
+        Ok(state)
+    }
+
+    /// After the write of a new cycle for `job` (`None`: a warm VM): this run's cycle from now
+    /// on, or why there is none.
+    fn started(
+        &mut self,
+        state: CycleState,
+        start: Result<Start, SaveFailed>,
+        job: Option<i64>,
+    ) -> Option<End> {
+        match (start, job) {
+            (Err(SaveFailed), _) => return Some(End::Done),
+            (Ok(Start::Claim(Claim::HeldBy(slot))), Some(job_id)) => {
                 log::info!("job {job_id} was claimed by {slot} meanwhile; no cycle for it here");
                 return None;
             }
-            Ok(Start::BackingOff(closed)) => {
-                log::warn!("job {job_id} is waiting, but {}", closed.describe());
+            (Ok(Start::Claim(Claim::HeldBy(warm))), None) => {
+                log::info!("{warm} are all the pool wants (--warm); no warm VM here");
+                return None;
+            }
+            (Ok(Start::BackingOff(closed)), _) => {
+                match job {
+                    Some(job_id) => {
+                        log::warn!("job {job_id} is waiting, but {}", closed.describe())
+                    }
+                    None => log::warn!("no warm VM (--warm): {}", closed.describe()),
+                }
                 self.report.outcome = "backing_off".into();
                 self.report.backoff = Some(closed);
                 return Some(End::Done);
             }
-            Ok(Start::Claim(Claim::Saved)) => self.progressed = true,
+            (Ok(Start::Claim(Claim::Saved)), _) => self.progressed = true,
         }
+        let id = state.cycle_id.clone();
+        let warm = if state.warm {
+            " (warm: no job yet)"
+        } else {
+            ""
+        };
+        log::info!("starting cycle {id}{warm}");
         self.state = Some(state);
         self.report.cycle_id = Some(id.clone());
         crate::crash_point!("cycle-started-written");
         self.report
-            .event("start_cycle", true, format!("cycle {id}"));
+            .event("start_cycle", true, format!("cycle {id}{warm}"));
         None
     }
 
