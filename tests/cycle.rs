@@ -2256,7 +2256,10 @@ fn an_unusable_backoff_file_starts_no_vm_and_fails_naming_it() {
 }
 
 fn spawn_run(env: &Env, extra: &[&str]) -> (std::process::Child, std::path::PathBuf) {
-    let err = env.tmp.path().join(format!("warm-{}.stderr", extra.join("_")));
+    let err = env
+        .tmp
+        .path()
+        .join(format!("warm-{}.stderr", extra.join("_")));
     let mut c = env.cmd("run");
     c.args(extra);
     c.stdin(std::process::Stdio::null());
@@ -2283,6 +2286,8 @@ fn a_warm_vm_serves_the_next_job_with_no_apply_on_its_path_and_goes_at_warm_0() 
     });
     assert_eq!(vm_starts(&env), 1);
     assert_eq!(posts(&env), 0, "a warm VM registers no runner");
+    let status = env.exec(env.cmd("status"));
+    assert!(status.stdout.contains("(a warm VM"), "{status:?}");
     let (job, _) = env.fake.add_job(&["debian"]);
     wait_for("the job to be served", || {
         env.fake
@@ -2290,7 +2295,11 @@ fn a_warm_vm_serves_the_next_job_with_no_apply_on_its_path_and_goes_at_warm_0() 
             .iter()
             .any(|j| j.id == job && j.status == "success")
     });
-    assert_eq!(vm_starts(&env), 1, "no VM boot between the job and its launch");
+    assert_eq!(
+        vm_starts(&env),
+        1,
+        "no VM boot between the job and its launch"
+    );
     assert_eq!(posts(&env), 1);
     // Used, the VM follows --idle-timeout (300ms here): the run tears it down and ends.
     let mut child = child;

@@ -152,12 +152,17 @@ pub fn text(doc: &Value) -> String {
         o.push("cycle: none (at rest: no VM, no registration)".into());
     } else {
         o.push(format!(
-            "cycle: {} phase {}, started {} ({}), {} job(s) started",
+            "cycle: {} phase {}, started {} ({}), {} job(s) started{}",
             s(&c["cycle_id"]),
             s(&c["phase"]),
             s(&c["started_at"]),
             ago(&doc["cycle_age_seconds"]),
-            c["jobs_started"]
+            c["jobs_started"],
+            if c["warm"] == true {
+                " (a warm VM: started with no job)"
+            } else {
+                ""
+            }
         ));
         for r in c["registrations"].as_array().into_iter().flatten() {
             o.push(format!(
