@@ -2268,9 +2268,14 @@ fn spawn_run(env: &Env, extra: &[&str]) -> (std::process::Child, std::path::Path
     (c.spawn().expect("spawn the binary"), err)
 }
 
-fn stopped(mut child: std::process::Child) -> Option<i32> {
-    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
-    child.wait().unwrap().code()
+/// The child's exit status (panics after 60 s: a run that should end but hangs fails the test).
+fn exited(child: &mut std::process::Child) -> std::process::ExitStatus {
+    let mut status = None;
+    wait_for("the run to end", || {
+        status = child.try_wait().unwrap();
+        status.is_some()
+    });
+    status.unwrap()
 }
 
 /// The done-when of warm capacity: with `--warm 1` a job arriving at an idle pool is launched on
@@ -2303,19 +2308,31 @@ fn a_warm_vm_serves_the_next_job_with_no_apply_on_its_path_and_goes_at_warm_0() 
     assert_eq!(posts(&env), 1);
     // Used, the VM follows --idle-timeout (300ms here): the run tears it down and ends.
     let mut child = child;
-    let status = child.wait().unwrap();
+    let status = exited(&mut child);
     let stderr = fs::read_to_string(&err).unwrap();
     assert_eq!(status.code(), Some(0), "{stderr}");
     assert!(stderr.contains("(warm: no job yet)"), "{stderr}");
     env.assert_at_rest();
 
-    // A warm VM left by a run that was stopped goes at the next run with --warm 0.
-    let (child, _) = spawn_run(&env, &warm);
+    // SIGHUP ends a run at its wait, the warm VM kept; the next run, with --warm 0, ends it.
+    let (mut child, err) = spawn_run(&env, &warm);
     wait_for("a new warm VM to be up", || {
         env.cycle_json().is_some_and(|c| c["phase"] == "running")
     });
-    assert_eq!(stopped(child), Some(1));
+    unsafe { libc::kill(child.id() as i32, libc::SIGHUP) };
+    let status = exited(&mut child);
+    let stderr = fs::read_to_string(&err).unwrap();
+    assert_eq!(status.code(), Some(0), "{stderr}");
+    assert!(
+        stderr.contains("SIGHUP: ending this run at its wait"),
+        "{stderr}"
+    );
+    let last: serde_json::Value =
+        serde_json::from_str(&fs::read_to_string(env.state.join("last-run.json")).unwrap())
+            .unwrap();
+    assert_eq!(last["outcome"], "reload");
     assert_eq!(env.live_vms().len(), 1, "{}", env.vm_log());
+    assert_eq!(env.cycle_json().unwrap()["warm"], true);
     let out = env.run(&["--warm", "0", "--output", "json"]);
     assert_eq!(out.code, Some(0), "{out:?}");
     assert!(

@@ -4,7 +4,7 @@ use std::fs;
 use std::io::Read;
 use std::time::{Duration, Instant, SystemTime};
 
-use crate::adapters::signals::StopFlag;
+use crate::adapters::signals::{ReloadFlag, StopFlag};
 use crate::core::ports::{Clock, Sleep};
 use crate::core::time::Timestamp;
 
@@ -18,14 +18,16 @@ pub fn wall_now() -> Timestamp {
 #[derive(Clone)]
 pub struct RealClock {
     stop: StopFlag,
+    reload: ReloadFlag,
     origin: Instant,
     origin_at: Timestamp,
 }
 
 impl RealClock {
-    pub fn new(stop: StopFlag) -> RealClock {
+    pub fn new(stop: StopFlag, reload: ReloadFlag) -> RealClock {
         RealClock {
             stop,
+            reload,
             origin: Instant::now(),
             origin_at: wall_now(),
         }
@@ -42,6 +44,9 @@ impl Clock for RealClock {
         loop {
             if self.stop.is_raised() {
                 return Sleep::Interrupted;
+            }
+            if self.reload.is_raised() {
+                return Sleep::Reload;
             }
             let left = end.saturating_duration_since(std::time::Instant::now());
             if left.is_zero() {

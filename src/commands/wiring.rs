@@ -18,7 +18,7 @@ use crate::adapters::files::{
 use crate::adapters::forgejo_http::{HttpForgejo, Scope, load_ca_file};
 use crate::adapters::launch_cmd::CommandLauncher;
 use crate::adapters::logging::log_config;
-use crate::adapters::signals::StopFlag;
+use crate::adapters::signals::{ReloadFlag, StopFlag};
 use crate::adapters::tofu_cli::{CliTofu, TOFU_DATA_DIR};
 use crate::cli::{DryRunArgs, ForgejoArgs, RunArgs, SweepArgs};
 use crate::commands::{
@@ -126,7 +126,8 @@ pub(crate) fn cycle(
         lock,
     } = live(a, c, label_names)?;
     let stop = StopFlag::install().map_err(|e| Fatal(EXIT_FAILED, format!("{e:#}")))?;
-    let clock = RealClock::new(stop.clone());
+    let reload = ReloadFlag::install().map_err(|e| Fatal(EXIT_FAILED, format!("{e:#}")))?;
+    let clock = RealClock::new(stop.clone(), reload);
     let report = live_report("run", &clock, &dir, c);
     Ok(CycleRun {
         ports: Ports {
@@ -260,7 +261,7 @@ pub(crate) fn sweep(a: &SweepArgs) -> Result<SweepRun, Fatal> {
         lock,
         ..
     } = live(a, c, &[])?;
-    let clock = RealClock::new(StopFlag::default());
+    let clock = RealClock::new(StopFlag::default(), ReloadFlag::default());
     let report = live_report("sweep", &clock, &dir, c);
     let path = dir.join(STATE_FILE);
     let licence = sweep_licence(read_state_file(&path), &path.display().to_string(), || {

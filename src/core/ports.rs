@@ -337,6 +337,9 @@ pub enum Sleep {
     Interrupted,
     /// Dry-run: the plan ends where the cycle would wait.
     Stop,
+    /// SIGHUP: the run ends here, cycle.json kept, and the next run resumes the cycle with the
+    /// configuration it is started with.
+    Reload,
 }
 
 pub trait Clock {

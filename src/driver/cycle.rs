@@ -387,6 +387,14 @@ impl Driver<'_, '_> {
                             return End::Done;
                         }
                         Sleep::Interrupted => return self.interrupted("while waiting"),
+                        Sleep::Reload => {
+                            log::info!(
+                                "SIGHUP: ending this run at its wait ({why}); cycle.json is kept and the next run resumes it with the configuration it is started with"
+                            );
+                            self.save_before_ending();
+                            self.report.outcome = "reload".into();
+                            return End::Done;
+                        }
                     }
                 }
                 Step::Finish => {
