@@ -523,3 +523,44 @@ fn the_metrics_of_a_slot_carry_its_number() {
     let text = fs::read_to_string(&prom).unwrap();
     assert!(!text.contains("slot="), "{text}");
 }
+
+/// A job that arrives while another slot has an unused warm VM is that VM's: a slot without a
+/// cycle starts no VM for it, and the warm VM serves it with no apply on its path.
+#[test]
+fn a_job_goes_to_the_warm_vm_of_another_slot_not_to_a_new_vm() {
+    let env = Env::new();
+    let creates = || {
+        env.vm_log()
+            .lines()
+            .filter(|l| l.starts_with("create "))
+            .count()
+    };
+    // Slot 1 keeps the warm VM, asking Forgejo only every 30 s: slot 2 runs first.
+    let warm = ["--warm", "1", "--poll-interval", "30s"];
+    let one = spawn_slot(&env, 2, 1, &warm);
+    wait_for("slot 1's warm VM", || {
+        fs::read_to_string(env.state.join("cycle.json"))
+            .is_ok_and(|t| t.contains("\"phase\": \"running\""))
+    });
+    let (job, _) = env.fake.add_job(&["debian"]);
+    let two = finish(&env, spawn_slot(&env, 2, 2, &["--warm", "1"]));
+    assert_eq!(two.code, Some(0), "{two:?}");
+    assert_eq!(two.json()["outcome"], "idle", "{two:?}");
+    assert_eq!(creates(), 1, "slot 2 booted no VM for the warm VM's job");
+    // SIGHUP ends slot 1's wait; its next run serves the job on the warm VM.
+    unsafe { libc::kill(one.0.id() as i32, libc::SIGHUP) };
+    let out = finish(&env, one);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert_eq!(out.json()["outcome"], "reload", "{out:?}");
+    let out = finish(&env, spawn_slot(&env, 2, 1, &["--warm", "0"]));
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert_eq!(out.json()["summary"]["consumed"], 1, "{out:?}");
+    assert!(
+        env.fake
+            .jobs()
+            .iter()
+            .all(|j| j.id != job || j.status == "success")
+    );
+    assert_eq!(creates(), 1, "the job ran on the warm VM");
+    env.assert_at_rest();
+}
