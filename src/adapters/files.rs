@@ -552,6 +552,10 @@ impl StateStore for FileStore {
                     ));
                 }
                 o.add(k, &name, &state);
+                // No run of a slot beyond --slots polls for a job: its warm VM serves none.
+                if k > self.slot.n {
+                    o.warm.remove(&k);
+                }
             }
             // Another slot's holds are advice like this slot's own: a file that cannot be read
             // is that slot's failure to report, not a reason to stop here.
@@ -1043,5 +1047,18 @@ mod tests {
         assert_eq!((w.total, w.in_lower_slots), (2, 2));
         let w = FileStore::slot(slot(2)).others().unwrap().warm_elsewhere(2);
         assert_eq!((w.total, w.in_lower_slots), (2, 1));
+        // A slot beyond --slots runs no more: its warm VM is no one's to count on.
+        let mut s = CycleState::new("c5".into(), gate.now);
+        s.warm = true;
+        let five = SlotDir {
+            pool: pool.clone(),
+            k: 5,
+            n: 5,
+        };
+        take_lock(&five).map(drop).unwrap();
+        FileStore::slot(five).save(&s).unwrap();
+        let o = FileStore::slot(slot(2)).others().unwrap();
+        assert_eq!(o.warm.iter().copied().collect::<Vec<_>>(), [1, 3]);
+        assert_eq!(o.beyond.len(), 1);
     }
 }
