@@ -57,6 +57,21 @@ fn idle_world_plans_nothing() {
 }
 
 #[test]
+fn an_idle_world_with_warm_capacity_plans_a_vm_and_no_registration() {
+    let (code, v, _) = plan("idle.json", &["--warm", "1"]);
+    assert_eq!(code, Some(0), "{v}");
+    let names: Vec<&str> = actions(&v)
+        .iter()
+        .map(|a| a["action"].as_str().unwrap_or_default())
+        .collect();
+    assert_eq!(names, ["tofu_apply"], "{v}");
+    assert_eq!(
+        v["outcome"], "would_wait: warm VM up, waiting for a job",
+        "{v}"
+    );
+}
+
+#[test]
 fn fresh_cycle_applies_and_registers_for_the_matching_job() {
     let (code, v, _) = plan("fresh-cycle.json", &[]);
     assert_eq!(code, Some(0));
