@@ -836,11 +836,18 @@ mod tests {
     }
 
     fn run_with_store(shared: &ModelForgejo, store: &mut MemoryStore) -> Report {
+        run_with_config(shared, store, &test_config())
+    }
+
+    fn run_with_config(
+        shared: &ModelForgejo,
+        store: &mut MemoryStore,
+        cfg: &CycleConfig,
+    ) -> Report {
         let mut forgejo = shared.clone();
         let mut launcher = shared.clone();
         let mut tofu = NoopTofu;
         let mut clock = shared.clone();
-        let cfg = test_config();
         let mut report = Report::new("run", false, clock.now());
         let mut world = super::World {
             forgejo: &mut forgejo,
@@ -849,7 +856,7 @@ mod tests {
             store,
             clock: &mut clock,
         };
-        assert_eq!(run(&mut world, &cfg, &mut report), End::Done);
+        assert_eq!(run(&mut world, cfg, &mut report), End::Done);
         report
     }
 
@@ -876,6 +883,36 @@ mod tests {
         assert_eq!(closed.failures, 3);
         assert!(store.state.is_none(), "no cycle started");
         assert!(report.events.is_empty(), "{:?}", report.events);
+    }
+
+    /// A pool that backs off makes no warm VM either.
+    #[test]
+    fn a_backoff_in_force_starts_no_warm_vm() {
+        let shared = ModelForgejo::new("debian");
+        let now = Timestamp(shared.server().now);
+        let mut cfg = test_config();
+        cfg.policy.warm.count = 1;
+        cfg.policy.warm.max_age = Duration::from_secs(1800);
+        let mut store = MemoryStore {
+            backoff: closed_backoff(now),
+            ..MemoryStore::default()
+        };
+        let report = run_with_config(&shared, &mut store, &cfg);
+        assert_eq!(report.outcome, "backing_off");
+        assert!(report.backoff.is_some());
+        assert!(store.state.is_none(), "no warm VM started");
+        // Not backing off, the same run makes one, which waits for a job until --warm-max-age
+        // (the model's clock moves on with each wait), then goes.
+        let mut store = MemoryStore::default();
+        let report = run_with_config(&shared, &mut store, &cfg);
+        assert_eq!(report.outcome, "cycle_finished", "{:?}", report.failures);
+        let said = |text: &str| report.events.iter().any(|e| e.detail.contains(text));
+        assert!(said("(warm: no job yet)"), "{:?}", report.events);
+        assert!(
+            said("ran no job within --warm-max-age"),
+            "{:?}",
+            report.events
+        );
     }
 
     /// Only a new VM is gated: a cycle in progress (here one whose teardown was decided) goes on
