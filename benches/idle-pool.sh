@@ -12,7 +12,9 @@
 #
 # From benches/run: BENCH_BIN, BENCH_URL, BENCH_TOKEN_FILE, BENCH_TOFU, BENCH_LAUNCH,
 # BENCH_POLL, BENCH_IDLE, BENCH_TICK (seconds), BENCH_T0 (Unix seconds), BENCH_VM_START,
-# BENCH_CHECK (seconds between the supervisor's looks). DIR holds module/ (a copy of
+# BENCH_CHECK (seconds between the supervisor's looks), BENCH_DEADLINE (seconds after BENCH_T0:
+# past it the runs are stopped and the configuration fails, so a run that never ends cannot hang
+# the suite). DIR holds module/ (a copy of
 # benches/slots-module), and gets state/, vm/, runs/.
 set -euo pipefail
 d=$1 n=$2 warm=$3
@@ -75,7 +77,15 @@ alive() {
     for p in "${timers[@]}"; do kill -0 "$p" 2>/dev/null && return 0; done
     return 1
 }
+deadline=$(/usr/bin/python3 -c "print(int($BENCH_T0 + $BENCH_DEADLINE))")
 while alive; do
+    if ((EPOCHSECONDS > deadline)); then
+        for ((k = 1; k <= n; k++)); do
+            read -r pid w 2> /dev/null < "$d/pid-$k" && kill -TERM "$pid" 2> /dev/null
+        done
+        kill "${timers[@]}" 2> /dev/null
+        fail "not done ${BENCH_DEADLINE}s after the start: $(stats)"
+    fi
     if [[ ! -e $d/done ]] && all_done; then
         echo 0 > "$d/warm"
         touch "$d/done"
