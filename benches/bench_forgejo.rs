@@ -24,8 +24,8 @@
 //!
 //! `--arrivals N --job-ms L --lead-ms D --span-ms S --seed X [--start-ns T]` is the idle-pool
 //! benchmark's schedule: N jobs become waiting one by one at seeded random moments in
-//! D … D + S ms after T (Unix ns; default: the server's start), each running L ms once a runner
-//! took it, as a batch's jobs do. The stats give each job's moments (waiting, first listed,
+//! D … D + S ms after T (Unix ns; without it, the `t` of the first `/_bench/start?t=T`), each
+//! running L ms once a runner took it, as a batch's jobs do. The stats give each job's moments (waiting, first listed,
 //! the poll of the process that served it, its POST, the launch, the task request, the end);
 //! `/_bench/verify` checks the N jobs as it checks a batch.
 //!
@@ -153,6 +153,9 @@ struct Batch {
     /// (POSTed on a connection) that moment and the POST's.
     last_list: std::collections::HashMap<u64, u128>,
     posted: std::collections::HashMap<i64, (Option<u128>, u128)>,
+    /// Arrivals: the moment the schedule counts from (Unix ns), once set (`--start-ns` or
+    /// `/_bench/start?t=`).
+    start_ns: Option<u128>,
 }
 
 struct World {
@@ -649,6 +652,19 @@ fn control_request(w: &mut World, what: &str, query: &str) -> Reply {
             reply(200, "{}")
         }
         "batch" => new_batch(w),
+        "start" => {
+            let t = query_param(query, "t").and_then(|s| s.parse::<u128>().ok());
+            match (w.batch.as_mut(), t) {
+                (Some(b), Some(t)) if b.expected > 0 && b.start_ns.is_none() => {
+                    b.start_ns = Some(t);
+                    reply(200, "{}")
+                }
+                _ => reply(
+                    409,
+                    "{\"message\":\"not started with --arrivals, already started, or no t\"}",
+                ),
+            }
+        }
         "verify" => verify_batch(w),
         "launched" => {
             let id = query_param(query, "id").and_then(|s| s.parse::<i64>().ok());
@@ -946,7 +962,6 @@ fn serve(args: &[String]) -> Result<(), String> {
         return Err("--pickup, --jobs and --arrivals are three benchmarks: one at a time".into());
     }
     let arrivals = arrivals.map(|n| Arrivals {
-        start_ns: start_ns.unwrap_or_else(now_ns),
         offsets_ms: schedule(n, lead_ms, span_ms, seed),
     });
     if stale > runners {
@@ -977,6 +992,7 @@ fn serve(args: &[String]) -> Result<(), String> {
                 expected: arrivals.as_ref().map_or(0, |a| a.offsets_ms.len() as u64),
                 last_list: Default::default(),
                 posted: Default::default(),
+                start_ns,
             }),
         base: base.clone(),
         population: (runners, stale, prefix, live_ours),
@@ -1001,9 +1017,8 @@ fn serve(args: &[String]) -> Result<(), String> {
     Ok(())
 }
 
-/// The idle-pool benchmark's schedule: jobs that become waiting at fixed offsets from a start.
+/// The idle-pool benchmark's schedule: jobs that become waiting at fixed offsets from its start.
 struct Arrivals {
-    start_ns: u128,
     offsets_ms: Vec<u64>,
 }
 
@@ -1026,8 +1041,14 @@ fn schedule(n: u64, lead_ms: u64, span_ms: u64, seed: u64) -> Vec<u64> {
 /// Makes each job of the schedule waiting at its moment (a job of repository 1, as every job
 /// of the benchmarks); it then runs for the job length once a runner took it.
 fn play_arrivals(world: &Mutex<World>, a: &Arrivals) {
+    let start = loop {
+        if let Some(t) = lock(world).batch.as_ref().and_then(|b| b.start_ns) {
+            break t;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    };
     for off in &a.offsets_ms {
-        let at = a.start_ns + u128::from(*off) * 1_000_000;
+        let at = start + u128::from(*off) * 1_000_000;
         let now = now_ns();
         if at > now {
             std::thread::sleep(std::time::Duration::from_nanos((at - now) as u64));
