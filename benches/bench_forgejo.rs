@@ -13,7 +13,7 @@
 //! `/_bench/` are not counted.
 //!
 //! ```text
-//! bench-forgejo serve --token T [--runners N --stale S --prefix P --no-live-ours] [--pickup JOBS] [--jobs M --job-ms L] [--port-file F]
+//! bench-forgejo serve --token T [--runners N --stale S --prefix P --no-live-ours] [--pickup JOBS] [--jobs M --job-ms L] [--arrivals N --job-ms L --lead-ms D --span-ms S --seed X --start-ns T] [--port-file F]
 //! bench-launch   (the same binary under that name: the launch command of the pickup and slots benchmarks)
 //! ```
 //!
@@ -21,6 +21,13 @@
 //! right after the server answered a jobs poll with an empty list while the VM was free, so the
 //! next poll is one poll interval away; the launch command reports when it started, and its
 //! runner, given its job by Forgejo's rule, runs it at once.
+//!
+//! `--arrivals N --job-ms L --lead-ms D --span-ms S --seed X [--start-ns T]` is the idle-pool
+//! benchmark's schedule: N jobs become waiting one by one at seeded random moments in
+//! D … D + S ms after T (Unix ns; without it, the `t` of the first `/_bench/start?t=T`), each
+//! running L ms once a runner took it, as a batch's jobs do. The stats give each job's moments (waiting, first listed,
+//! the poll of the process that served it, its POST, the launch, the task request, the end);
+//! `/_bench/verify` checks the N jobs as it checks a batch.
 //!
 //! `--jobs M --job-ms L` is the parallel-slots benchmark's batch: `/_bench/batch` (refused while
 //! a registration or an unfinished job is left) makes M jobs `waiting` at once. A launched runner
@@ -57,7 +64,7 @@ pub struct Job {
 }
 
 const API: &str = "/api/v1/admin/actions/runners";
-const USAGE: &str = "usage: bench-forgejo serve --token TOKEN [--runners N] [--stale S] [--prefix P] [--no-live-ours] [--pickup JOBS] [--jobs M --job-ms L] [--port-file FILE]";
+const USAGE: &str = "usage: bench-forgejo serve --token TOKEN [--runners N] [--stale S] [--prefix P] [--no-live-ours] [--pickup JOBS] [--jobs M --job-ms L] [--arrivals N --job-ms L --lead-ms D --span-ms S --seed X --start-ns T] [--port-file FILE]";
 const HOUR_MS: i64 = 3_600_000;
 
 fn now_ns() -> u128 {
@@ -103,13 +110,27 @@ struct Pickup {
     samples: Vec<Sample>,
 }
 
-/// One job of the slots benchmark's batch (its row is the model's).
+/// One job of the slots benchmark's batch or of the idle-pool benchmark's arrivals (its row is
+/// the model's).
+#[derive(Default)]
 struct BatchJob {
     id: i64,
-    /// The registration whose runner took it.
+    /// The registration whose runner took it, and that registration's name.
     runner: Option<i64>,
+    runner_name: Option<String>,
     /// How many runners were given it (the benchmark wants exactly one each).
     takes: u32,
+    /// When it became waiting (arrivals).
+    waiting_ns: Option<u128>,
+    /// The jobs list that first listed it (any process's poll).
+    first_seen_ns: Option<u128>,
+    /// The last jobs list answered on the TCP connection that then POSTed the registration of
+    /// the runner that took it (the poll that saw it, for the process that served it), and
+    /// that POST.
+    seen_ns: Option<u128>,
+    post_ns: Option<u128>,
+    /// When the launch command started (it says so) and when its runner asked for its task.
+    launch_ns: Option<u128>,
     taken_ns: Option<u128>,
     done_ns: Option<u128>,
 }
@@ -126,6 +147,15 @@ struct Batch {
     started_ns: u128,
     /// Launched runners Forgejo gave no job (this batch).
     refused: u64,
+    /// Arrivals: how many jobs the schedule makes waiting in all (0: batches).
+    expected: u64,
+    /// Arrivals: the last jobs list answered on each TCP connection, and for each registration
+    /// (POSTed on a connection) that moment and the POST's.
+    last_list: std::collections::HashMap<u64, u128>,
+    posted: std::collections::HashMap<i64, (Option<u128>, u128)>,
+    /// Arrivals: the moment the schedule counts from (Unix ns), once set (`--start-ns` or
+    /// `/_bench/start?t=`).
+    start_ns: Option<u128>,
 }
 
 struct World {
@@ -285,6 +315,8 @@ fn not_found(w: &World, what: &str) -> Reply {
 }
 
 struct Incoming {
+    /// The TCP connection it came on (numbered by the server).
+    conn: u64,
     method: String,
     path: String,
     query: String,
@@ -323,8 +355,8 @@ fn handle(w: &mut World, inc: &Incoming) -> Reply {
     let now = now_ms();
     match (inc.method.as_str(), rest) {
         ("GET", "") => list(w, &inc.path, &inc.query),
-        ("POST", "") => register(w, &inc.body),
-        ("GET", "/jobs") => jobs(w, &inc.query),
+        ("POST", "") => register(w, &inc.body, inc.conn),
+        ("GET", "/jobs") => jobs(w, &inc.query, inc.conn),
         (method, id) => {
             let Some(id) = id.strip_prefix('/').and_then(|s| s.parse::<i64>().ok()) else {
                 return not_found(w, "path");
@@ -402,7 +434,7 @@ fn list(w: &mut World, path: &str, query: &str) -> Reply {
     }
 }
 
-fn register(w: &mut World, body: &[u8]) -> Reply {
+fn register(w: &mut World, body: &[u8], conn: u64) -> Reply {
     w.counts.posts += 1;
     if let Some(p) = w.pickup.as_mut()
         && let Some((_, i)) = p.current
@@ -424,6 +456,12 @@ fn register(w: &mut World, body: &[u8]) -> Reply {
     };
     let ephemeral = text.replace(' ', "").contains("\"ephemeral\":true");
     let id = w.forgejo.next_runner_id();
+    if let Some(b) = w.batch.as_mut()
+        && b.expected > 0
+    {
+        let seen = b.last_list.get(&conn).copied();
+        b.posted.insert(id, (seen, now_ns()));
+    }
     let (uuid, token) = (
         format!("00000000-0000-4000-8000-{id:012}"),
         format!("bench-runner-token-{id}"),
@@ -466,8 +504,17 @@ fn add_job(w: &mut World) -> i64 {
 
 /// `GetActionRunJobs`: the waiting and running jobs the labels run, id descending; `null` for
 /// none.
-fn jobs(w: &mut World, query: &str) -> Reply {
+fn jobs(w: &mut World, query: &str, conn: u64) -> Reply {
     w.counts.jobs += 1;
+    if let Some(b) = w.batch.as_mut()
+        && b.expected > 0
+    {
+        let now = now_ns();
+        b.last_list.insert(conn, now);
+        for j in b.jobs.iter_mut().filter(|j| j.taken_ns.is_none()) {
+            j.first_seen_ns.get_or_insert(now);
+        }
+    }
     let labels: Option<Vec<&str>> = query_param(query, "labels").map(|l| {
         if l.is_empty() {
             Vec::new()
@@ -552,8 +599,14 @@ fn stats(w: &World) -> String {
     }
     if let Some(b) = &w.batch {
         body.push_str(&format!(
-            ",\"batches\":{},\"batch_started_ns\":{},\"job_ns\":{},\"refused\":{},\"batch\":[",
-            b.batches, b.started_ns, b.length_ns, b.refused
+            ",\"batches\":{},\"batch_started_ns\":{},\"job_ns\":{},\"refused\":{},\"expected\":{},\"arrived\":{},\"done\":{},\"batch\":[",
+            b.batches,
+            b.started_ns,
+            b.length_ns,
+            b.refused,
+            b.expected,
+            b.jobs.len(),
+            b.jobs.iter().filter(|j| j.done_ns.is_some()).count()
         ));
         for (i, j) in b.jobs.iter().enumerate() {
             if i > 0 {
@@ -561,10 +614,18 @@ fn stats(w: &World) -> String {
             }
             let status = w.forgejo.jobs.get(&j.id).map_or("?", |r| r.status.as_str());
             body.push_str(&format!(
-                "{{\"job\":{},\"status\":\"{status}\",\"takes\":{},\"runner\":{},\"taken_ns\":{},\"done_ns\":{}}}",
+                "{{\"job\":{},\"status\":\"{status}\",\"takes\":{},\"runner\":{},\"runner_name\":{},\"waiting_ns\":{},\"first_seen_ns\":{},\"seen_ns\":{},\"post_ns\":{},\"launch_ns\":{},\"taken_ns\":{},\"done_ns\":{}}}",
                 j.id,
                 j.takes,
                 j.runner.map_or("null".to_string(), |r| r.to_string()),
+                j.runner_name
+                    .as_deref()
+                    .map_or("null".to_string(), forgejo_model::json_str),
+                opt(j.waiting_ns),
+                opt(j.first_seen_ns),
+                opt(j.seen_ns),
+                opt(j.post_ns),
+                opt(j.launch_ns),
                 opt(j.taken_ns),
                 opt(j.done_ns)
             ));
@@ -591,6 +652,19 @@ fn control_request(w: &mut World, what: &str, query: &str) -> Reply {
             reply(200, "{}")
         }
         "batch" => new_batch(w),
+        "start" => {
+            let t = query_param(query, "t").and_then(|s| s.parse::<u128>().ok());
+            match (w.batch.as_mut(), t) {
+                (Some(b), Some(t)) if b.expected > 0 && b.start_ns.is_none() => {
+                    b.start_ns = Some(t);
+                    reply(200, "{}")
+                }
+                _ => reply(
+                    409,
+                    "{\"message\":\"not started with --arrivals, already started, or no t\"}",
+                ),
+            }
+        }
         "verify" => verify_batch(w),
         "launched" => {
             let id = query_param(query, "id").and_then(|s| s.parse::<i64>().ok());
@@ -631,7 +705,7 @@ fn control_request(w: &mut World, what: &str, query: &str) -> Reply {
 /// done and no registration is left: every measured run starts from nothing.
 fn new_batch(w: &mut World) -> Reply {
     let live = w.live_rows();
-    let Some(b) = w.batch.as_ref() else {
+    let Some(b) = w.batch.as_ref().filter(|b| b.expected == 0) else {
         return reply(409, "{\"message\":\"not started with --jobs\"}");
     };
     let unfinished = b.jobs.iter().filter(|j| j.done_ns.is_none()).count();
@@ -647,10 +721,7 @@ fn new_batch(w: &mut World) -> Reply {
     let jobs: Vec<BatchJob> = (0..size)
         .map(|_| BatchJob {
             id: add_job(w),
-            runner: None,
-            takes: 0,
-            taken_ns: None,
-            done_ns: None,
+            ..BatchJob::default()
         })
         .collect();
     let b = w.batch.as_mut().expect("batch");
@@ -684,6 +755,9 @@ fn verify_batch(w: &mut World) -> Reply {
     if b.jobs.is_empty() {
         wrong.push("no batch was handed out".into());
     }
+    if b.expected > 0 && b.jobs.len() as u64 != b.expected {
+        wrong.push(format!("{} of {} jobs arrived", b.jobs.len(), b.expected));
+    }
     if wrong.is_empty() {
         reply(200, stats(w))
     } else {
@@ -708,10 +782,20 @@ fn take_from_batch(w: &mut World, id: i64, query: &str) -> Reply {
         b.refused += 1;
         return reply(409, "{\"message\":\"no task for this runner\"}");
     };
+    let now = now_ns();
+    let launch_ns = query_param(query, "t").and_then(|s| s.parse::<u128>().ok());
+    let posted = b.posted.get(&id).copied();
+    let name = w.forgejo.live(id).map(|r| r.name.clone());
     if let Some(j) = b.jobs.iter_mut().find(|j| j.id == job) {
         j.runner = Some(id);
+        j.runner_name = name;
         j.takes += 1;
-        j.taken_ns = Some(now_ns());
+        j.taken_ns.get_or_insert(now);
+        j.launch_ns = j.launch_ns.or(launch_ns);
+        if let Some((seen, post)) = posted {
+            j.seen_ns = j.seen_ns.or(seen);
+            j.post_ns = j.post_ns.or(Some(post));
+        }
     }
     w.forgejo.start_task(job, id, now_ms());
     reply(200, "{}")
@@ -777,6 +861,7 @@ fn read_request(r: &mut BufReader<TcpStream>) -> std::io::Result<Option<(Incomin
     };
     Ok(Some((
         Incoming {
+            conn: 0,
             method,
             path,
             query,
@@ -787,12 +872,13 @@ fn read_request(r: &mut BufReader<TcpStream>) -> std::io::Result<Option<(Incomin
     )))
 }
 
-fn serve_connection(world: &Mutex<World>, stream: TcpStream) -> std::io::Result<()> {
+fn serve_connection(world: &Mutex<World>, stream: TcpStream, conn: u64) -> std::io::Result<()> {
     stream.set_nodelay(true)?;
     let mut out = stream.try_clone()?;
     let mut r = BufReader::new(stream);
     let mut counted = false;
-    while let Some((inc, keep_alive)) = read_request(&mut r)? {
+    while let Some((mut inc, keep_alive)) = read_request(&mut r)? {
+        inc.conn = conn;
         let rep = {
             let mut w = lock(world);
             if !counted && !inc.path.starts_with("/_bench/") {
@@ -839,6 +925,8 @@ fn serve(args: &[String]) -> Result<(), String> {
     let mut token = None;
     let (mut runners, mut stale, mut pickup) = (0u64, 0u64, None);
     let (mut batch_jobs, mut job_ms) = (None, 0u64);
+    let mut arrivals = None;
+    let (mut span_ms, mut lead_ms, mut seed, mut start_ns) = (0u64, 0u64, 1u64, None);
     let mut prefix = "ephemeral-".to_string();
     let mut port_file = None;
     let mut live_ours = true;
@@ -854,15 +942,28 @@ fn serve(args: &[String]) -> Result<(), String> {
             "--pickup" => pickup = Some(number(value()?)?),
             "--jobs" => batch_jobs = Some(number(value()?)?),
             "--job-ms" => job_ms = number(value()?)?,
+            "--arrivals" => arrivals = Some(number(value()?)?),
+            "--span-ms" => span_ms = number(value()?)?,
+            "--lead-ms" => lead_ms = number(value()?)?,
+            "--seed" => seed = number(value()?)?,
+            "--start-ns" => start_ns = Some(u128::from(number(value()?)?)),
             "--port-file" => port_file = Some(value()?),
             "--no-live-ours" => live_ours = false,
             other => return Err(format!("unknown argument {other}\n{USAGE}")),
         }
     }
     let token = token.ok_or(format!("--token is required\n{USAGE}"))?;
-    if pickup.is_some() && batch_jobs.is_some() {
-        return Err("--pickup and --jobs are two benchmarks: one at a time".into());
+    if [pickup.is_some(), batch_jobs.is_some(), arrivals.is_some()]
+        .iter()
+        .filter(|x| **x)
+        .count()
+        > 1
+    {
+        return Err("--pickup, --jobs and --arrivals are three benchmarks: one at a time".into());
     }
+    let arrivals = arrivals.map(|n| Arrivals {
+        offsets_ms: schedule(n, lead_ms, span_ms, seed),
+    });
     if stale > runners {
         return Err("--stale must not exceed --runners".into());
     }
@@ -879,14 +980,20 @@ fn serve(args: &[String]) -> Result<(), String> {
             remaining: jobs,
             ..Pickup::default()
         }),
-        batch: batch_jobs.map(|size| Batch {
-            size,
-            length_ns: u128::from(job_ms) * 1_000_000,
-            jobs: Vec::new(),
-            batches: 0,
-            started_ns: 0,
-            refused: 0,
-        }),
+        batch: batch_jobs
+            .or(arrivals.as_ref().map(|_| 0))
+            .map(|size| Batch {
+                size,
+                length_ns: u128::from(job_ms) * 1_000_000,
+                jobs: Vec::new(),
+                batches: 0,
+                started_ns: 0,
+                refused: 0,
+                expected: arrivals.as_ref().map_or(0, |a| a.offsets_ms.len() as u64),
+                last_list: Default::default(),
+                posted: Default::default(),
+                start_ns,
+            }),
         base: base.clone(),
         population: (runners, stale, prefix, live_ours),
     }));
@@ -896,14 +1003,66 @@ fn serve(args: &[String]) -> Result<(), String> {
         std::fs::write(&f, format!("{}\n", addr.port())).map_err(|e| format!("{f}: {e}"))?;
     }
     println!("{base}");
-    for stream in listener.incoming() {
+    if let Some(a) = arrivals {
+        let world = Arc::clone(&world);
+        std::thread::spawn(move || play_arrivals(&world, &a));
+    }
+    for (conn, stream) in listener.incoming().enumerate() {
         let Ok(stream) = stream else { continue };
         let world = Arc::clone(&world);
         std::thread::spawn(move || {
-            let _ = serve_connection(&world, stream);
+            let _ = serve_connection(&world, stream, conn as u64);
         });
     }
     Ok(())
+}
+
+/// The idle-pool benchmark's schedule: jobs that become waiting at fixed offsets from its start.
+struct Arrivals {
+    offsets_ms: Vec<u64>,
+}
+
+/// `n` arrival offsets, ms, uniform in `lead .. lead + span`, sorted: the same for the same seed
+/// (splitmix64), so that every configuration of a run meets the same schedule.
+fn schedule(n: u64, lead_ms: u64, span_ms: u64, seed: u64) -> Vec<u64> {
+    let mut x = seed;
+    let mut next = || {
+        x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = x;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    };
+    let mut v: Vec<u64> = (0..n).map(|_| lead_ms + next() % span_ms.max(1)).collect();
+    v.sort_unstable();
+    v
+}
+
+/// Makes each job of the schedule waiting at its moment (a job of repository 1, as every job
+/// of the benchmarks); it then runs for the job length once a runner took it.
+fn play_arrivals(world: &Mutex<World>, a: &Arrivals) {
+    let start = loop {
+        if let Some(t) = lock(world).batch.as_ref().and_then(|b| b.start_ns) {
+            break t;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    };
+    for off in &a.offsets_ms {
+        let at = start + u128::from(*off) * 1_000_000;
+        let now = now_ns();
+        if at > now {
+            std::thread::sleep(std::time::Duration::from_nanos((at - now) as u64));
+        }
+        let mut w = lock(world);
+        let id = add_job(&mut w);
+        if let Some(b) = w.batch.as_mut() {
+            b.jobs.push(BatchJob {
+                id,
+                waiting_ns: Some(now_ns()),
+                ..BatchJob::default()
+            });
+        }
+    }
 }
 
 /// The launch command of the pickup benchmark: notes when it started, reads the runner token

@@ -1,6 +1,7 @@
-# The VM of the parallel-slots benchmark (benches/run, part 6): terraform_data + local-exec only,
-# so no provider is downloaded. vm.sh makes "starting a VM" take BENCH_VM_START seconds and keeps
-# a marker file per VM and a log in BENCH_VM_DIR (the benchmark's view of the cloud).
+# The VM of the parallel-slots and idle-pool benchmarks (benches/run, parts 6 and 7):
+# terraform_data + local-exec only, so no provider is downloaded. vm.sh makes "starting a VM" take
+# BENCH_VM_START seconds and keeps a marker file per VM and a log in BENCH_VM_DIR (the
+# benchmark's view of the cloud).
 variable "cycle_id" {
   type = string
 }
