@@ -383,7 +383,7 @@ fn of_two_hosts_sharing_the_jobs_only_the_jobs_own_host_boots_a_vm() {
     assert_eq!(out.json()["outcome"], "idle", "{}", out.stdout);
     assert!(env.vm_log().is_empty(), "no VM for another host's job");
     let seen = held_jobs(&env, "b").expect("the other share's job is remembered");
-    assert_eq!(seen["others_shares"][0]["job_id"], job, "{seen}");
+    assert_eq!(seen["seen"][0]["job_id"], job, "{seen}");
 
     let out = host_run(&env, "a", &["--share", &own, "--take-over-after", "1h"]);
     assert_eq!(out.code, Some(0), "{out:?}");

@@ -560,9 +560,11 @@ impl StateStore for FileStore {
             // Another slot's holds are advice like this slot's own: a file that cannot be read
             // is that slot's failure to report, not a reason to stop here.
             match read_holds_file(&dir.join(HOLDS_FILE)) {
-                Ok(h) => o
-                    .held
-                    .extend(h.jobs.iter().map(|h| (h.handle.clone(), h.until))),
+                Ok(h) => {
+                    o.held
+                        .extend(h.jobs.iter().map(|h| (h.handle.clone(), h.until)));
+                    o.add_seen(&h.seen);
+                }
                 Err(e) => log::warn!("{e}; slot {k}'s held jobs are not known here"),
             }
         }
@@ -699,6 +701,7 @@ mod tests {
             not_served: None,
             failed_start: false,
             stopped: None,
+            job_first_seen: None,
         });
         s
     }

@@ -68,6 +68,8 @@ struct Driver<'w, 'a> {
     seen: BTreeMap<i64, String>,
     /// Jobs listed without a handle that this run warned about (once each).
     no_handle: std::collections::BTreeSet<i64>,
+    /// When the other slots first saw each waiting job (their `held-jobs.json`), as last read.
+    others_first_seen: BTreeMap<String, Timestamp>,
 }
 
 pub fn run(w: &mut World<'_>, cfg: &CycleConfig, report: &mut Report) -> End {
@@ -116,6 +118,7 @@ pub fn run(w: &mut World<'_>, cfg: &CycleConfig, report: &mut Report) -> End {
         progressed: false,
         seen: BTreeMap::new(),
         no_handle: Default::default(),
+        others_first_seen: BTreeMap::new(),
     };
     // Nothing can be done for a cycle in progress without tofu, not even its teardown.
     if let Some(s) = &d.state
@@ -147,6 +150,25 @@ fn runner_request<'r>(
 
 mod registrations;
 mod vm;
+
+/// A runner that took a job, for its `take_job` event.
+struct Took {
+    id: i64,
+    name: String,
+    job_id: i64,
+    pickup_ms: Option<u64>,
+}
+
+impl Took {
+    fn of(id: i64, r: &crate::core::state::Registration, now: Timestamp) -> Took {
+        Took {
+            id,
+            name: r.name.clone(),
+            job_id: r.job_id,
+            pickup_ms: r.pickup_ms(now),
+        }
+    }
+}
 
 /// cycle.json could not be written (reported): stop before the next side effect.
 struct SaveFailed;
@@ -271,15 +293,16 @@ impl Driver<'_, '_> {
                 Some((o, Ok(jobs))) => {
                     obs.claimed_elsewhere = o.claimed(self.w.clock.now());
                     obs.warm_elsewhere = o.warm_elsewhere(self.cfg.slot);
+                    self.others_first_seen = o.first_seen;
                     // A held job that is no longer listed (done, cancelled, re-run) is forgotten;
-                    // another share's waiting job is remembered from when it was first seen.
+                    // a waiting job is remembered from when it was first seen (another host's
+                    // share waits for its take-over from then; a pickup time counts from then).
                     self.warn_without_handle(&jobs);
                     let pruned = self.ctx.holds.prune(&jobs);
                     let waiting =
                         crate::core::model::waiting_jobs(&jobs, &self.cfg.policy.label_names);
                     let now = self.w.clock.now();
-                    let share = self.cfg.policy.share;
-                    let noted = self.ctx.holds.note_other_shares(&waiting, share, now);
+                    let noted = self.ctx.holds.note_waiting(&waiting, now);
                     if pruned || noted {
                         self.save_holds();
                     }
@@ -496,11 +519,16 @@ impl Driver<'_, '_> {
             Step::ResolveIntent { name } => self.resolve_intent(&name),
             Step::Forget { id } => {
                 // A launched runner whose registration Forgejo removed ran its job: a start
-                // that worked.
+                // that worked. Never seen active, it took its job unseen: counted now.
+                let mut took = None;
                 if let Some(s) = &mut self.state
-                    && s.registration(id)
-                        .is_some_and(|r| r.launch == Launch::Done && !r.failed_start)
+                    && let Some(r) = s
+                        .registration(id)
+                        .filter(|r| r.launch == Launch::Done && !r.failed_start)
                 {
+                    if !r.busy {
+                        took = Some(Took::of(id, r, now));
+                    }
                     s.start_failures = 0;
                     s.served = true;
                 }
@@ -514,6 +542,11 @@ impl Driver<'_, '_> {
                 e.runner_name = name;
                 e.reason = Some("consumed".into());
                 let end = self.save().err().map(|_| End::Done);
+                if end.is_none()
+                    && let Some(t) = took
+                {
+                    self.took_job(t, false);
+                }
                 crate::crash_point!("forget-written");
                 end
             }
@@ -546,11 +579,18 @@ impl Driver<'_, '_> {
             Step::MarkBusy { id } => {
                 let s = self.state.as_mut()?;
                 s.served = true;
+                let mut took = None;
                 if let Some(r) = s.registration_mut(id) {
                     r.busy = true;
-                    log::info!("runner {id} ({}) took a job", r.name);
+                    took = Some(Took::of(id, r, now));
                 }
-                self.save().err().map(|_| End::Done)
+                let end = self.save().err().map(|_| End::Done);
+                if end.is_none()
+                    && let Some(t) = took
+                {
+                    self.took_job(t, true);
+                }
+                end
             }
             Step::MarkJobGone { id } | Step::ClearJobGone { id } => {
                 let gone = matches!(step, Step::MarkJobGone { .. });
@@ -669,6 +709,35 @@ impl Driver<'_, '_> {
         e.runner_name = Some(name);
         e.reason = Some(reason.as_str().into());
         e.job_id = Some(job_id);
+    }
+
+    /// The `take_job` event of a runner that took a job, with the job's pickup time (counted
+    /// from it in `counters.json`). Made only once cycle.json says so (`busy`, or the
+    /// registration forgotten), so no later run counts it again; a crash before the end of the
+    /// run loses the count, as it loses every counter of that run.
+    fn took_job(&mut self, t: Took, seen_active: bool) {
+        let pickup = t.pickup_ms.map(crate::core::report::seconds);
+        let detail = match (seen_active, &pickup) {
+            (true, Some(p)) => format!(
+                "runner {} took a job; job {} was first seen waiting {p} before",
+                t.id, t.job_id
+            ),
+            (false, Some(p)) => format!(
+                "runner {} ran a job without ever being seen active (its registration is gone); job {} was first seen waiting at most {p} before it was taken",
+                t.id, t.job_id
+            ),
+            (true, None) => format!("runner {} took a job", t.id),
+            (false, None) => format!(
+                "runner {} ran a job without ever being seen active (its registration is gone)",
+                t.id
+            ),
+        };
+        log::info!("{} ({detail})", t.name);
+        let e = self.report.event("take_job", true, detail);
+        e.runner_id = Some(t.id);
+        e.runner_name = Some(t.name);
+        e.job_id = Some(t.job_id);
+        e.pickup_ms = t.pickup_ms;
     }
 
     fn teardown(&mut self, reason: TeardownReason) -> Option<End> {
