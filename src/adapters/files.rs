@@ -166,6 +166,18 @@ impl SlotDir {
     }
 }
 
+/// Every slot directory of the pool in `pool` that exists, with its number: slot 1 (`pool`
+/// itself) and every `slot-K/`.
+pub fn pool_slot_dirs(pool: &Path) -> Result<Vec<(u32, PathBuf)>> {
+    // As seen from no slot (0): no directory is left out as this slot's own.
+    SlotDir {
+        pool: pool.to_path_buf(),
+        k: 0,
+        n: 0,
+    }
+    .others()
+}
+
 fn ensure_dir(dir: &Path) -> Result<(), StateDirError> {
     if let StateDir::Missing = inspect_state_dir(dir)? {
         fs::DirBuilder::new()

@@ -1047,4 +1047,168 @@ mod tests {
         assert!(s.forgejo.jobs.values().all(|j| j.status == "success"));
         assert!(s.forgejo.runners.values().all(|r| r.deleted));
     }
+
+    /// A runner that takes its job at launch and runs it until the driver's next sleep: seen
+    /// `active` once (the model's own launcher runs the job at once, so its runner is never
+    /// seen active).
+    #[derive(Clone)]
+    struct TakesItsTime(ModelForgejo);
+
+    impl Launcher for TakesItsTime {
+        fn check_config(&self) -> anyhow::Result<()> {
+            Ok(())
+        }
+        fn launch(
+            &mut self,
+            req: &LaunchRequest<'_>,
+            _: &crate::core::secret::Secret,
+        ) -> Result<(), crate::core::ports::StepError> {
+            let mut s = self.0.server();
+            let now = s.now;
+            let f = &mut s.forgejo;
+            if let Some(r) = f.live_mut(req.runner_id) {
+                r.declare(Some(vec!["debian".into()]), now);
+            }
+            if let Some(job) = f.task_for(req.runner_id, Some(req.job_handle)) {
+                f.start_task(job, req.runner_id, now);
+            }
+            Ok(())
+        }
+        fn check(&mut self, req: &LaunchRequest<'_>) -> ProcessCheck {
+            self.0.check(req)
+        }
+        fn stop(&mut self, req: &LaunchRequest<'_>) -> Result<(), crate::core::ports::StepError> {
+            self.0.stop(req)
+        }
+    }
+
+    impl Clock for TakesItsTime {
+        fn now(&self) -> Timestamp {
+            self.0.now()
+        }
+        fn sleep(&mut self, d: Duration) -> Sleep {
+            {
+                let mut s = self.0.server();
+                let now = s.now;
+                let running: Vec<i64> = s
+                    .forgejo
+                    .jobs
+                    .values()
+                    .filter(|j| j.is_running())
+                    .map(|j| j.id)
+                    .collect();
+                for j in running {
+                    s.forgejo.final_update_task(j, now);
+                }
+            }
+            self.0.sleep(d)
+        }
+        fn stop_requested(&self) -> bool {
+            false
+        }
+        fn new_cycle_id(&mut self, now: Timestamp) -> String {
+            self.0.new_cycle_id(now)
+        }
+    }
+
+    fn take_jobs(report: &Report) -> Vec<&crate::core::report::Event> {
+        report
+            .events
+            .iter()
+            .filter(|e| e.step == "take_job")
+            .collect()
+    }
+
+    /// The pickup starts at the first run that saw the job waiting (here one that backed off),
+    /// not at the run that served it; a runner never seen active is counted when its
+    /// registration is gone, as an upper bound.
+    #[test]
+    fn a_pickup_counts_from_the_first_run_that_saw_the_job_waiting() {
+        let shared = ModelForgejo::new("debian");
+        let t0 = {
+            let mut s = shared.server();
+            let now = s.now;
+            s.forgejo
+                .add_job("h1".into(), vec!["debian".into()], 1, 1, now);
+            Timestamp(now)
+        };
+        let mut store = MemoryStore {
+            backoff: closed_backoff(t0),
+            ..MemoryStore::default()
+        };
+        let first = run_with_store(&shared, &mut store);
+        assert_eq!(first.outcome, "backing_off");
+        assert_eq!(
+            store
+                .holds
+                .seen
+                .iter()
+                .map(|s| (s.handle.as_str(), s.first_seen))
+                .collect::<Vec<_>>(),
+            [("h1", t0)],
+            "the sight is kept for the next run"
+        );
+        shared.server().now += 30_000;
+        store.backoff = crate::core::backoff::Backoff::new();
+        let report = run_with_store(&shared, &mut store);
+        assert_eq!(report.outcome, "cycle_finished", "{:?}", report.failures);
+        let took = take_jobs(&report);
+        assert_eq!(took.len(), 1, "{:?}", report.events);
+        let pickup = took[0].pickup_ms.expect("a pickup");
+        assert!((30_000..=40_000).contains(&pickup), "{pickup}");
+        assert!(took[0].detail.contains("at most"), "{}", took[0].detail);
+        let mut c = crate::core::metrics::Counters::default();
+        c.record(&report);
+        assert_eq!((c.pickups.count, c.pickups.sum_ms), (1, pickup));
+        assert!(
+            store.holds.is_empty(),
+            "the job is done: its sight forgotten"
+        );
+    }
+
+    /// Seen active: counted then, once, from the earliest sight of any slot of the pool.
+    #[test]
+    fn a_runner_seen_active_counts_its_pickup_from_the_pools_first_sight() {
+        let shared = ModelForgejo::new("debian");
+        let now = {
+            let mut s = shared.server();
+            let now = s.now;
+            s.forgejo
+                .add_job("h1".into(), vec!["debian".into()], 1, 1, now);
+            Timestamp(now)
+        };
+        let ago = |ms: i64| Timestamp(now.0 - ms);
+        let mut store = MemoryStore::default();
+        store.holds.seen.push(crate::core::holds::Seen {
+            job_id: 1,
+            handle: "h1".into(),
+            first_seen: ago(10_000),
+        });
+        store.others.first_seen.insert("h1".into(), ago(20_000));
+        let mut forgejo = shared.clone();
+        let mut slow = TakesItsTime(shared.clone());
+        let mut clock = slow.clone();
+        let mut tofu = NoopTofu;
+        let cfg = test_config();
+        let mut report = Report::new("run", false, clock.now());
+        let mut world = super::World {
+            forgejo: &mut forgejo,
+            tofu: &mut tofu,
+            launcher: &mut slow,
+            store: &mut store,
+            clock: &mut clock,
+        };
+        assert_eq!(run(&mut world, &cfg, &mut report), End::Done);
+        assert_eq!(report.outcome, "cycle_finished", "{:?}", report.failures);
+        let took = take_jobs(&report);
+        assert_eq!(
+            took.len(),
+            1,
+            "once, not again when it is gone: {:?}",
+            report.events
+        );
+        assert_eq!(took[0].pickup_ms, Some(20_000), "{took:?}");
+        assert_eq!(took[0].job_id, Some(1));
+        assert!(!took[0].detail.contains("at most"), "{}", took[0].detail);
+    }
 }
