@@ -428,6 +428,16 @@ fn a_dead_hosts_share_is_taken_over_after_the_wait() {
     );
     assert_eq!(launched_handles(&env.vm), [handle]);
     assert_eq!(env.vm_log().matches("create ").count(), 1);
+    // Its pickup counts from the first run that saw it waiting, so it is at least the wait.
+    let report = last.json();
+    let took: Vec<&serde_json::Value> = report["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["step"] == "take_job")
+        .collect();
+    assert_eq!(took.len(), 1, "{report}");
+    assert!(took[0]["pickup_ms"].as_u64().unwrap() >= 1000, "{report}");
     env.assert_at_rest();
 }
 
