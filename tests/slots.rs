@@ -156,6 +156,25 @@ fn three_slots_serve_six_jobs_three_at_a_time_each_once_and_leave_nothing() {
         "TF_VAR_slot names each VM's slot"
     );
 
+    // Every job's pickup: each slot's in its status, all six in the pool's.
+    let mut per_slot = 0;
+    for k in 1..=3 {
+        let mut c = env.cmd("status");
+        c.args(["--slots", "3", "--slot", &k.to_string(), "--output", "json"]);
+        let doc = env.exec(c).json();
+        per_slot += doc["pickup"]["jobs"].as_u64().unwrap_or(0);
+        assert_eq!(doc["pool_pickup"]["slots"], 3, "{doc}");
+        assert_eq!(doc["pool_pickup"]["summary"]["jobs"], 6, "{doc}");
+    }
+    assert_eq!(per_slot, 6);
+    for out in &outs {
+        for e in out.json()["events"].as_array().unwrap() {
+            if e["step"] == "take_job" {
+                assert!(e["pickup_ms"].is_u64(), "{e}");
+            }
+        }
+    }
+
     // Nothing left in any slot: no cycle.json, no VM, no registration, no tofu resource.
     env.assert_at_rest();
     for k in 1..=3 {
