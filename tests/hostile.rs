@@ -47,6 +47,7 @@ fn valid_cycle_json() -> Vec<u8> {
         not_served: None,
         failed_start: false,
         stopped: None,
+        job_first_seen: None,
     });
     s.outputs
         .insert("address".into(), json!("192.0.2.7 — vm ✓"));

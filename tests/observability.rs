@@ -106,6 +106,50 @@ fn assert_no_token_under(dir: &Path) {
     }
 }
 
+/// A job our runner took: one pickup in the histogram, no longer than the run; the same
+/// pickup in its `take_job` event, and in `status`.
+#[test]
+fn a_served_job_has_its_pickup_in_the_metrics_its_event_and_status() {
+    let env = Env::new();
+    let (job, _) = env.fake.add_job(&["debian"]);
+    let prom = metrics_path(&env);
+    let out = env.run(&["--output", "json", "--metrics-file", prom.to_str().unwrap()]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    env.assert_at_rest();
+    let report = out.json();
+    assert_eq!(report["outcome"], "cycle_finished", "{report}");
+    let run_ms = report["duration_ms"].as_u64().unwrap();
+
+    promtool_check(&prom, "after-a-pickup");
+    let m = samples(&fs::read_to_string(&prom).unwrap());
+    assert_eq!(metric(&m, "job_pickup_seconds_count"), 1.0);
+    assert_eq!(metric(&m, "job_pickup_seconds_bucket{le=\"+Inf\"}"), 1.0);
+    let sum = metric(&m, "job_pickup_seconds_sum");
+    assert!(
+        (0.0..=run_ms as f64 / 1000.0).contains(&sum),
+        "{sum} s within the run's {run_ms} ms"
+    );
+
+    let trail = events(&env, "events.jsonl");
+    let took: Vec<&Value> = trail.iter().filter(|e| e["step"] == "take_job").collect();
+    assert_eq!(took.len(), 1, "{trail:?}");
+    assert_eq!(took[0]["job_id"], job, "{}", took[0]);
+    let pickup_ms = took[0]["pickup_ms"]
+        .as_u64()
+        .expect("the event carries the pickup");
+    assert_eq!((sum * 1000.0).round() as u64, pickup_ms);
+
+    let doc = status(&env, &["--output", "json"]).json();
+    assert_eq!(doc["pickup"]["jobs"], 1, "{doc}");
+    assert_eq!(doc["pickup"]["p50_ms"], pickup_ms, "{doc}");
+    assert!(doc["pool_pickup"].is_null(), "a pool of one slot: {doc}");
+    let st = status(&env, &[]);
+    assert!(
+        st.stdout.contains("\njob pickup: the last 1 job(s): p50 "),
+        "{st:?}"
+    );
+}
+
 #[test]
 fn a_cycle_leaves_a_report_an_audit_trail_metrics_and_a_status() {
     let env = Env::new();

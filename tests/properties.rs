@@ -209,6 +209,7 @@ fn any_registration() -> impl Strategy<Value = Registration> {
                     not_served,
                     failed_start,
                     stopped,
+                    job_first_seen: launched_at,
                 }
             },
         )

@@ -529,6 +529,7 @@ fn a_never_connected_runner_whose_delete_answer_was_lost_is_still_a_failed_start
             not_served: None,
             failed_start: false,
             stopped: None,
+            job_first_seen: None,
         });
         s.write_disk(0, &st);
         s.forced_faults.push((

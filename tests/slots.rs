@@ -156,6 +156,25 @@ fn three_slots_serve_six_jobs_three_at_a_time_each_once_and_leave_nothing() {
         "TF_VAR_slot names each VM's slot"
     );
 
+    // Every job's pickup: each slot's in its status, all six in the pool's.
+    let mut per_slot = 0;
+    for k in 1..=3 {
+        let mut c = env.cmd("status");
+        c.args(["--slots", "3", "--slot", &k.to_string(), "--output", "json"]);
+        let doc = env.exec(c).json();
+        per_slot += doc["pickup"]["jobs"].as_u64().unwrap_or(0);
+        assert_eq!(doc["pool_pickup"]["slots"], 3, "{doc}");
+        assert_eq!(doc["pool_pickup"]["summary"]["jobs"], 6, "{doc}");
+    }
+    assert_eq!(per_slot, 6);
+    for out in &outs {
+        for e in out.json()["events"].as_array().unwrap() {
+            if e["step"] == "take_job" {
+                assert!(e["pickup_ms"].is_u64(), "{e}");
+            }
+        }
+    }
+
     // Nothing left in any slot: no cycle.json, no VM, no registration, no tofu resource.
     env.assert_at_rest();
     for k in 1..=3 {
@@ -383,7 +402,7 @@ fn of_two_hosts_sharing_the_jobs_only_the_jobs_own_host_boots_a_vm() {
     assert_eq!(out.json()["outcome"], "idle", "{}", out.stdout);
     assert!(env.vm_log().is_empty(), "no VM for another host's job");
     let seen = held_jobs(&env, "b").expect("the other share's job is remembered");
-    assert_eq!(seen["others_shares"][0]["job_id"], job, "{seen}");
+    assert_eq!(seen["seen"][0]["job_id"], job, "{seen}");
 
     let out = host_run(&env, "a", &["--share", &own, "--take-over-after", "1h"]);
     assert_eq!(out.code, Some(0), "{out:?}");
@@ -428,6 +447,16 @@ fn a_dead_hosts_share_is_taken_over_after_the_wait() {
     );
     assert_eq!(launched_handles(&env.vm), [handle]);
     assert_eq!(env.vm_log().matches("create ").count(), 1);
+    // Its pickup counts from the first run that saw it waiting, so it is at least the wait.
+    let report = last.json();
+    let took: Vec<&serde_json::Value> = report["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["step"] == "take_job")
+        .collect();
+    assert_eq!(took.len(), 1, "{report}");
+    assert!(took[0]["pickup_ms"].as_u64().unwrap() >= 1000, "{report}");
     env.assert_at_rest();
 }
 

@@ -166,6 +166,18 @@ impl SlotDir {
     }
 }
 
+/// Every slot directory of the pool in `pool` that exists, with its number: slot 1 (`pool`
+/// itself) and every `slot-K/`.
+pub fn pool_slot_dirs(pool: &Path) -> Result<Vec<(u32, PathBuf)>> {
+    // As seen from no slot (0): no directory is left out as this slot's own.
+    SlotDir {
+        pool: pool.to_path_buf(),
+        k: 0,
+        n: 0,
+    }
+    .others()
+}
+
 fn ensure_dir(dir: &Path) -> Result<(), StateDirError> {
     if let StateDir::Missing = inspect_state_dir(dir)? {
         fs::DirBuilder::new()
@@ -560,9 +572,11 @@ impl StateStore for FileStore {
             // Another slot's holds are advice like this slot's own: a file that cannot be read
             // is that slot's failure to report, not a reason to stop here.
             match read_holds_file(&dir.join(HOLDS_FILE)) {
-                Ok(h) => o
-                    .held
-                    .extend(h.jobs.iter().map(|h| (h.handle.clone(), h.until))),
+                Ok(h) => {
+                    o.held
+                        .extend(h.jobs.iter().map(|h| (h.handle.clone(), h.until)));
+                    o.add_seen(&h.seen);
+                }
                 Err(e) => log::warn!("{e}; slot {k}'s held jobs are not known here"),
             }
         }
@@ -699,6 +713,7 @@ mod tests {
             not_served: None,
             failed_start: false,
             stopped: None,
+            job_first_seen: None,
         });
         s
     }

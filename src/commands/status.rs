@@ -117,6 +117,12 @@ pub fn gather(dir: &Path, pool: &Path, limits: &Limits, now: Timestamp) -> Value
             Ok(t) => (t.records, t.skipped, None),
             Err(e) => (Vec::new(), 0, Some(format!("{e:#}"))),
         };
+    let pickup = crate::core::metrics::pickup_summary(
+        counters
+            .iter()
+            .flat_map(|c| c.pickups.recent_ms.iter().copied()),
+    );
+    let pool_pickup = pool_pickups(pool);
     let mut f = facts(
         counters.as_ref(),
         last_run.as_ref(),
@@ -145,10 +151,30 @@ pub fn gather(dir: &Path, pool: &Path, limits: &Limits, now: Timestamp) -> Value
         "last_success_age_seconds": secs_since(f.last_success),
         "counters_error": counters_error,
         "held_jobs": held,
+        "pickup": pickup,
+        "pool_pickup": pool_pickup,
         "backoff": backoff,
         "backing_off": f.backoff,
         "events": events,
         "events_skipped": events_skipped,
         "events_error": events_error,
     })
+}
+
+/// The pickup times of every slot of the pool together (each slot's last ones), when the pool
+/// has more than one slot directory; `None` otherwise. A slot whose counters cannot be read is
+/// left out (the slot's own `status` names the file).
+fn pool_pickups(pool: &Path) -> Option<Value> {
+    let dirs = crate::adapters::files::pool_slot_dirs(pool).ok()?;
+    if dirs.len() < 2 {
+        return None;
+    }
+    let mut ms = Vec::new();
+    for (_, dir) in &dirs {
+        if let Ok(c) = crate::adapters::files::load_counters(dir) {
+            ms.extend(c.pickups.recent_ms);
+        }
+    }
+    let summary = crate::core::metrics::pickup_summary(ms)?;
+    Some(json!({"slots": dirs.len(), "summary": summary}))
 }

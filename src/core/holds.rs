@@ -39,8 +39,9 @@ pub struct Hold {
     pub times: u32,
 }
 
-/// A waiting job of another host's share (`--share`), and when this host first saw it waiting:
-/// it is served here only once it has waited `--take-over-after` (its host may be gone).
+/// A waiting job of our labels, and when this slot first saw it waiting: a job of another host's
+/// share (`--share`) is served here only once it has waited `--take-over-after` (its host may be
+/// gone), and the job's pickup time counts from the pool's earliest sight (`first_seen`).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Seen {
     pub job_id: i64,
@@ -52,9 +53,14 @@ pub struct Seen {
 pub struct Holds {
     pub version: u32,
     pub jobs: Vec<Hold>,
-    /// Jobs of other hosts' shares this host has seen waiting (`--share`).
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub others_shares: Vec<Seen>,
+    /// Jobs of our labels this slot has seen waiting, while they wait (`others_shares` in
+    /// files of earlier versions, which kept only other hosts' shares).
+    #[serde(
+        default,
+        skip_serializing_if = "Vec::is_empty",
+        alias = "others_shares"
+    )]
+    pub seen: Vec<Seen>,
 }
 
 impl Default for Holds {
@@ -62,7 +68,7 @@ impl Default for Holds {
         Holds {
             version: HOLDS_VERSION,
             jobs: Vec::new(),
-            others_shares: Vec::new(),
+            seen: Vec::new(),
         }
     }
 }
@@ -109,25 +115,25 @@ impl Share {
 }
 
 impl Holds {
-    /// Nothing held and no other share's job remembered: no file.
+    /// Nothing held and no waiting job remembered: no file.
     pub fn is_empty(&self) -> bool {
-        self.jobs.is_empty() && self.others_shares.is_empty()
+        self.jobs.is_empty() && self.seen.is_empty()
     }
 
-    /// Remembers when each waiting job in `waiting` that is not in `share` was first seen. True
-    /// when something was added.
-    pub fn note_other_shares(&mut self, waiting: &[&Job], share: Share, now: Timestamp) -> bool {
+    /// Remembers when each job in `waiting` (with a handle) was first seen. True when something
+    /// was added.
+    pub fn note_waiting(&mut self, waiting: &[&Job], now: Timestamp) -> bool {
         let mut added = false;
         for j in waiting {
-            if share.owns(j.id) || self.others_shares.iter().any(|s| s.handle == j.handle) {
+            if !j.has_handle() || self.seen.iter().any(|s| s.handle == j.handle) {
                 continue;
             }
             // Full: the newest wait for room. Evicting the oldest would restart the very waits
             // closest to their take-over, and a dead host's share would never be served.
-            if self.others_shares.len() >= MAX_HOLDS {
+            if self.seen.len() >= MAX_HOLDS {
                 break;
             }
-            self.others_shares.push(Seen {
+            self.seen.push(Seen {
                 job_id: j.id,
                 handle: j.handle.clone(),
                 first_seen: now,
@@ -148,7 +154,7 @@ impl Holds {
     ) -> bool {
         share.owns(job.id)
             || self
-                .others_shares
+                .seen
                 .iter()
                 .any(|s| s.handle == job.handle && now.since(s.first_seen) >= take_over_after)
     }
@@ -207,13 +213,31 @@ impl Holds {
     /// Forgets the holds of job attempts Forgejo no longer lists (`jobs` is a complete jobs
     /// list: done, cancelled, or re-run under a new handle). True when something changed.
     pub fn prune(&mut self, jobs: &[Job]) -> bool {
-        let before = (self.jobs.len(), self.others_shares.len());
+        let before = (self.jobs.len(), self.seen.len());
         self.jobs
             .retain(|h| jobs.iter().any(|j| j.handle == h.handle && j.is_live()));
-        // Another share's job is remembered while it waits (taken, done or gone: forgotten).
-        self.others_shares
+        // A job is remembered while it waits (taken, done or gone: forgotten).
+        self.seen
             .retain(|s| jobs.iter().any(|j| j.handle == s.handle && j.is_waiting()));
-        (self.jobs.len(), self.others_shares.len()) != before
+        (self.jobs.len(), self.seen.len()) != before
+    }
+
+    /// When the pool first saw the job attempt `handle` waiting: the earliest of this slot's
+    /// sight and the other slots' (`others`, handle to first sight).
+    pub fn first_seen(
+        &self,
+        handle: &str,
+        others: &std::collections::BTreeMap<String, Timestamp>,
+    ) -> Option<Timestamp> {
+        let mine = self
+            .seen
+            .iter()
+            .find(|s| s.handle == handle)
+            .map(|s| s.first_seen);
+        match (mine, others.get(handle).copied()) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
     }
 
     /// The holds in effect at `now`.
@@ -347,12 +371,9 @@ mod tests {
             !h.may_serve(&other, share, wait, t(100)),
             "never before it was seen"
         );
-        assert!(h.note_other_shares(&[&mine, &other], share, t(0)));
-        assert!(
-            !h.note_other_shares(&[&other], share, t(1)),
-            "first seen stays"
-        );
-        assert_eq!(h.others_shares.len(), 1);
+        assert!(h.note_waiting(&[&mine, &other], t(0)));
+        assert!(!h.note_waiting(&[&other], t(1)), "first seen stays");
+        assert_eq!(h.seen.len(), 2, "every waiting job, its own share's too");
         assert!(!h.may_serve(&other, share, wait, t(1)));
         assert!(h.may_serve(&other, share, wait, t(2)));
         // Taken by its host (running) or gone: forgotten.
@@ -373,10 +394,10 @@ mod tests {
             .collect();
         let waiting: Vec<&Job> = jobs.iter().collect();
         let mut h = Holds::default();
-        assert!(h.note_other_shares(&waiting, share, t(0)));
-        assert_eq!(h.others_shares.len(), MAX_HOLDS);
-        assert!(!h.note_other_shares(&waiting, share, t(1)));
-        assert!(h.others_shares.iter().all(|s| s.first_seen == t(0)));
+        assert!(h.note_waiting(&waiting, t(0)));
+        assert_eq!(h.seen.len(), MAX_HOLDS);
+        assert!(!h.note_waiting(&waiting, t(1)));
+        assert!(h.seen.iter().all(|s| s.first_seen == t(0)));
         assert!(h.may_serve(&jobs[0], share, Duration::from_secs(MIN), t(1)));
     }
 
@@ -391,5 +412,32 @@ mod tests {
             !h.jobs.iter().any(|j| j.job_id < 5),
             "the oldest went first"
         );
+    }
+
+    #[test]
+    fn the_pools_first_sight_is_the_earliest_of_every_slots() {
+        let mut h = Holds::default();
+        let (a, b) = (job(1, "waiting"), job(2, "waiting"));
+        let mut no_handle = job(3, "waiting");
+        no_handle.handle.clear();
+        assert!(h.note_waiting(&[&a, &no_handle], t(5)));
+        assert_eq!(h.seen.len(), 1, "a job without a handle is not remembered");
+        assert!(h.note_waiting(&[&a, &b], t(7)));
+        let mut others = std::collections::BTreeMap::new();
+        assert_eq!(h.first_seen("h1", &others), Some(t(5)));
+        others.insert("h1".to_string(), t(3));
+        others.insert("h2".to_string(), t(9));
+        others.insert("h4".to_string(), t(1));
+        assert_eq!(
+            h.first_seen("h1", &others),
+            Some(t(3)),
+            "another slot saw it first"
+        );
+        assert_eq!(h.first_seen("h2", &others), Some(t(7)));
+        assert_eq!(h.first_seen("h4", &others), Some(t(1)));
+        assert_eq!(h.first_seen("h9", &others), None);
+        // A file of an earlier version keeps its sights.
+        let old = r#"{"version": 1, "jobs": [], "others_shares": [{"job_id": 1, "handle": "h1", "first_seen": "2026-01-01T00:00:00Z"}]}"#;
+        assert_eq!(parse_holds(old).unwrap().seen.len(), 1);
     }
 }

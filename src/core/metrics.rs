@@ -60,6 +60,81 @@ pub struct Counters {
     pub sweep_left_over_cap: u64,
     /// Jobs held because our runner was not given them (`hold_job` events), by reason.
     pub jobs_held: BTreeMap<String, u64>,
+    /// The pickup times of the jobs this slot's runners took (`take_job` events).
+    pub pickups: Pickups,
+}
+
+/// Upper bounds, in seconds, of the pickup histogram's buckets (`+Inf` follows).
+pub const PICKUP_BUCKETS: [u64; 14] = [1, 2, 5, 10, 15, 20, 30, 45, 60, 90, 120, 180, 300, 600];
+
+/// Pickup times kept for `status`'s percentiles.
+pub const PICKUPS_KEPT: usize = 100;
+
+/// Pickup times: a histogram across runs, and the last [`PICKUPS_KEPT`] of them.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Pickups {
+    /// How many fell in each bucket of [`PICKUP_BUCKETS`] (not cumulative); the last one is
+    /// beyond the last bound.
+    pub buckets: Vec<u64>,
+    pub count: u64,
+    pub sum_ms: u64,
+    /// The last ones, oldest first, in milliseconds.
+    pub recent_ms: Vec<u64>,
+}
+
+impl Pickups {
+    /// Counts one pickup of `ms` milliseconds.
+    pub fn add(&mut self, ms: u64) {
+        self.buckets.resize(PICKUP_BUCKETS.len() + 1, 0);
+        let i = PICKUP_BUCKETS
+            .iter()
+            .position(|le| ms <= le * 1000)
+            .unwrap_or(PICKUP_BUCKETS.len());
+        self.buckets[i] += 1;
+        self.count += 1;
+        self.sum_ms = self.sum_ms.saturating_add(ms);
+        self.recent_ms.push(ms);
+        if self.recent_ms.len() > PICKUPS_KEPT {
+            let extra = self.recent_ms.len() - PICKUPS_KEPT;
+            self.recent_ms.drain(..extra);
+        }
+    }
+
+    /// The cumulative count at each bound, `+Inf` last: `(le, count)`.
+    pub fn cumulative(&self) -> Vec<(String, u64)> {
+        let mut total = 0;
+        let mut out = Vec::new();
+        for (i, le) in PICKUP_BUCKETS.iter().enumerate() {
+            total += self.buckets.get(i).copied().unwrap_or(0);
+            out.push((le.to_string(), total));
+        }
+        out.push(("+Inf".into(), self.count));
+        out
+    }
+}
+
+/// The median and 95th percentile of some pickup times (nearest rank), in milliseconds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct PickupSummary {
+    pub jobs: usize,
+    pub p50_ms: u64,
+    pub p95_ms: u64,
+}
+
+/// Pure: the summary of `ms`, `None` when there is none.
+pub fn pickup_summary(ms: impl IntoIterator<Item = u64>) -> Option<PickupSummary> {
+    let mut v: Vec<u64> = ms.into_iter().collect();
+    if v.is_empty() {
+        return None;
+    }
+    v.sort_unstable();
+    let rank = |p: usize| v[(v.len() * p).div_ceil(100).max(1) - 1];
+    Some(PickupSummary {
+        jobs: v.len(),
+        p50_ms: rank(50),
+        p95_ms: rank(95),
+    })
 }
 
 impl Default for Counters {
@@ -82,6 +157,7 @@ impl Default for Counters {
             sweep_failures: 0,
             sweep_left_over_cap: 0,
             jobs_held: BTreeMap::new(),
+            pickups: Pickups::default(),
         }
     }
 }
@@ -114,6 +190,14 @@ impl Counters {
         {
             let reason = e.reason.clone().unwrap_or_else(|| "unknown".into());
             *self.jobs_held.entry(reason).or_default() += 1;
+        }
+        for ms in report
+            .events
+            .iter()
+            .filter(|e| e.step == "take_job" && e.ok)
+            .filter_map(|e| e.pickup_ms)
+        {
+            self.pickups.add(ms);
         }
         // The last destroy of the run decides whether destroys are failing.
         for e in report.events.iter().filter(|e| e.step == "tofu_destroy") {
@@ -361,6 +445,21 @@ pub fn render(
         "Deletable registrations the last sweep left for the next because of --sweep-max-deletions.",
         c.sweep_left_over_cap,
     );
+    let p = "job_pickup_seconds";
+    o.family(
+        p,
+        "histogram",
+        "Time from the first run of the pool that saw a job waiting until its runner was first seen active (at most: until its registration was gone, when never seen active), per job our runners took.",
+    );
+    for (le, n) in c.pickups.cumulative() {
+        o.sample(&format!("{p}_bucket"), &[("le", &le)], n);
+    }
+    o.sample(
+        &format!("{p}_sum"),
+        &[],
+        format!("{}.{:03}", c.pickups.sum_ms / 1000, c.pickups.sum_ms % 1000),
+    );
+    o.sample(&format!("{p}_count"), &[], c.pickups.count);
     o.0
 }
 
@@ -451,6 +550,7 @@ mod tests {
         // Every sample belongs to a family declared (HELP then TYPE) before it; counters end in
         // _total; nothing is declared twice.
         let mut declared: Vec<String> = Vec::new();
+        let mut histograms: Vec<String> = Vec::new();
         let mut lines = text.lines().peekable();
         while let Some(l) = lines.next() {
             if let Some(rest) = l.strip_prefix("# HELP ") {
@@ -460,11 +560,19 @@ mod tests {
                 if ty.ends_with(" counter") {
                     assert!(name.ends_with("_total"), "{name}");
                 }
+                if ty.ends_with(" histogram") {
+                    histograms.push(name.clone());
+                }
                 assert!(!declared.contains(&name), "{name} twice");
                 declared.push(name);
             } else {
                 let name = l.split(['{', ' ']).next().unwrap();
-                assert_eq!(declared.last().map(String::as_str), Some(name), "{l}");
+                let family = ["_bucket", "_sum", "_count"]
+                    .iter()
+                    .find_map(|x| name.strip_suffix(x))
+                    .filter(|f| histograms.iter().any(|h| h == f))
+                    .unwrap_or(name);
+                assert_eq!(declared.last().map(String::as_str), Some(family), "{l}");
             }
         }
     }
@@ -509,5 +617,72 @@ mod tests {
         assert_eq!(secs(Timestamp(0)), "0.000");
         assert_eq!(secs(Timestamp(1_500)), "1.500");
         assert_eq!(escape("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");
+    }
+
+    #[test]
+    fn pickups_fill_a_cumulative_histogram_and_keep_the_last_ones() {
+        let mut c = Counters::default();
+        let mut r = report(0, 1_000);
+        for (step, ms) in [
+            ("take_job", Some(900)),
+            ("take_job", Some(1_000)),
+            ("take_job", Some(1_001)),
+            ("take_job", Some(700_000)),
+            ("take_job", None),
+            ("launch_runner", Some(5)),
+        ] {
+            r.event(step, true, "").pickup_ms = ms;
+        }
+        r.event("take_job", false, "").pickup_ms = Some(3);
+        c.record(&r);
+        let p = &c.pickups;
+        assert_eq!((p.count, p.sum_ms), (4, 702_901));
+        let cum: BTreeMap<String, u64> = p.cumulative().into_iter().collect();
+        assert_eq!((cum["1"], cum["2"], cum["600"], cum["+Inf"]), (2, 3, 3, 4));
+        assert_eq!(p.recent_ms, [900, 1_000, 1_001, 700_000]);
+        // Across runs, and through counters.json.
+        let text = serde_json::to_string(&c).unwrap();
+        let mut again: Counters = serde_json::from_str(&text).unwrap();
+        again.record(&r);
+        assert_eq!(again.pickups.count, 8);
+        let out = render(
+            &again,
+            &CycleView::None,
+            None,
+            None,
+            &[("slot", "2".into())],
+        );
+        let pre = "ci_ephemeral_provisioner_job_pickup_seconds";
+        assert!(
+            out.contains(&format!("\n{pre}_bucket{{slot=\"2\",le=\"1\"}} 4\n")),
+            "{out}"
+        );
+        assert!(out.contains(&format!("\n{pre}_bucket{{slot=\"2\",le=\"+Inf\"}} 8\n")));
+        assert!(out.contains(&format!("\n{pre}_sum{{slot=\"2\"}} 1405.802\n")));
+        assert!(out.contains(&format!("\n{pre}_count{{slot=\"2\"}} 8\n")));
+        // A counters.json of an earlier version has none.
+        let old: Counters = serde_json::from_str(r#"{"version": 1}"#).unwrap();
+        assert_eq!(old.pickups, Pickups::default());
+        assert!(
+            render(&old, &CycleView::None, None, None, &[]).contains(&format!("\n{pre}_count 0\n"))
+        );
+        // Only the last ones are kept.
+        let mut many = Pickups::default();
+        for ms in 0..(PICKUPS_KEPT as u64 + 7) {
+            many.add(ms);
+        }
+        assert_eq!(many.recent_ms.len(), PICKUPS_KEPT);
+        assert_eq!(many.recent_ms[0], 7);
+    }
+
+    #[test]
+    fn pickup_percentiles_are_nearest_rank() {
+        assert_eq!(pickup_summary([]), None);
+        let one = pickup_summary([4_000]).unwrap();
+        assert_eq!((one.jobs, one.p50_ms, one.p95_ms), (1, 4_000, 4_000));
+        let s = pickup_summary((1..=100).rev().map(|i| i * 1000)).unwrap();
+        assert_eq!((s.jobs, s.p50_ms, s.p95_ms), (100, 50_000, 95_000));
+        let s = pickup_summary([3, 1, 2]).unwrap();
+        assert_eq!((s.p50_ms, s.p95_ms), (2, 3));
     }
 }

@@ -62,6 +62,10 @@ pub struct Event {
     pub evidence: Option<String>,
     pub detail: String,
     pub duration_ms: u64,
+    /// For `take_job`: the job's pickup time, from the pool's first sight of it waiting to
+    /// this moment (`core::metrics::Pickups`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pickup_ms: Option<u64>,
 }
 
 #[derive(Clone, Debug, Default, Serialize)]
@@ -393,6 +397,7 @@ impl Report {
             evidence: None,
             detail: detail.into(),
             duration_ms: 0,
+            pickup_ms: None,
         }
     }
 

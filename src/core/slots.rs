@@ -75,6 +75,9 @@ pub struct Others {
     pub beyond: Vec<String>,
     /// The slots (numbers) whose cycle is an unused warm VM (`core::warm::is_unused_warm`).
     pub warm: BTreeSet<u32>,
+    /// When another slot first saw each waiting job attempt (by handle), the earliest of them
+    /// (their `held-jobs.json`): where the pool's pickup time of a job starts.
+    pub first_seen: BTreeMap<String, Timestamp>,
 }
 
 impl Others {
@@ -108,6 +111,16 @@ impl Others {
         crate::core::warm::WarmElsewhere {
             total: self.warm.len() as u32,
             in_lower_slots: self.warm.range(..me.max(1)).count() as u32,
+        }
+    }
+
+    /// Adds another slot's sights of waiting jobs, keeping the earliest of each.
+    pub fn add_seen(&mut self, seen: &[crate::core::holds::Seen]) {
+        for s in seen {
+            self.first_seen
+                .entry(s.handle.clone())
+                .and_modify(|t| *t = (*t).min(s.first_seen))
+                .or_insert(s.first_seen);
         }
     }
 

@@ -83,6 +83,10 @@ pub struct Registration {
     /// carried to [`PreviousRunner::process`] when it is forgotten.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stopped: Option<ProcessState>,
+    /// When the pool first saw its job waiting (any slot's `held-jobs.json`): the job's pickup
+    /// time counts from it (`core::metrics::Pickups`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub job_first_seen: Option<Timestamp>,
 }
 
 /// Whether a runner's process on the VM is gone, as far as this cycle knows.
@@ -149,7 +153,15 @@ impl Registration {
             not_served: None,
             failed_start: false,
             stopped: None,
+            job_first_seen: None,
         }
+    }
+
+    /// The pickup time of its job at `now`, in milliseconds: since the pool first saw the job
+    /// waiting. `None` for a registration of an earlier version, which did not record it.
+    pub fn pickup_ms(&self, now: Timestamp) -> Option<u64> {
+        self.job_first_seen
+            .map(|t| u64::try_from(now.since(t).as_millis()).unwrap_or(u64::MAX))
     }
 
     /// The moment the registration grace counts from.

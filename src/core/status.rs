@@ -204,6 +204,15 @@ pub fn text(doc: &Value) -> String {
             h["times"]
         ));
     }
+    if let Some(line) = pickup_text(&doc["pickup"]) {
+        o.push(format!("job pickup: {line}"));
+    }
+    if let Some(line) = pickup_text(&doc["pool_pickup"]["summary"]) {
+        o.push(format!(
+            "job pickup of the pool ({} slots): {line}",
+            doc["pool_pickup"]["slots"]
+        ));
+    }
     let b = &doc["backoff"];
     if !doc["backing_off"].is_null() {
         o.push(format!(
@@ -282,6 +291,17 @@ pub fn text(doc: &Value) -> String {
         .map(|l| crate::core::escape::escape_controls(l))
         .collect::<Vec<_>>()
         .join("\n")
+}
+
+/// `the last 12 job(s): p50 3.20s, p95 41.00s` from a `PickupSummary` as JSON.
+fn pickup_text(v: &Value) -> Option<String> {
+    let ms = |k: &str| v[k].as_u64().map(crate::core::report::seconds);
+    Some(format!(
+        "the last {} job(s): p50 {}, p95 {} (from the first sight of the job waiting to its runner active)",
+        v["jobs"].as_u64()?,
+        ms("p50_ms")?,
+        ms("p95_ms")?
+    ))
 }
 
 fn summary_line(v: &Value) -> String {
@@ -464,6 +484,27 @@ mod tests {
         assert!(!t.contains(['\x1b', '\r']), "{t:?}");
         assert!(t.lines().all(|l| !l.starts_with("<3>")), "{t}");
         assert!(t.contains("ephemeral-x\\n<3>forged\\u{1b}[2J\\r"), "{t}");
+    }
+
+    #[test]
+    fn the_text_form_shows_the_pickup_percentiles() {
+        let doc = json!({"state_dir": "/s", "events": [],
+            "pickup": {"jobs": 3, "p50_ms": 2_500, "p95_ms": 40_000},
+            "pool_pickup": {"slots": 2, "summary": {"jobs": 5, "p50_ms": 1_000, "p95_ms": 60_000}}});
+        let t = text(&doc);
+        assert!(
+            t.contains("\njob pickup: the last 3 job(s): p50 2.50s, p95 40.00s ("),
+            "{t}"
+        );
+        assert!(
+            t.contains(
+                "\njob pickup of the pool (2 slots): the last 5 job(s): p50 1.00s, p95 60.00s"
+            ),
+            "{t}"
+        );
+        let none =
+            text(&json!({"state_dir": "/s", "events": [], "pickup": null, "pool_pickup": null}));
+        assert!(!none.contains("job pickup"), "{none}");
     }
 
     #[test]

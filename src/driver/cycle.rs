@@ -68,6 +68,8 @@ struct Driver<'w, 'a> {
     seen: BTreeMap<i64, String>,
     /// Jobs listed without a handle that this run warned about (once each).
     no_handle: std::collections::BTreeSet<i64>,
+    /// When the other slots first saw each waiting job (their `held-jobs.json`), as last read.
+    others_first_seen: BTreeMap<String, Timestamp>,
 }
 
 pub fn run(w: &mut World<'_>, cfg: &CycleConfig, report: &mut Report) -> End {
@@ -116,6 +118,7 @@ pub fn run(w: &mut World<'_>, cfg: &CycleConfig, report: &mut Report) -> End {
         progressed: false,
         seen: BTreeMap::new(),
         no_handle: Default::default(),
+        others_first_seen: BTreeMap::new(),
     };
     // Nothing can be done for a cycle in progress without tofu, not even its teardown.
     if let Some(s) = &d.state
@@ -147,6 +150,25 @@ fn runner_request<'r>(
 
 mod registrations;
 mod vm;
+
+/// A runner that took a job, for its `take_job` event.
+struct Took {
+    id: i64,
+    name: String,
+    job_id: i64,
+    pickup_ms: Option<u64>,
+}
+
+impl Took {
+    fn of(id: i64, r: &crate::core::state::Registration, now: Timestamp) -> Took {
+        Took {
+            id,
+            name: r.name.clone(),
+            job_id: r.job_id,
+            pickup_ms: r.pickup_ms(now),
+        }
+    }
+}
 
 /// cycle.json could not be written (reported): stop before the next side effect.
 struct SaveFailed;
@@ -271,15 +293,16 @@ impl Driver<'_, '_> {
                 Some((o, Ok(jobs))) => {
                     obs.claimed_elsewhere = o.claimed(self.w.clock.now());
                     obs.warm_elsewhere = o.warm_elsewhere(self.cfg.slot);
+                    self.others_first_seen = o.first_seen;
                     // A held job that is no longer listed (done, cancelled, re-run) is forgotten;
-                    // another share's waiting job is remembered from when it was first seen.
+                    // a waiting job is remembered from when it was first seen (another host's
+                    // share waits for its take-over from then; a pickup time counts from then).
                     self.warn_without_handle(&jobs);
                     let pruned = self.ctx.holds.prune(&jobs);
                     let waiting =
                         crate::core::model::waiting_jobs(&jobs, &self.cfg.policy.label_names);
                     let now = self.w.clock.now();
-                    let share = self.cfg.policy.share;
-                    let noted = self.ctx.holds.note_other_shares(&waiting, share, now);
+                    let noted = self.ctx.holds.note_waiting(&waiting, now);
                     if pruned || noted {
                         self.save_holds();
                     }
@@ -496,11 +519,16 @@ impl Driver<'_, '_> {
             Step::ResolveIntent { name } => self.resolve_intent(&name),
             Step::Forget { id } => {
                 // A launched runner whose registration Forgejo removed ran its job: a start
-                // that worked.
+                // that worked. Never seen active, it took its job unseen: counted now.
+                let mut took = None;
                 if let Some(s) = &mut self.state
-                    && s.registration(id)
-                        .is_some_and(|r| r.launch == Launch::Done && !r.failed_start)
+                    && let Some(r) = s
+                        .registration(id)
+                        .filter(|r| r.launch == Launch::Done && !r.failed_start)
                 {
+                    if !r.busy {
+                        took = Some(Took::of(id, r, now));
+                    }
                     s.start_failures = 0;
                     s.served = true;
                 }
@@ -514,6 +542,11 @@ impl Driver<'_, '_> {
                 e.runner_name = name;
                 e.reason = Some("consumed".into());
                 let end = self.save().err().map(|_| End::Done);
+                if end.is_none()
+                    && let Some(t) = took
+                {
+                    self.took_job(t, false);
+                }
                 crate::crash_point!("forget-written");
                 end
             }
@@ -546,11 +579,18 @@ impl Driver<'_, '_> {
             Step::MarkBusy { id } => {
                 let s = self.state.as_mut()?;
                 s.served = true;
+                let mut took = None;
                 if let Some(r) = s.registration_mut(id) {
                     r.busy = true;
-                    log::info!("runner {id} ({}) took a job", r.name);
+                    took = Some(Took::of(id, r, now));
                 }
-                self.save().err().map(|_| End::Done)
+                let end = self.save().err().map(|_| End::Done);
+                if end.is_none()
+                    && let Some(t) = took
+                {
+                    self.took_job(t, true);
+                }
+                end
             }
             Step::MarkJobGone { id } | Step::ClearJobGone { id } => {
                 let gone = matches!(step, Step::MarkJobGone { .. });
@@ -669,6 +709,35 @@ impl Driver<'_, '_> {
         e.runner_name = Some(name);
         e.reason = Some(reason.as_str().into());
         e.job_id = Some(job_id);
+    }
+
+    /// The `take_job` event of a runner that took a job, with the job's pickup time (counted
+    /// from it in `counters.json`). Made only once cycle.json says so (`busy`, or the
+    /// registration forgotten), so no later run counts it again; a crash before the end of the
+    /// run loses the count, as it loses every counter of that run.
+    fn took_job(&mut self, t: Took, seen_active: bool) {
+        let pickup = t.pickup_ms.map(crate::core::report::seconds);
+        let detail = match (seen_active, &pickup) {
+            (true, Some(p)) => format!(
+                "runner {} took a job; job {} was first seen waiting {p} before",
+                t.id, t.job_id
+            ),
+            (false, Some(p)) => format!(
+                "runner {} ran a job without ever being seen active (its registration is gone); job {} was first seen waiting at most {p} before it was taken",
+                t.id, t.job_id
+            ),
+            (true, None) => format!("runner {} took a job", t.id),
+            (false, None) => format!(
+                "runner {} ran a job without ever being seen active (its registration is gone)",
+                t.id
+            ),
+        };
+        log::info!("{} ({detail})", t.name);
+        let e = self.report.event("take_job", true, detail);
+        e.runner_id = Some(t.id);
+        e.runner_name = Some(t.name);
+        e.job_id = Some(t.job_id);
+        e.pickup_ms = t.pickup_ms;
     }
 
     fn teardown(&mut self, reason: TeardownReason) -> Option<End> {
@@ -977,5 +1046,169 @@ mod tests {
         let s = shared.server();
         assert!(s.forgejo.jobs.values().all(|j| j.status == "success"));
         assert!(s.forgejo.runners.values().all(|r| r.deleted));
+    }
+
+    /// A runner that takes its job at launch and runs it until the driver's next sleep: seen
+    /// `active` once (the model's own launcher runs the job at once, so its runner is never
+    /// seen active).
+    #[derive(Clone)]
+    struct TakesItsTime(ModelForgejo);
+
+    impl Launcher for TakesItsTime {
+        fn check_config(&self) -> anyhow::Result<()> {
+            Ok(())
+        }
+        fn launch(
+            &mut self,
+            req: &LaunchRequest<'_>,
+            _: &crate::core::secret::Secret,
+        ) -> Result<(), crate::core::ports::StepError> {
+            let mut s = self.0.server();
+            let now = s.now;
+            let f = &mut s.forgejo;
+            if let Some(r) = f.live_mut(req.runner_id) {
+                r.declare(Some(vec!["debian".into()]), now);
+            }
+            if let Some(job) = f.task_for(req.runner_id, Some(req.job_handle)) {
+                f.start_task(job, req.runner_id, now);
+            }
+            Ok(())
+        }
+        fn check(&mut self, req: &LaunchRequest<'_>) -> ProcessCheck {
+            self.0.check(req)
+        }
+        fn stop(&mut self, req: &LaunchRequest<'_>) -> Result<(), crate::core::ports::StepError> {
+            self.0.stop(req)
+        }
+    }
+
+    impl Clock for TakesItsTime {
+        fn now(&self) -> Timestamp {
+            self.0.now()
+        }
+        fn sleep(&mut self, d: Duration) -> Sleep {
+            {
+                let mut s = self.0.server();
+                let now = s.now;
+                let running: Vec<i64> = s
+                    .forgejo
+                    .jobs
+                    .values()
+                    .filter(|j| j.is_running())
+                    .map(|j| j.id)
+                    .collect();
+                for j in running {
+                    s.forgejo.final_update_task(j, now);
+                }
+            }
+            self.0.sleep(d)
+        }
+        fn stop_requested(&self) -> bool {
+            false
+        }
+        fn new_cycle_id(&mut self, now: Timestamp) -> String {
+            self.0.new_cycle_id(now)
+        }
+    }
+
+    fn take_jobs(report: &Report) -> Vec<&crate::core::report::Event> {
+        report
+            .events
+            .iter()
+            .filter(|e| e.step == "take_job")
+            .collect()
+    }
+
+    /// The pickup starts at the first run that saw the job waiting (here one that backed off),
+    /// not at the run that served it; a runner never seen active is counted when its
+    /// registration is gone, as an upper bound.
+    #[test]
+    fn a_pickup_counts_from_the_first_run_that_saw_the_job_waiting() {
+        let shared = ModelForgejo::new("debian");
+        let t0 = {
+            let mut s = shared.server();
+            let now = s.now;
+            s.forgejo
+                .add_job("h1".into(), vec!["debian".into()], 1, 1, now);
+            Timestamp(now)
+        };
+        let mut store = MemoryStore {
+            backoff: closed_backoff(t0),
+            ..MemoryStore::default()
+        };
+        let first = run_with_store(&shared, &mut store);
+        assert_eq!(first.outcome, "backing_off");
+        assert_eq!(
+            store
+                .holds
+                .seen
+                .iter()
+                .map(|s| (s.handle.as_str(), s.first_seen))
+                .collect::<Vec<_>>(),
+            [("h1", t0)],
+            "the sight is kept for the next run"
+        );
+        shared.server().now += 30_000;
+        store.backoff = crate::core::backoff::Backoff::new();
+        let report = run_with_store(&shared, &mut store);
+        assert_eq!(report.outcome, "cycle_finished", "{:?}", report.failures);
+        let took = take_jobs(&report);
+        assert_eq!(took.len(), 1, "{:?}", report.events);
+        let pickup = took[0].pickup_ms.expect("a pickup");
+        assert!((30_000..=40_000).contains(&pickup), "{pickup}");
+        assert!(took[0].detail.contains("at most"), "{}", took[0].detail);
+        let mut c = crate::core::metrics::Counters::default();
+        c.record(&report);
+        assert_eq!((c.pickups.count, c.pickups.sum_ms), (1, pickup));
+        assert!(
+            store.holds.is_empty(),
+            "the job is done: its sight forgotten"
+        );
+    }
+
+    /// Seen active: counted then, once, from the earliest sight of any slot of the pool.
+    #[test]
+    fn a_runner_seen_active_counts_its_pickup_from_the_pools_first_sight() {
+        let shared = ModelForgejo::new("debian");
+        let now = {
+            let mut s = shared.server();
+            let now = s.now;
+            s.forgejo
+                .add_job("h1".into(), vec!["debian".into()], 1, 1, now);
+            Timestamp(now)
+        };
+        let ago = |ms: i64| Timestamp(now.0 - ms);
+        let mut store = MemoryStore::default();
+        store.holds.seen.push(crate::core::holds::Seen {
+            job_id: 1,
+            handle: "h1".into(),
+            first_seen: ago(10_000),
+        });
+        store.others.first_seen.insert("h1".into(), ago(20_000));
+        let mut forgejo = shared.clone();
+        let mut slow = TakesItsTime(shared.clone());
+        let mut clock = slow.clone();
+        let mut tofu = NoopTofu;
+        let cfg = test_config();
+        let mut report = Report::new("run", false, clock.now());
+        let mut world = super::World {
+            forgejo: &mut forgejo,
+            tofu: &mut tofu,
+            launcher: &mut slow,
+            store: &mut store,
+            clock: &mut clock,
+        };
+        assert_eq!(run(&mut world, &cfg, &mut report), End::Done);
+        assert_eq!(report.outcome, "cycle_finished", "{:?}", report.failures);
+        let took = take_jobs(&report);
+        assert_eq!(
+            took.len(),
+            1,
+            "once, not again when it is gone: {:?}",
+            report.events
+        );
+        assert_eq!(took[0].pickup_ms, Some(20_000), "{took:?}");
+        assert_eq!(took[0].job_id, Some(1));
+        assert!(!took[0].detail.contains("at most"), "{}", took[0].detail);
     }
 }

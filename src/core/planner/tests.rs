@@ -113,6 +113,7 @@ fn reg(id: i64, launch: Launch, launched_at: Option<Timestamp>) -> Registration 
         not_served: None,
         failed_start: false,
         stopped: None,
+        job_first_seen: None,
     }
 }
 
@@ -2393,7 +2394,7 @@ fn another_hosts_share_is_served_only_after_the_take_over_wait() {
     assert_eq!(decide(None, &other, &c, &p, at(0)), Step::Idle);
     let jobs = [waiting_debian(5)];
     let waiting: Vec<&Job> = jobs.iter().collect();
-    assert!(c.holds.note_other_shares(&waiting, p.share, at(0)));
+    assert!(c.holds.note_waiting(&waiting, at(0)));
     assert_eq!(decide(None, &other, &c, &p, at(MIN)), Step::Idle);
     assert_eq!(decide(None, &other, &c, &p, at(2 * MIN)), start(5));
 }

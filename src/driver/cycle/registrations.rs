@@ -396,13 +396,20 @@ impl Driver<'_, '_> {
         // The intent claims its job (the cycle's start claim has done its work).
         s.claim = None;
         s.claim_handle = None;
-        s.registrations
-            .push(crate::core::state::Registration::intent(
-                name.clone(),
-                job_id,
-                job_handle.to_string(),
-                now,
-            ));
+        let mut intent = crate::core::state::Registration::intent(
+            name.clone(),
+            job_id,
+            job_handle.to_string(),
+            now,
+        );
+        // Seen waiting by now at the latest (this run's jobs list): where its pickup starts.
+        intent.job_first_seen = Some(
+            self.ctx
+                .holds
+                .first_seen(job_handle, &self.others_first_seen)
+                .map_or(now, |t| t.min(now)),
+        );
+        s.registrations.push(intent);
         match self.save_claiming(&s, job_id, job_handle) {
             Err(SaveFailed) => return Some(End::Done),
             Ok(Claim::HeldBy(slot)) => {
