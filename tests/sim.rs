@@ -231,10 +231,11 @@ fn simulation() {
         stats.spared_held
     );
     println!(
-        "  failure backoff: {} broken-pool seed(s) (every start fails), {} cycle starts checked against its bound ({} of warm VMs); {} new cycles refused while backing off",
+        "  failure backoff: {} broken-pool seed(s) (every start fails), {} cycle starts (of warm VMs: {} checked against its bound once a job was tried on them or they failed, {} torn down unused, not counted); {} new cycles refused while backing off",
         stats.broken_pools,
         stats.broken_pool_starts,
         stats.broken_pool_warm_starts,
+        stats.broken_pool_warm_renewals,
         stats.backed_off
     );
     println!(

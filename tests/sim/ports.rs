@@ -944,7 +944,7 @@ impl StateStore for SimStore {
         {
             let mut s = self.0.sim.borrow_mut();
             let slot = s.slot_of(self.0.inv);
-            s.cycle_started(slot, gate.now.0, &gate.policy);
+            s.cycle_started(slot, None, gate.now.0, &gate.policy);
         }
         self.0.checked(&what);
         self.0.boundary("after", &what);
@@ -972,11 +972,8 @@ impl StateStore for SimStore {
                 }
                 Ok(Start::Claim(Claim::Saved)) => {
                     s.stats.warm_starts += 1;
-                    if s.broken_pool && s.faults_on {
-                        s.stats.broken_pool_warm_starts += 1;
-                    }
                     let slot = s.slot_of(self.0.inv);
-                    s.cycle_started(slot, gate.now.0, &gate.policy);
+                    s.cycle_started(slot, Some(&state.cycle_id), gate.now.0, &gate.policy);
                 }
                 Ok(Start::Claim(Claim::HeldBy(by))) => s.log(format!(
                     "{what} refused: {by} are all --warm {wanted} wants"

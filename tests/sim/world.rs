@@ -298,8 +298,10 @@ pub struct Stats {
     /// checked in them, and new cycles refused by the backoff (in any seed).
     pub broken_pools: u64,
     pub broken_pool_starts: u64,
-    /// Of those, warm VMs' (started with no job).
+    /// Of those, warm VMs' (started with no job) that counted (a job was tried on them, or
+    /// they failed), and those that did not (torn down unused: renewals).
     pub broken_pool_warm_starts: u64,
+    pub broken_pool_warm_renewals: u64,
     pub backed_off: u64,
     /// Warm capacity: seeds with `--warm` ≥ 1, and of them those whose quiet period keeps it;
     /// warm VMs started (cycle.json written), taken by a job (their first intent), torn down
@@ -351,6 +353,7 @@ impl Stats {
         self.broken_pools += o.broken_pools;
         self.broken_pool_starts += o.broken_pool_starts;
         self.broken_pool_warm_starts += o.broken_pool_warm_starts;
+        self.broken_pool_warm_renewals += o.broken_pool_warm_renewals;
         self.backed_off += o.backed_off;
         self.warm_seeds += o.warm_seeds;
         self.warm_quiet_keeps += o.warm_quiet_keeps;
@@ -429,6 +432,9 @@ pub struct Host {
     pub warm: WarmPolicy,
     /// The pool's unused warm VMs after the last step (`Sim::check_warm`).
     pub warm_last: u32,
+    /// Its warm VMs started in a broken pool that are still unused: when each passed the gate
+    /// (`Sim::cycle_started`).
+    pub warm_pending: BTreeMap<String, (i64, BackoffPolicy)>,
 }
 
 /// One slot of one host's pool: its own directory (cycle.json, held-jobs.json, cycle.lock) and
@@ -581,6 +587,7 @@ impl Sim {
                 cycle_starts: Vec::new(),
                 warm: WarmPolicy::default(),
                 warm_last: 0,
+                warm_pending: BTreeMap::new(),
             };
             for k in 1..=n {
                 host.slots.push(slots.len());
@@ -740,30 +747,72 @@ impl Sim {
     /// A cycle of `slot` started at `at` (it passed the backoff's gate). Invariant, while every
     /// start fails: in any window of length T the pool of S slots starts at most
     /// N + S - 1 + ⌈T / backoff⌉ cycles (`core::backoff`; each cycle starts at most one VM).
-    pub fn cycle_started(&mut self, slot: usize, at: i64, policy: &BackoffPolicy) {
+    /// A warm VM's start (`warm`: cycle `cycle_id`) counts once a job was tried on it or it
+    /// failed (`write_disk`); one torn down unused (too old, not wanted) is a renewal, which the
+    /// backoff does not count (`CycleOutcome::Neutral`): a broken VM shows only when a runner
+    /// is started on it.
+    pub fn cycle_started(
+        &mut self,
+        slot: usize,
+        warm: Option<&str>,
+        at: i64,
+        policy: &BackoffPolicy,
+    ) {
         if !(self.broken_pool && self.faults_on) {
             return;
         }
         let h = self.slots[slot].host;
         self.stats.broken_pool_starts += 1;
+        match warm {
+            Some(cycle_id) => {
+                let vm = self.vm_key(slot, cycle_id);
+                self.hosts[h].warm_pending.insert(vm, (at, *policy));
+            }
+            None => self.count_start(h, at, policy),
+        }
+    }
+
+    /// The bound of `cycle_started` over every window of host `h`'s cycle starts, with one more
+    /// at `at`.
+    fn count_start(&mut self, h: usize, at: i64, policy: &BackoffPolicy) {
         self.hosts[h].cycle_starts.push(at);
-        let starts = self.hosts[h].cycle_starts.clone();
+        let mut starts = self.hosts[h].cycle_starts.clone();
+        starts.sort_unstable();
         let s = self.hosts[h].slots.len() as i64;
         let n = i64::from(policy.max_failed_cycles);
         let b = policy.initial.as_millis() as i64;
-        let last = *starts.iter().max().expect("just pushed");
-        for &from in &starts {
-            let in_window = starts.iter().filter(|&&t| t >= from).count() as i64;
-            // The half-open window [from, last + 1ms).
-            let t = last + 1 - from;
-            let bound = n + s - 1 + (t + b - 1) / b;
-            if in_window > bound {
-                self.violate(format!(
-                    "while every start failed, the pool of {s} slot(s) started {in_window} cycles within {} s, more than N + S - 1 + ceil(T / backoff) = {bound}",
-                    t / 1000
-                ));
-                return;
+        for (i, &from) in starts.iter().enumerate() {
+            for (j, &to) in starts.iter().enumerate().skip(i) {
+                let in_window = (j - i + 1) as i64;
+                // The half-open window [from, to + 1ms).
+                let t = to + 1 - from;
+                let bound = n + s - 1 + (t + b - 1) / b;
+                if in_window > bound {
+                    self.violate(format!(
+                        "while every start failed, the pool of {s} slot(s) started {in_window} cycles within {} s, more than N + S - 1 + ceil(T / backoff) = {bound}",
+                        t / 1000
+                    ));
+                    return;
+                }
             }
+        }
+    }
+
+    /// The warm VM `vm` of host `h` is no longer unused, by the cycle.json `now` written: its
+    /// start counts in a broken pool (`cycle_started`) unless it was torn down unused.
+    fn warm_start_ends(&mut self, h: usize, vm: &str, now: &CycleState) {
+        let Some((at, policy)) = self.hosts[h].warm_pending.remove(vm) else {
+            return;
+        };
+        let reason = now.teardown_reason.as_deref().unwrap_or_default();
+        if now.phase == Phase::TearingDown
+            && (reason == TeardownReason::WarmExpired.describe()
+                || reason == TeardownReason::WarmNotWanted.describe())
+        {
+            self.stats.broken_pool_warm_renewals += 1;
+        } else {
+            self.stats.broken_pool_warm_starts += 1;
+            self.count_start(h, at, &policy);
         }
     }
 
@@ -2029,6 +2078,8 @@ impl Sim {
             } else if reason == TeardownReason::WarmNotWanted.describe() {
                 self.stats.warm_not_wanted += 1;
             }
+            let (h, vm) = (self.slots[slot].host, self.vm_key(slot, &parsed.cycle_id));
+            self.warm_start_ends(h, &vm, &parsed);
         }
         self.slots[slot].disk = Some((bytes, parsed));
     }
