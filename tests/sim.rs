@@ -87,6 +87,8 @@ const CRASH_POINTS: &[&str] = &[
     "after save(destroyed)",
     "before GET runner page",
     "after GET runner page",
+    "before save(applying) starting warm",
+    "after save(applying) starting warm",
     "before read others",
     "after read others",
     "before DELETE runner (sweep)",

@@ -962,9 +962,19 @@ impl StateStore for SimStore {
     ) -> anyhow::Result<Start> {
         let what = format!("save({}) starting warm", phase_name(state.phase));
         self.0.boundary("before", &what);
+        let backoff = self.load_backoff()?;
         let r = save_starting_warm_in(&mut Locked(SimStore(self.0.clone())), state, wanted, gate);
         {
             let mut s = self.0.sim.borrow_mut();
+            // A pool that backs off makes no warm VM (docs/operating.md, "Warm capacity").
+            if matches!(r, Ok(Start::Claim(Claim::Saved)))
+                && let Gate::Closed(c) = backoff.gate(&gate.policy, gate.now)
+            {
+                s.violate(format!(
+                    "a warm VM was started while the pool backs off (until {})",
+                    c.until.0
+                ));
+            }
             match &r {
                 Err(_) => {
                     s.log(format!("{what} -> err"));
