@@ -21,6 +21,8 @@ mod forgejo_rules;
 mod ports;
 #[path = "sim/rng.rs"]
 mod rng;
+#[path = "sim/warm.rs"]
+mod warm;
 #[path = "sim/world.rs"]
 mod world;
 
@@ -85,6 +87,8 @@ const CRASH_POINTS: &[&str] = &[
     "after save(destroyed)",
     "before GET runner page",
     "after GET runner page",
+    "before save(applying) starting warm",
+    "after save(applying) starting warm",
     "before read others",
     "after read others",
     "before DELETE runner (sweep)",
@@ -229,8 +233,24 @@ fn simulation() {
         stats.spared_held
     );
     println!(
-        "  failure backoff: {} broken-pool seed(s) (every start fails), {} cycle starts checked against its bound; {} new cycles refused while backing off",
-        stats.broken_pools, stats.broken_pool_starts, stats.backed_off
+        "  failure backoff: {} broken-pool seed(s) (every start fails), {} cycle starts (of warm VMs: {} checked against its bound once a job was tried on them or they failed, {} torn down unused, not counted); {} new cycles refused while backing off",
+        stats.broken_pools,
+        stats.broken_pool_starts,
+        stats.broken_pool_warm_starts,
+        stats.broken_pool_warm_renewals,
+        stats.backed_off
+    );
+    println!(
+        "  warm capacity: {} seed(s) with --warm >= 1 ({} keeping it while quiet); {} warm VMs started, {} taken by a job, {} torn down unused (too old), {} (not wanted); at most {} unused in one pool at once, {} left at rest; {} runs ended at a wait on one (SIGHUP)",
+        stats.warm_seeds,
+        stats.warm_quiet_keeps,
+        stats.warm_starts,
+        stats.warm_used,
+        stats.warm_expired,
+        stats.warm_not_wanted,
+        stats.warm_most,
+        stats.warm_at_rest,
+        stats.warm_reloads
     );
     println!(
         "  faults injected: {} in total",
@@ -313,6 +333,19 @@ fn simulation() {
             "the failure backoff was never exercised ({} broken-pool starts, {} refused)",
             stats.broken_pool_starts,
             stats.backed_off
+        );
+        assert!(
+            stats.warm_used > 0
+                && stats.warm_expired > 0
+                && stats.warm_not_wanted > 0
+                && stats.warm_at_rest > 1
+                && stats.warm_most > 1,
+            "warm VMs were never taken by a job ({}), torn down too old ({}) or not wanted ({}), nor were two kept at rest ({}) or up at once in a pool ({})",
+            stats.warm_used,
+            stats.warm_expired,
+            stats.warm_not_wanted,
+            stats.warm_at_rest,
+            stats.warm_most
         );
         assert!(
             stats.slot_runs_nested > 0 && stats.claims_refused > 0 && stats.spared_held > 0,

@@ -16,6 +16,7 @@ use ci_ephemeral_provisioner::core::planner::Policy;
 use ci_ephemeral_provisioner::core::planner::ReuseWithin;
 use ci_ephemeral_provisioner::core::report::Report;
 use ci_ephemeral_provisioner::core::time::Timestamp;
+use ci_ephemeral_provisioner::core::warm::WarmPolicy;
 use ci_ephemeral_provisioner::driver::cycle;
 use ci_ephemeral_provisioner::driver::cycle::CycleConfig;
 use ci_ephemeral_provisioner::driver::cycle::End;
@@ -60,8 +61,14 @@ fn lock_slot(slot: usize) -> Result<impl Sized + use<>, StateDirError> {
 /// The configuration every simulated invocation runs with (short durations keep seeds cheap;
 /// the decisions are the same as with the defaults). `--max-jobs-per-vm` is the seed's: 3, or 6
 /// (more than `MAX_START_FAILURES`, so that the broken-VM rule is not hidden by the job cap);
-/// the prefix and `--share` are the host's.
-pub fn config(max_jobs: u32, prefix: &str, share: Share, slot: u32) -> CycleConfig {
+/// the prefix, `--share` and `--warm` (with its max age and windows) are the host's.
+pub fn config(
+    max_jobs: u32,
+    prefix: &str,
+    share: Share,
+    slot: u32,
+    warm: WarmPolicy,
+) -> CycleConfig {
     let m = |n: u64| Duration::from_secs(60 * n);
     CycleConfig {
         policy: Policy {
@@ -78,7 +85,7 @@ pub fn config(max_jobs: u32, prefix: &str, share: Share, slot: u32) -> CycleConf
             share,
             take_over_after: Duration::from_secs(120),
             reuse_within: ReuseWithin::Repo,
-            warm: Default::default(),
+            warm,
         },
         poll_interval: Duration::from_millis(POLL_MS as u64),
         labels: format!("{LABEL}:host"),
@@ -171,11 +178,13 @@ fn invoke_with(sim: &Shared, slot: usize, started: Started, instant: bool) {
     let (inv, cfg) = {
         let mut s = sim.borrow_mut();
         let now = s.now;
+        let warm = s.hosts[s.slots[slot].host].warm.clone();
         s.invs.push(Invocation {
             slot,
             started,
             instant,
             started_at: now,
+            warm,
             ..Invocation::default()
         });
         s.stats.invocations += 1;
@@ -203,7 +212,13 @@ fn invoke_with(sim: &Shared, slot: usize, started: Started, instant: bool) {
         let host = &s.hosts[s.slots[slot].host];
         (
             inv,
-            config(s.max_jobs, host.prefix, host.share, s.slots[slot].k),
+            config(
+                s.max_jobs,
+                host.prefix,
+                host.share,
+                s.slots[slot].k,
+                host.warm.clone(),
+            ),
         )
     };
     let port = Port {
@@ -306,6 +321,10 @@ pub fn run_seed_with(
         let cfg = s.cfg;
         let topology = s.topology();
         s.log(format!("seed {seed}: {topology}; {cfg:?}"));
+        if !s.warm.policies.is_empty() {
+            let plan = format!("{:?}", s.warm);
+            s.log(format!("warm capacity: {plan}"));
+        }
         T0 + s.rng.range(20 * MIN, 120 * MIN)
     };
     let n_slots = sim.borrow().slots.len();
@@ -314,6 +333,17 @@ pub fn run_seed_with(
     {
         // The timer of some slot fires (with nothing else running: other slots' runs start
         // nested, at this run's step boundaries).
+        {
+            // The pool's --warm changes (the role's SIGHUP: runs started from now have it).
+            let mut s = sim.borrow_mut();
+            if let Some((at, count)) = s.warm.change
+                && s.now >= at
+            {
+                s.warm.change = None;
+                s.hosts[0].warm.count = count;
+                s.log(format!("host 1's --warm is {count} from now"));
+            }
+        }
         let slot = if n_slots == 1 {
             0
         } else {
@@ -356,6 +386,8 @@ pub fn run_seed_with(
     }
     let mut s = sim.borrow_mut();
     s.stats.quiet_runs_max = quiet_runs.saturating_sub(AT_REST_RUNS);
+    let kept = (0..n_slots).filter(|&k| s.kept_warm_at_rest(k)).count() as u32;
+    s.stats.warm_at_rest = kept;
     if s.violation.is_none()
         && let Some(left) = s.leftovers()
     {

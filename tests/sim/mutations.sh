@@ -203,6 +203,35 @@ mutate "delete-next-to-a-live-process" src/core/planner.rs \
     '            Some(Some(_)) if stop_failed(reg).is_some() => {}' \
     ''
 
+# Warm capacity (`--warm`): an unused warm VM kept past `--warm-max-age`.
+mutate "warm-never-expires" src/core/warm.rs \
+    '    (now.since(ready_at) >= policy.max_age).then_some(WarmEnd::Expired)' \
+    '    (now.since(ready_at) >= policy.max_age && false).then_some(WarmEnd::Expired)'
+
+# One kept when the pool wants fewer (`--warm` lowered, outside `--warm-during`, the quiet
+# period's `--warm 0`).
+mutate "warm-ignores-lowered-count" src/core/warm.rs \
+    '    if elsewhere.in_lower_slots >= policy.wanted(now) {
+        return Some(WarmEnd::NotWanted);
+    }' \
+    ''
+
+# The start under the claims lock does not count the other slots' warm VMs (the planner's count,
+# read before the jobs, stays).
+mutate "warm-start-ignores-others" src/core/ports.rs \
+    '    let warm = store.others()?.warm;' \
+    '    let warm = std::collections::BTreeSet::<u32>::new();'
+
+# A warm VM takes any repository's job, not only its first job's.
+mutate "warm-takes-any-repo-after-its-first-job" src/core/planner/running.rs \
+    '        Some(b) => policy.reuse_within.admits(b, job),' \
+    '        Some(b) => state.warm || policy.reuse_within.admits(b, job),'
+
+# A warm VM started while the pool backs off.
+mutate "warm-ignores-backoff" src/core/ports.rs \
+    '            Gate::Closed(c) => return Ok(Start::BackingOff(c)),' \
+    '            Gate::Closed(_) => {}'
+
 if ((missed)); then
     echo "$missed mutation(s) not caught" >&2
     exit 1

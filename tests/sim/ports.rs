@@ -34,6 +34,7 @@ use ci_ephemeral_provisioner::core::ports::StateStore;
 use ci_ephemeral_provisioner::core::ports::StepError;
 use ci_ephemeral_provisioner::core::ports::Tofu;
 use ci_ephemeral_provisioner::core::ports::record_outcome_in;
+use ci_ephemeral_provisioner::core::ports::save_starting_warm_in;
 use ci_ephemeral_provisioner::core::secret::Secret;
 use ci_ephemeral_provisioner::core::slots::Others;
 use ci_ephemeral_provisioner::core::state::CycleState;
@@ -153,6 +154,7 @@ impl Port {
         let mut s = self.sim.borrow_mut();
         s.check_remembered(after);
         s.check_hold_written(after);
+        s.check_warm(after);
     }
 
     fn stop(&self) -> bool {
@@ -498,10 +500,19 @@ impl Tofu for SimTofu {
                 value: serde_json::Value::String(format!("10.0.0.{}", cycle_id.len())),
             },
         );
-        self.0.sim.borrow_mut().log(format!(
-            "tofu output {cycle_id} -> {}",
-            if fail { "err" } else { "ok" }
-        ));
+        {
+            let mut s = self.0.sim.borrow_mut();
+            s.log(format!(
+                "tofu output {cycle_id} -> {}",
+                if fail { "err" } else { "ok" }
+            ));
+            // After an apply, the VM is up from now (`vm_ready_at`).
+            let slot = s.slot_of(self.0.inv);
+            if !fail && s.disk_phase(slot) == "applying" {
+                let (vm, now) = (current_vm(&s, slot), s.now);
+                s.vm_ready.insert(vm, now);
+            }
+        }
         self.0.boundary("after", "tofu output");
         if fail {
             Err(StepError::failed(
@@ -933,11 +944,59 @@ impl StateStore for SimStore {
         {
             let mut s = self.0.sim.borrow_mut();
             let slot = s.slot_of(self.0.inv);
-            s.cycle_started(slot, gate.now.0, &gate.policy);
+            s.cycle_started(slot, None, gate.now.0, &gate.policy);
         }
         self.0.checked(&what);
         self.0.boundary("after", &what);
         Ok(Start::Claim(Claim::Saved))
+    }
+
+    /// Under the pool's claims lock, as `FileStore` does it: the product's
+    /// `save_starting_warm_in` on the store with the lock held (`Locked`: the other slots' warm
+    /// VMs, the gate, the write, with no step boundary in between).
+    fn save_starting_warm(
+        &mut self,
+        state: &CycleState,
+        wanted: u32,
+        gate: &BackoffGate,
+    ) -> anyhow::Result<Start> {
+        let what = format!("save({}) starting warm", phase_name(state.phase));
+        self.0.boundary("before", &what);
+        let backoff = self.load_backoff()?;
+        let r = save_starting_warm_in(&mut Locked(SimStore(self.0.clone())), state, wanted, gate);
+        {
+            let mut s = self.0.sim.borrow_mut();
+            // A pool that backs off makes no warm VM (docs/operating.md, "Warm capacity").
+            if matches!(r, Ok(Start::Claim(Claim::Saved)))
+                && let Gate::Closed(c) = backoff.gate(&gate.policy, gate.now)
+            {
+                s.violate(format!(
+                    "a warm VM was started while the pool backs off (until {})",
+                    c.until.0
+                ));
+            }
+            match &r {
+                Err(_) => {
+                    s.log(format!("{what} -> err"));
+                    return r;
+                }
+                Ok(Start::Claim(Claim::Saved)) => {
+                    s.stats.warm_starts += 1;
+                    let slot = s.slot_of(self.0.inv);
+                    s.cycle_started(slot, Some(&state.cycle_id), gate.now.0, &gate.policy);
+                }
+                Ok(Start::Claim(Claim::HeldBy(by))) => s.log(format!(
+                    "{what} refused: {by} are all --warm {wanted} wants"
+                )),
+                Ok(Start::BackingOff(c)) => {
+                    s.stats.backed_off += 1;
+                    s.log(format!("{what}: backing off until {}", c.until.0));
+                }
+            }
+        }
+        self.0.checked(&what);
+        self.0.boundary("after", &what);
+        r
     }
 
     /// Under the claims lock; a crash after it and before cycle.json goes counts it again,
@@ -1057,6 +1116,56 @@ impl StateStore for SimStore {
     }
 }
 
+/// The store with the pool's claims lock held (`FileStore`'s `Locked`): the reads and the write
+/// of `save_starting_warm_in` are no steps of their own; the faults of `others` and `save` stay.
+struct Locked(SimStore);
+
+impl StateStore for Locked {
+    fn load(&mut self) -> anyhow::Result<Option<CycleState>> {
+        self.0.load()
+    }
+
+    fn save(&mut self, state: &CycleState) -> anyhow::Result<()> {
+        let what = format!("save({}) starting warm", phase_name(state.phase));
+        if self.0.disk_fault("cycle.json write fails") {
+            return Err(self.0.write_failed(&what));
+        }
+        self.0.write(&what, state);
+        Ok(())
+    }
+
+    fn remove(&mut self) -> anyhow::Result<()> {
+        self.0.remove()
+    }
+
+    fn describe(&self) -> String {
+        self.0.describe()
+    }
+
+    fn load_holds(&mut self) -> Result<Holds, HoldsError> {
+        self.0.load_holds()
+    }
+
+    fn save_holds(&mut self, holds: &Holds) -> anyhow::Result<()> {
+        self.0.save_holds(holds)
+    }
+
+    fn others(&mut self) -> anyhow::Result<Others> {
+        if self.0.alone() {
+            return Ok(Others::default());
+        }
+        self.0.read_others()
+    }
+
+    fn load_backoff(&mut self) -> anyhow::Result<Backoff> {
+        self.0.load_backoff()
+    }
+
+    fn save_backoff(&mut self, backoff: &Backoff) -> anyhow::Result<()> {
+        self.0.save_backoff(backoff)
+    }
+}
+
 // -- the clock -------------------------------------------------------------------------------------------------
 
 pub struct SimClock(pub Port);
@@ -1070,9 +1179,25 @@ impl Clock for SimClock {
         // The run waits a poll interval: the invariant on waits next to an unserved job.
         let inv = self.0.inv;
         self.0.sim.borrow_mut().check_not_served(inv);
+        self.0.sim.borrow_mut().check_warm_wait(inv);
         self.0.boundary("", "sleep");
         if self.0.stop() {
             return Sleep::Interrupted;
+        }
+        {
+            // A quiet period that keeps `--warm`: a run that waits on an unused warm VM ends at
+            // its wait, as at a SIGHUP (cycle.json kept, the next run resumes), so that the
+            // slots' runs, which take turns here, each keep theirs as if they ran side by side.
+            let mut s = self.0.sim.borrow_mut();
+            let slot = s.slot_of(inv);
+            if !s.faults_on
+                && s.warm.quiet_keeps
+                && super::warm::unused_warm_up(s.slots[slot].disk.as_ref().map(|(_, st)| st))
+            {
+                s.stats.warm_reloads += 1;
+                s.log("SIGHUP: the run ends at its wait on the unused warm VM");
+                return Sleep::Reload;
+            }
         }
         {
             // A nested run of another slot ends at its first wait if it runs at an instant, at

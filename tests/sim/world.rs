@@ -19,14 +19,17 @@ use ci_ephemeral_provisioner::core::model::Job;
 use ci_ephemeral_provisioner::core::model::Runner;
 use ci_ephemeral_provisioner::core::model::RunnerStatus;
 use ci_ephemeral_provisioner::core::planner::MAX_START_FAILURES;
+use ci_ephemeral_provisioner::core::planner::TeardownReason;
 use ci_ephemeral_provisioner::core::state::CycleState;
 use ci_ephemeral_provisioner::core::state::NotServed;
 use ci_ephemeral_provisioner::core::state::Phase;
 use ci_ephemeral_provisioner::core::state::parse_state;
+use ci_ephemeral_provisioner::core::warm::{WarmPolicy, is_unused_warm};
 
 use super::forgejo_model::{Forgejo, JobRow, NewRunner, RunnerRow, Scope};
 use super::forgejo_rules as rules;
 use super::rng::Rng;
+use super::warm::{self, WarmPlan};
 
 /// The prefix of the first host's pool (and of the legacy registrations from before).
 pub const PREFIX: &str = "ephemeral-a-";
@@ -295,7 +298,24 @@ pub struct Stats {
     /// checked in them, and new cycles refused by the backoff (in any seed).
     pub broken_pools: u64,
     pub broken_pool_starts: u64,
+    /// Of those, warm VMs' (started with no job) that counted (a job was tried on them, or
+    /// they failed), and those that did not (torn down unused: renewals).
+    pub broken_pool_warm_starts: u64,
+    pub broken_pool_warm_renewals: u64,
     pub backed_off: u64,
+    /// Warm capacity: seeds with `--warm` ≥ 1, and of them those whose quiet period keeps it;
+    /// warm VMs started (cycle.json written), taken by a job (their first intent), torn down
+    /// unused because too old or not wanted; the most unused warm VMs one pool had at once, and
+    /// left at rest (quiet period keeping `--warm`); runs ended at a wait on one (SIGHUP).
+    pub warm_seeds: u64,
+    pub warm_quiet_keeps: u64,
+    pub warm_starts: u64,
+    pub warm_used: u64,
+    pub warm_expired: u64,
+    pub warm_not_wanted: u64,
+    pub warm_most: u32,
+    pub warm_at_rest: u32,
+    pub warm_reloads: u64,
 }
 
 impl Stats {
@@ -332,7 +352,18 @@ impl Stats {
         self.claims_refused += o.claims_refused;
         self.broken_pools += o.broken_pools;
         self.broken_pool_starts += o.broken_pool_starts;
+        self.broken_pool_warm_starts += o.broken_pool_warm_starts;
+        self.broken_pool_warm_renewals += o.broken_pool_warm_renewals;
         self.backed_off += o.backed_off;
+        self.warm_seeds += o.warm_seeds;
+        self.warm_quiet_keeps += o.warm_quiet_keeps;
+        self.warm_starts += o.warm_starts;
+        self.warm_used += o.warm_used;
+        self.warm_expired += o.warm_expired;
+        self.warm_not_wanted += o.warm_not_wanted;
+        self.warm_most = self.warm_most.max(o.warm_most);
+        self.warm_at_rest = self.warm_at_rest.max(o.warm_at_rest);
+        self.warm_reloads += o.warm_reloads;
         self.spared_young += o.spared_young;
         self.spared_held += o.spared_held;
     }
@@ -371,6 +402,8 @@ pub struct Invocation {
     pub last_fault_at: i64,
     /// Its read of held-jobs.json failed: it runs without holds.
     pub holds_read_failed: bool,
+    /// Its `--warm`, `--warm-max-age`, `--warm-during` (its host's when it started).
+    pub warm: WarmPolicy,
 }
 
 /// What the world knows of the starts on one VM.
@@ -394,6 +427,14 @@ pub struct Host {
     pub backoff: Backoff,
     /// When each of its cycles started (by the time its gate was passed), in a broken pool.
     pub cycle_starts: Vec<i64>,
+    /// `--warm` … of the runs started now (`warm::plan`; 0 in the quiet period unless the seed
+    /// keeps it).
+    pub warm: WarmPolicy,
+    /// The pool's unused warm VMs after the last step (`Sim::check_warm`).
+    pub warm_last: u32,
+    /// Its warm VMs started in a broken pool that are still unused: when each passed the gate
+    /// (`Sim::cycle_started`).
+    pub warm_pending: BTreeMap<String, (i64, BackoffPolicy)>,
 }
 
 /// One slot of one host's pool: its own directory (cycle.json, held-jobs.json, cycle.lock) and
@@ -413,6 +454,9 @@ pub struct Slot {
     pub holds_lost: bool,
     /// The VMs of its tofu workspace (`Sim::vm_key`).
     pub vms: Vec<String>,
+    /// Since when its unused warm VM is one the flags of its running invocation no longer want
+    /// (`Sim::check_warm`).
+    pub warm_unwanted_since: Option<i64>,
 }
 
 impl Slot {
@@ -490,6 +534,11 @@ pub struct Sim {
     pub tracing: bool,
     /// Ids of the registrations our POSTs created (live or not), and the slot whose POST it was.
     ours: BTreeMap<i64, usize>,
+    /// The seed's warm capacity (`warm::plan`).
+    pub warm: WarmPlan,
+    /// When the last apply that brought each VM up ended (its `tofu output` after the apply):
+    /// where an unused warm VM's age starts.
+    pub vm_ready: BTreeMap<String, i64>,
 }
 
 impl Sim {
@@ -536,6 +585,9 @@ impl Sim {
                 slots: Vec::new(),
                 backoff: Backoff::new(),
                 cycle_starts: Vec::new(),
+                warm: WarmPolicy::default(),
+                warm_last: 0,
+                warm_pending: BTreeMap::new(),
             };
             for k in 1..=n {
                 host.slots.push(slots.len());
@@ -603,10 +655,19 @@ impl Sim {
             echo,
             tracing: tracing || echo,
             ours: BTreeMap::new(),
+            warm: WarmPlan::default(),
+            vm_ready: BTreeMap::new(),
         };
         sim.stats.broken_pools = u64::from(sim.broken_pool);
         let topology = sim.topology();
         sim.stats.topologies.insert(topology, 1);
+        let per_host: Vec<u32> = sim.hosts.iter().map(|h| h.slots.len() as u32).collect();
+        sim.warm = warm::plan(seed, &per_host);
+        for (h, p) in sim.warm.policies.iter().enumerate() {
+            sim.hosts[h].warm = p.clone();
+        }
+        sim.stats.warm_seeds = u64::from(!sim.warm.policies.is_empty());
+        sim.stats.warm_quiet_keeps = u64::from(sim.warm.quiet_keeps);
         sim.populate();
         sim
     }
@@ -686,30 +747,72 @@ impl Sim {
     /// A cycle of `slot` started at `at` (it passed the backoff's gate). Invariant, while every
     /// start fails: in any window of length T the pool of S slots starts at most
     /// N + S - 1 + ⌈T / backoff⌉ cycles (`core::backoff`; each cycle starts at most one VM).
-    pub fn cycle_started(&mut self, slot: usize, at: i64, policy: &BackoffPolicy) {
+    /// A warm VM's start (`warm`: cycle `cycle_id`) counts once a job was tried on it or it
+    /// failed (`write_disk`); one torn down unused (too old, not wanted) is a renewal, which the
+    /// backoff does not count (`CycleOutcome::Neutral`): a broken VM shows only when a runner
+    /// is started on it.
+    pub fn cycle_started(
+        &mut self,
+        slot: usize,
+        warm: Option<&str>,
+        at: i64,
+        policy: &BackoffPolicy,
+    ) {
         if !(self.broken_pool && self.faults_on) {
             return;
         }
         let h = self.slots[slot].host;
         self.stats.broken_pool_starts += 1;
+        match warm {
+            Some(cycle_id) => {
+                let vm = self.vm_key(slot, cycle_id);
+                self.hosts[h].warm_pending.insert(vm, (at, *policy));
+            }
+            None => self.count_start(h, at, policy),
+        }
+    }
+
+    /// The bound of `cycle_started` over every window of host `h`'s cycle starts, with one more
+    /// at `at`.
+    fn count_start(&mut self, h: usize, at: i64, policy: &BackoffPolicy) {
         self.hosts[h].cycle_starts.push(at);
-        let starts = self.hosts[h].cycle_starts.clone();
+        let mut starts = self.hosts[h].cycle_starts.clone();
+        starts.sort_unstable();
         let s = self.hosts[h].slots.len() as i64;
         let n = i64::from(policy.max_failed_cycles);
         let b = policy.initial.as_millis() as i64;
-        let last = *starts.iter().max().expect("just pushed");
-        for &from in &starts {
-            let in_window = starts.iter().filter(|&&t| t >= from).count() as i64;
-            // The half-open window [from, last + 1ms).
-            let t = last + 1 - from;
-            let bound = n + s - 1 + (t + b - 1) / b;
-            if in_window > bound {
-                self.violate(format!(
-                    "while every start failed, the pool of {s} slot(s) started {in_window} cycles within {} s, more than N + S - 1 + ceil(T / backoff) = {bound}",
-                    t / 1000
-                ));
-                return;
+        for (i, &from) in starts.iter().enumerate() {
+            for (j, &to) in starts.iter().enumerate().skip(i) {
+                let in_window = (j - i + 1) as i64;
+                // The half-open window [from, to + 1ms).
+                let t = to + 1 - from;
+                let bound = n + s - 1 + (t + b - 1) / b;
+                if in_window > bound {
+                    self.violate(format!(
+                        "while every start failed, the pool of {s} slot(s) started {in_window} cycles within {} s, more than N + S - 1 + ceil(T / backoff) = {bound}",
+                        t / 1000
+                    ));
+                    return;
+                }
             }
+        }
+    }
+
+    /// The warm VM `vm` of host `h` is no longer unused, by the cycle.json `now` written: its
+    /// start counts in a broken pool (`cycle_started`) unless it was torn down unused.
+    fn warm_start_ends(&mut self, h: usize, vm: &str, now: &CycleState) {
+        let Some((at, policy)) = self.hosts[h].warm_pending.remove(vm) else {
+            return;
+        };
+        let reason = now.teardown_reason.as_deref().unwrap_or_default();
+        if now.phase == Phase::TearingDown
+            && (reason == TeardownReason::WarmExpired.describe()
+                || reason == TeardownReason::WarmNotWanted.describe())
+        {
+            self.stats.broken_pool_warm_renewals += 1;
+        } else {
+            self.stats.broken_pool_warm_starts += 1;
+            self.count_start(h, at, &policy);
         }
     }
 
@@ -880,6 +983,13 @@ impl Sim {
         }
         self.new_job(&[LABEL]);
         self.log("QUIET: faults off, queued jobs released, one last job, no more arrivals");
+        if !self.warm.quiet_keeps {
+            for h in &mut self.hosts {
+                h.warm.count = 0;
+            }
+        } else if !self.warm.policies.is_empty() {
+            self.log("QUIET: --warm kept");
+        }
     }
 
     /// A waiting job (`runs_on` as given; the jobs list shows its `repo_id` and `owner_id`, as
@@ -1357,6 +1467,7 @@ impl Sim {
                 if graceful { "shut down" } else { "powered off" }
             ));
             self.vm_starts.remove(&vm);
+            self.vm_ready.remove(&vm);
             self.broken_vms.retain(|v| *v != vm);
             let on_vm: Vec<i64> = self
                 .procs
@@ -1953,6 +2064,23 @@ impl Sim {
                 state.clone()
             }
         };
+        if self.slots[slot]
+            .disk
+            .as_ref()
+            .is_some_and(|(_, before)| is_unused_warm(before))
+            && !is_unused_warm(&parsed)
+        {
+            let reason = parsed.teardown_reason.as_deref().unwrap_or_default();
+            if parsed.phase != Phase::TearingDown {
+                self.stats.warm_used += 1;
+            } else if reason == TeardownReason::WarmExpired.describe() {
+                self.stats.warm_expired += 1;
+            } else if reason == TeardownReason::WarmNotWanted.describe() {
+                self.stats.warm_not_wanted += 1;
+            }
+            let (h, vm) = (self.slots[slot].host, self.vm_key(slot, &parsed.cycle_id));
+            self.warm_start_ends(h, &vm, &parsed);
+        }
         self.slots[slot].disk = Some((bytes, parsed));
     }
 
@@ -1993,7 +2121,8 @@ impl Sim {
     /// last job of `go_quiet` runs the last cycle, and only its sweep runs). Which host, if any.
     pub fn host_left_behind(&mut self) -> Option<usize> {
         if self.hosts.len() == 1
-            || self.slots.iter().any(|s| s.disk.is_some())
+            || (0..self.slots.len())
+                .any(|k| self.slots[k].disk.is_some() && !self.kept_warm_at_rest(k))
             || self.srv_list_jobs().iter().any(|j| j.is_waiting())
         {
             return None;
@@ -2012,10 +2141,19 @@ impl Sim {
         Some(h)
     }
 
-    /// `None` at rest; else what is left, in any slot of any host.
+    /// `None` at rest; else what is left, in any slot of any host (but up to `--warm` unused warm
+    /// VMs per pool, up, each in its slot's cycle.json, when the quiet period keeps `--warm`).
     pub fn leftovers(&self) -> Option<String> {
         let mut left = Vec::new();
+        let mut kept = vec![0u32; self.hosts.len()];
         for (i, sl) in self.slots.iter().enumerate() {
+            // Up to `--warm` unused warm VMs per pool, when the quiet period keeps it.
+            if self.warm.quiet_keeps && self.kept_warm_at_rest(i) {
+                kept[sl.host] += 1;
+                if kept[sl.host] <= self.hosts[sl.host].warm.count {
+                    continue;
+                }
+            }
             if let Some((_, s)) = &sl.disk {
                 left.push(format!(
                     "{}: cycle.json of {} ({:?})",
