@@ -849,11 +849,11 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
         !fired.is_empty() && fired != "n/a",
         "the timer never fired: {timer:?}"
     );
-    // One TimersMonotonic= line per trigger.
+    // One TimersMonotonic= line per timer setting.
     let triggers =
         host.sh_ok("systemctl show -p TimersMonotonic ci-ephemeral-provisioner@default.timer");
     assert!(
-        triggers.contains("OnUnitInactiveUSec=2s") && triggers.contains("OnBootUSec=1s"),
+        triggers.contains("OnUnitInactiveUSec=2s") && triggers.contains("OnActiveUSec=1s"),
         "{triggers}"
     );
 
