@@ -470,6 +470,31 @@ fn assert_slot_2_of_gpu(host: &Host) {
     eprintln!("  status of gpu slot 2:\n{status}");
 }
 
+/// A systemd time span as `systemctl show` prints it ("1h 11min 23.997183s", "0", or plain µs),
+/// in µs.
+fn span_us(text: &str) -> Option<u64> {
+    if let Ok(us) = text.parse() {
+        return Some(us);
+    }
+    let mut total = 0.0;
+    for part in text.split_whitespace() {
+        let at = part.find(|c: char| c.is_ascii_alphabetic())?;
+        let (n, unit) = part.split_at(at);
+        let n: f64 = n.parse().ok()?;
+        let us = match unit {
+            "us" => 1.0,
+            "ms" => 1e3,
+            "s" => 1e6,
+            "min" => 60e6,
+            "h" => 3600e6,
+            "d" => 86400e6,
+            _ => return None,
+        };
+        total += n * us;
+    }
+    Some(total.round() as u64)
+}
+
 fn path_str(p: &Path) -> &str {
     p.to_str().expect("UTF-8 path")
 }
@@ -1458,11 +1483,10 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
         "ci-ephemeral-provisioner@gpu.2.timer",
         "ci-ephemeral-provisioner@gpu.3.timer",
     ];
+    // systemctl prints *TimestampMonotonic in µs, LastTriggerUSecMonotonic as a time span.
     let usec = |host: &Host, unit: &str, key: &str| -> u64 {
-        host.sh_ok(&format!("systemctl show -p {key} --value {unit}"))
-            .trim()
-            .parse()
-            .unwrap_or_else(|e| panic!("{unit} {key}: {e}"))
+        let v = host.sh_ok(&format!("systemctl show -p {key} --value {unit}"));
+        span_us(v.trim()).unwrap_or_else(|| panic!("{unit} {key}: {v:?}"))
     };
     let interval_us: u64 = 6_000_000;
     let mut started = Vec::new();
