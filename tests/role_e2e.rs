@@ -470,6 +470,31 @@ fn assert_slot_2_of_gpu(host: &Host) {
     eprintln!("  status of gpu slot 2:\n{status}");
 }
 
+/// A systemd time span as `systemctl show` prints it ("1h 11min 23.997183s", "0", or plain µs),
+/// in µs.
+fn span_us(text: &str) -> Option<u64> {
+    if let Ok(us) = text.parse() {
+        return Some(us);
+    }
+    let mut total = 0.0;
+    for part in text.split_whitespace() {
+        let at = part.find(|c: char| c.is_ascii_alphabetic())?;
+        let (n, unit) = part.split_at(at);
+        let n: f64 = n.parse().ok()?;
+        let us = match unit {
+            "us" => 1.0,
+            "ms" => 1e3,
+            "s" => 1e6,
+            "min" => 60e6,
+            "h" => 3600e6,
+            "d" => 86400e6,
+            _ => return None,
+        };
+        total += n * us;
+    }
+    Some(total.round() as u64)
+}
+
 fn path_str(p: &Path) -> &str {
     p.to_str().expect("UTF-8 path")
 }
@@ -849,11 +874,11 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
         !fired.is_empty() && fired != "n/a",
         "the timer never fired: {timer:?}"
     );
-    // One TimersMonotonic= line per trigger.
+    // One TimersMonotonic= line per timer setting.
     let triggers =
         host.sh_ok("systemctl show -p TimersMonotonic ci-ephemeral-provisioner@default.timer");
     assert!(
-        triggers.contains("OnUnitInactiveUSec=2s") && triggers.contains("OnBootUSec=1s"),
+        triggers.contains("OnUnitInactiveUSec=2s") && triggers.contains("OnActiveUSec=1s"),
         "{triggers}"
     );
 
@@ -1401,6 +1426,172 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
         )) && out.contains("; but ci_ephemeral_provisioner_version is 9.9.9"),
         "a binary of another version was accepted:\n{out}"
     );
+
+    // Staggered slots. The gpu pool raised to 3 slots (and the interval to 6 s, for phases well
+    // apart): slot K's timer is a file of its own, OnActiveSec= the boot delay plus (K-1)/3 of
+    // the interval, and the play restarts the pool's timers together, so that the slots look at
+    // Forgejo in turn, every 2 s. Warm options reach provisioner.env.
+    let three_slots = two_pools
+        .replace(
+            "    slots: 2\n",
+            "    slots: 3\n    warm: 1\n    warm_during: Mon..Fri 07:00-19:00\n",
+        )
+        .replace(
+            "    labels: debian:host,arm64:host\n",
+            "    labels: debian:host,arm64:host\n    warm_max_age: 30m\n",
+        );
+    let six = |pools: &str| {
+        vars(&fake, work, &local, pools).replace(
+            "ci_ephemeral_provisioner_timer_interval: 2s\n",
+            "ci_ephemeral_provisioner_timer_interval: 6s\n",
+        )
+    };
+    let (ok, out, _) = host.play(
+        "warm-beyond-slots",
+        &six(&three_slots.replace("    warm: 1\n", "    warm: 4\n")),
+    );
+    assert!(
+        !ok && out.contains("Pool gpu: warm is 4 but slots is 3: a warm VM occupies a slot."),
+        "more warm VMs than slots were accepted:\n{out}"
+    );
+    let (ok, out, _) = host.play("three-slots", &six(&three_slots));
+    assert!(ok, "{out}");
+    let gpu_env = host.read("etc/ci-ephemeral-provisioner/pools/gpu/provisioner.env");
+    for line in [
+        "CI_EPHEMERAL_PROVISIONER_WARM=\"1\"",
+        "CI_EPHEMERAL_PROVISIONER_WARM_MAX_AGE=\"1h\"",
+        "CI_EPHEMERAL_PROVISIONER_WARM_DURING=\"Mon..Fri 07:00-19:00\"",
+    ] {
+        assert!(
+            gpu_env.lines().any(|l| l == line),
+            "{line} missing:\n{gpu_env}"
+        );
+    }
+    let default_env = host.read("etc/ci-ephemeral-provisioner/pools/default/provisioner.env");
+    for line in [
+        "CI_EPHEMERAL_PROVISIONER_WARM=\"0\"",
+        "CI_EPHEMERAL_PROVISIONER_WARM_MAX_AGE=\"30m\"",
+    ] {
+        assert!(
+            default_env.lines().any(|l| l == line),
+            "{line} missing:\n{default_env}"
+        );
+    }
+    assert!(!default_env.contains("WARM_DURING"), "{default_env}");
+    let gpu_timers = [
+        "ci-ephemeral-provisioner@gpu.timer",
+        "ci-ephemeral-provisioner@gpu.2.timer",
+        "ci-ephemeral-provisioner@gpu.3.timer",
+    ];
+    // systemctl prints *TimestampMonotonic in µs, LastTriggerUSecMonotonic as a time span.
+    let usec = |host: &Host, unit: &str, key: &str| -> u64 {
+        let v = host.sh_ok(&format!("systemctl show -p {key} --value {unit}"));
+        span_us(v.trim()).unwrap_or_else(|| panic!("{unit} {key}: {v:?}"))
+    };
+    let interval_us: u64 = 6_000_000;
+    let mut started = Vec::new();
+    for (k, timer) in gpu_timers.iter().enumerate() {
+        // systemd's own reading of the schedule: 1 s, 3 s, 5 s after the timer started.
+        let monotonic = host.sh_ok(&format!(
+            "systemctl show -p TimersMonotonic --value {timer}"
+        ));
+        let want = format!("OnActiveUSec={}s ;", 1 + 2 * k);
+        assert!(
+            monotonic.contains(&want),
+            "{timer}: {want} not in {monotonic}"
+        );
+        assert!(
+            monotonic.contains("OnUnitInactiveUSec=6s ;"),
+            "{timer}: {monotonic}"
+        );
+        started.push(usec(&host, timer, "InactiveExitTimestampMonotonic"));
+    }
+    let spread = started.iter().max().unwrap() - started.iter().min().unwrap();
+    assert!(
+        spread < interval_us / 12,
+        "the gpu pool's timers did not start together: {started:?}"
+    );
+    // The phases in the ticks themselves: the first trigger of each slot from its offset on,
+    // then the second one after that (idle ticks in between), each (K-1)/3 of the interval
+    // after slot 1's, give or take a quarter of the interval.
+    let ticks = |host: &Host, after: &[u64]| -> Vec<u64> {
+        let mut seen: Vec<Option<u64>> = vec![None; gpu_timers.len()];
+        wait_until("each gpu slot to tick past a point", host, || {
+            for (k, timer) in gpu_timers.iter().enumerate() {
+                if seen[k].is_none() {
+                    let t = usec(host, timer, "LastTriggerUSecMonotonic");
+                    seen[k] = (t >= after[k]).then_some(t);
+                }
+            }
+            seen.iter().all(Option::is_some)
+        });
+        seen.into_iter().map(Option::unwrap).collect()
+    };
+    let assert_phases = |what: &str, t: &[u64]| {
+        for (k, tk) in t.iter().enumerate().skip(1) {
+            let lag = tk.wrapping_sub(t[0]) as i64;
+            let want = (k as u64 * interval_us / 3) as i64;
+            assert!(
+                (lag - want).abs() < (interval_us / 4) as i64,
+                "{what}: slot {} ticked {lag} µs after slot 1, not about {want}: {t:?}",
+                k + 1
+            );
+        }
+    };
+    let first = ticks(
+        &host,
+        &(0..3)
+            .map(|k| started[k] + 1_000_000 + k as u64 * interval_us / 3 - interval_us / 12)
+            .collect::<Vec<_>>(),
+    );
+    assert_phases("after the deployment", &first);
+    let later = ticks(
+        &host,
+        &first
+            .iter()
+            .map(|t| t + 2 * interval_us)
+            .collect::<Vec<_>>(),
+    );
+    assert_phases("two ticks later", &later);
+    // Down to 2 slots, the interval unchanged: the timer template stays as it is, slot 2's
+    // offset becomes half the interval, slot 3 is retired with its timer file, and only the gpu
+    // pool's timers restart.
+    let default_started = usec(
+        &host,
+        "ci-ephemeral-provisioner@default.timer",
+        "InactiveExitTimestampMonotonic",
+    );
+    let (ok, out, _) = host.play("back-to-two-slots", &six(two_pools));
+    assert!(ok, "{out}");
+    assert!(
+        !host
+            .file("etc/systemd/system/ci-ephemeral-provisioner@gpu.3.timer")
+            .exists(),
+        "slot 3's timer file is still there:\n{out}"
+    );
+    assert!(
+        host.sh_ok(
+            "systemctl show -p TimersMonotonic --value ci-ephemeral-provisioner@gpu.2.timer"
+        )
+        .contains("OnActiveUSec=4s ;")
+    );
+    for timer in &gpu_timers[..2] {
+        assert!(
+            usec(&host, timer, "InactiveExitTimestampMonotonic") > started[0],
+            "{timer} was not restarted for the pool's new slot count:\n{out}"
+        );
+    }
+    assert_eq!(
+        usec(
+            &host,
+            "ci-ephemeral-provisioner@default.timer",
+            "InactiveExitTimestampMonotonic"
+        ),
+        default_started,
+        "the default pool's timer was restarted although its schedule did not change"
+    );
+    let (ok, out, _) = host.play("interval-back", &vars(&fake, work, &local, two_pools));
+    assert!(ok, "{out}");
 
     // Lowering the gpu pool's slots to 1 retires slot 2, never while it has a cycle in progress.
     // A stand-in for one: slot 2 stopped, a cycle.json in its slot-2/.
