@@ -2354,6 +2354,14 @@ fn warm_vms_are_bounded_by_the_slots_and_their_age() {
         "{}",
         out.stderr
     );
+    let out = env.run(&["--warm", "1", "--warm-max-age", "999ms"]);
+    assert_eq!(out.code, Some(2), "{out:?}");
+    assert!(
+        out.stderr
+            .contains("--warm-max-age (999ms) must be at least 10 times --poll-interval (100ms)"),
+        "{}",
+        out.stderr
+    );
     let out = env.run(&["--warm-during", "Mon..Fri 19:00-07:00"]);
     assert_eq!(out.code, Some(2), "{out:?}");
     assert!(out.stderr.contains("before it starts"), "{}", out.stderr);

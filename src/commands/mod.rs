@@ -260,8 +260,13 @@ pub(crate) fn validate_run_args(a: &RunArgs) -> Result<Labels, Fatal> {
             a.warm, a.common.local.slots
         )));
     }
-    if a.warm > 0 && a.warm_max_age.is_zero() {
-        return Err(usage("--warm-max-age must be longer than 0"));
+    // A warm VM that lives only a few polls is boots and destroys for nothing.
+    if a.warm > 0 && a.warm_max_age < a.poll_interval.saturating_mul(10) {
+        return Err(usage(format!(
+            "--warm-max-age ({}) must be at least 10 times --poll-interval ({}): a warm VM replaced after a few polls costs boots for nothing",
+            crate::core::time::format_duration(a.warm_max_age),
+            crate::core::time::format_duration(a.poll_interval)
+        )));
     }
     check_metrics_file(&a.common)?;
     Ok(labels)
