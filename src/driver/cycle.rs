@@ -929,18 +929,24 @@ mod tests {
         report
     }
 
-    #[test]
-    fn a_backoff_in_force_starts_no_cycle_and_says_why() {
+    /// The tests' Forgejo with one waiting job of ours (`h1`, job 1), and its clock's time.
+    fn model_with_one_job() -> (ModelForgejo, Timestamp) {
         let shared = ModelForgejo::new("debian");
         let now = {
             let mut s = shared.server();
             let now = s.now;
             s.forgejo
                 .add_job("h1".into(), vec!["debian".into()], 1, 1, now);
-            now
+            Timestamp(now)
         };
+        (shared, now)
+    }
+
+    #[test]
+    fn a_backoff_in_force_starts_no_cycle_and_says_why() {
+        let (shared, now) = model_with_one_job();
         let mut store = MemoryStore {
-            backoff: closed_backoff(Timestamp(now)),
+            backoff: closed_backoff(now),
             ..MemoryStore::default()
         };
         let report = run_with_store(&shared, &mut store);
@@ -1124,14 +1130,7 @@ mod tests {
     /// registration is gone, as an upper bound.
     #[test]
     fn a_pickup_counts_from_the_first_run_that_saw_the_job_waiting() {
-        let shared = ModelForgejo::new("debian");
-        let t0 = {
-            let mut s = shared.server();
-            let now = s.now;
-            s.forgejo
-                .add_job("h1".into(), vec!["debian".into()], 1, 1, now);
-            Timestamp(now)
-        };
+        let (shared, t0) = model_with_one_job();
         let mut store = MemoryStore {
             backoff: closed_backoff(t0),
             ..MemoryStore::default()
@@ -1169,14 +1168,7 @@ mod tests {
     /// Seen active: counted then, once, from the earliest sight of any slot of the pool.
     #[test]
     fn a_runner_seen_active_counts_its_pickup_from_the_pools_first_sight() {
-        let shared = ModelForgejo::new("debian");
-        let now = {
-            let mut s = shared.server();
-            let now = s.now;
-            s.forgejo
-                .add_job("h1".into(), vec!["debian".into()], 1, 1, now);
-            Timestamp(now)
-        };
+        let (shared, now) = model_with_one_job();
         let ago = |ms: i64| Timestamp(now.0 - ms);
         let mut store = MemoryStore::default();
         store.holds.seen.push(crate::core::holds::Seen {
