@@ -69,31 +69,21 @@ impl Fixture {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("cannot read fixture {}", path.display()))?;
         check_fixture_keys(&text, path)?;
-        // Anything the quick reading does not take (not JSON, wrong types) is read again below,
-        // which says precisely what is wrong.
+        // Anything the quick reading does not take (not JSON, wrong types) is read again by
+        // `read_slowly`, which says precisely what is wrong.
         // (A derived struct would also accept an array: only an object takes the quick way.)
         let quick = text
             .trim_start()
             .starts_with('{')
             .then(|| serde_json::from_str::<QuickFixture>(&text).ok())
             .flatten();
-        if let Some(q) = quick {
-            let cycle = match q.cycle {
-                None => None,
-                Some(c) => Some(
-                    parse_state(&c.to_string())
-                        .with_context(|| format!("\"cycle\" in fixture {}", path.display()))?,
-                ),
-            };
-            let now = match q.now {
-                None => None,
-                Some(s) => Some(
-                    Timestamp::parse_rfc3339(&s)
-                        .map_err(|e| anyhow!("\"now\" in fixture {}: {e}", path.display()))?,
-                ),
-            };
-            return Ok(Fixture {
-                cycle,
+        match quick {
+            Some(q) => Ok(Fixture {
+                cycle: q
+                    .cycle
+                    .as_ref()
+                    .map(|c| fixture_cycle(c, path))
+                    .transpose()?,
                 runners: q
                     .runners
                     .unwrap_or_default()
@@ -101,10 +91,15 @@ impl Fixture {
                     .map(|r| r.0)
                     .collect(),
                 jobs: q.jobs,
-                now,
-            });
+                now: q.now.as_deref().map(|s| fixture_now(s, path)).transpose()?,
+            }),
+            None => Fixture::read_slowly(&text, path),
         }
-        let v: Value = serde_json::from_str(&text)
+    }
+
+    /// The fixture read as a JSON value, each field's type checked with its own message.
+    fn read_slowly(text: &str, path: &std::path::Path) -> Result<Fixture> {
+        let v: Value = serde_json::from_str(text)
             .with_context(|| format!("fixture {} is not valid JSON", path.display()))?;
         // Owned: the runner and job arrays are moved out, not copied (10,000 runners took a
         // third of a dry-run's instructions to clone and free again).
@@ -113,10 +108,7 @@ impl Fixture {
         };
         let cycle = match obj.get("cycle") {
             None | Some(Value::Null) => None,
-            Some(c) => Some(
-                parse_state(&c.to_string())
-                    .with_context(|| format!("\"cycle\" in fixture {}", path.display()))?,
-            ),
+            Some(c) => Some(fixture_cycle(c, path)?),
         };
         let runners = match obj.remove("runners") {
             None | Some(Value::Null) => Vec::new(),
@@ -140,10 +132,7 @@ impl Fixture {
         };
         let now = match obj.get("now") {
             None | Some(Value::Null) => None,
-            Some(Value::String(s)) => Some(
-                Timestamp::parse_rfc3339(s)
-                    .map_err(|e| anyhow!("\"now\" in fixture {}: {e}", path.display()))?,
-            ),
+            Some(Value::String(s)) => Some(fixture_now(s, path)?),
             Some(_) => {
                 return Err(anyhow!(
                     "\"now\" in fixture {} is not a string",
@@ -158,6 +147,16 @@ impl Fixture {
             now,
         })
     }
+}
+
+/// A fixture's `"cycle"`: a cycle.json as the state store would read it.
+fn fixture_cycle(c: &Value, path: &std::path::Path) -> Result<CycleState> {
+    parse_state(&c.to_string()).with_context(|| format!("\"cycle\" in fixture {}", path.display()))
+}
+
+/// A fixture's `"now"`: an RFC 3339 time.
+fn fixture_now(s: &str, path: &std::path::Path) -> Result<Timestamp> {
+    Timestamp::parse_rfc3339(s).map_err(|e| anyhow!("\"now\" in fixture {}: {e}", path.display()))
 }
 
 /// The keys a fixture may have (besides `_comment`-style keys starting with `_`), and whether

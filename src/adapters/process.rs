@@ -283,35 +283,10 @@ pub fn run_child(spec: &ChildSpec, stop: &StopFlag) -> std::io::Result<ChildResu
             started: false,
         });
     }
-    let mut cmd = Command::new(&spec.program);
-    cmd.args(&spec.args);
-    scrub_env(&mut cmd);
-    for (k, v) in &spec.env {
-        cmd.env(k, v);
-    }
-    // Own process group: a terminal's Ctrl-C reaches only us, and we forward exactly one SIGINT
-    // (a second SIGINT would make tofu abandon its work).
-    cmd.process_group(0);
-    cmd.stdin(if spec.stdin.is_some() {
-        Stdio::piped()
-    } else {
-        Stdio::null()
-    });
-    cmd.stdout(Stdio::piped());
-    cmd.stderr(Stdio::piped());
-    let mut child = cmd.spawn()?;
+    let mut child = spawn(spec)?;
     let pid = child.id() as libc::pid_t;
     crate::crash_point!("process-child-spawned", pid);
-
-    if let (Some(secret), Some(mut stdin)) = (&spec.stdin, child.stdin.take()) {
-        // One line; a child that exits without reading makes this fail with EPIPE, which its
-        // exit status then explains.
-        let line = Secret::new(format!("{}\n", secret.expose()));
-        if let Err(e) = stdin.write_all(line.expose().as_bytes()) {
-            log::debug!("writing to the child's stdin failed: {e}");
-        }
-        drop(stdin);
-    }
+    feed_stdin(spec, &mut child);
 
     let (Some(out), Some(err)) = (child.stdout.take(), child.stderr.take()) else {
         if let Err(e) = child.kill() {
@@ -329,12 +304,89 @@ pub fn run_child(spec: &ChildSpec, stop: &StopFlag) -> std::io::Result<ChildResu
     let (out_buf, out_thread) = reader(out, MAX_STDOUT + slack, true);
     let (err_buf, err_thread) = reader(err, STDERR_TAIL + slack, false);
 
+    let ended = wait_for(spec, stop, &mut child, pid)?;
+    let exited = Instant::now();
+    while !(out_thread.is_finished() && err_thread.is_finished()) && exited.elapsed() < OUTPUT_GRACE
+    {
+        thread::sleep(Duration::from_millis(10));
+    }
+    if !(out_thread.is_finished() && err_thread.is_finished()) {
+        log::debug!(
+            "{} exited but something it started still holds its output open; not waiting for it",
+            spec.program.display()
+        );
+    }
+    // What the child echoed of its stdin never reaches our logs or reports.
+    let stdout = finish_capture(&out_buf, spec.stdin.as_ref(), true, MAX_STDOUT);
+    let stderr = finish_capture(&err_buf, spec.stdin.as_ref(), false, STDERR_TAIL);
+    Ok(ChildResult {
+        status: ended.status,
+        stdout,
+        stderr_tail: String::from_utf8_lossy(&stderr).into_owned(),
+        interrupted: ended.interrupted,
+        timed_out: ended.timed_out,
+        started: true,
+    })
+}
+
+/// Starts the child with a scrubbed environment, in its own process group, its output piped.
+fn spawn(spec: &ChildSpec) -> std::io::Result<std::process::Child> {
+    let mut cmd = Command::new(&spec.program);
+    cmd.args(&spec.args);
+    scrub_env(&mut cmd);
+    for (k, v) in &spec.env {
+        cmd.env(k, v);
+    }
+    // Own process group: a terminal's Ctrl-C reaches only us, and we forward exactly one SIGINT
+    // (a second SIGINT would make tofu abandon its work).
+    cmd.process_group(0);
+    cmd.stdin(if spec.stdin.is_some() {
+        Stdio::piped()
+    } else {
+        Stdio::null()
+    });
+    cmd.stdout(Stdio::piped());
+    cmd.stderr(Stdio::piped());
+    cmd.spawn()
+}
+
+/// Writes the secret as one line to the child's stdin and closes it.
+fn feed_stdin(spec: &ChildSpec, child: &mut std::process::Child) {
+    if let (Some(secret), Some(mut stdin)) = (&spec.stdin, child.stdin.take()) {
+        // A child that exits without reading makes this fail with EPIPE, which its exit status
+        // then explains.
+        let line = Secret::new(format!("{}\n", secret.expose()));
+        if let Err(e) = stdin.write_all(line.expose().as_bytes()) {
+            log::debug!("writing to the child's stdin failed: {e}");
+        }
+        drop(stdin);
+    }
+}
+
+/// How the wait for a child ended.
+struct Ended {
+    status: ExitStatus,
+    interrupted: bool,
+    timed_out: bool,
+}
+
+/// Waits for the child: a stop is forwarded as one SIGINT, a timeout kills its process group.
+fn wait_for(
+    spec: &ChildSpec,
+    stop: &StopFlag,
+    child: &mut std::process::Child,
+    pid: libc::pid_t,
+) -> std::io::Result<Ended> {
     let started = Instant::now();
     let mut interrupted = false;
     let mut timed_out = false;
-    let status = loop {
+    loop {
         if let Some(status) = child.try_wait()? {
-            break status;
+            return Ok(Ended {
+                status,
+                interrupted,
+                timed_out,
+            });
         }
         if stop.is_raised() && !interrupted {
             interrupted = true;
@@ -354,29 +406,7 @@ pub fn run_child(spec: &ChildSpec, stop: &StopFlag) -> std::io::Result<ChildResu
             unsafe { libc::kill(-pid, libc::SIGKILL) };
         }
         thread::sleep(Duration::from_millis(20));
-    };
-    let exited = Instant::now();
-    while !(out_thread.is_finished() && err_thread.is_finished()) && exited.elapsed() < OUTPUT_GRACE
-    {
-        thread::sleep(Duration::from_millis(10));
     }
-    if !(out_thread.is_finished() && err_thread.is_finished()) {
-        log::debug!(
-            "{} exited but something it started still holds its output open; not waiting for it",
-            spec.program.display()
-        );
-    }
-    // What the child echoed of its stdin never reaches our logs or reports.
-    let stdout = finish_capture(&out_buf, spec.stdin.as_ref(), true, MAX_STDOUT);
-    let stderr = finish_capture(&err_buf, spec.stdin.as_ref(), false, STDERR_TAIL);
-    Ok(ChildResult {
-        status,
-        stdout,
-        stderr_tail: String::from_utf8_lossy(&stderr).into_owned(),
-        interrupted,
-        timed_out,
-        started: true,
-    })
 }
 
 #[cfg(test)]
