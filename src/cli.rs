@@ -106,12 +106,16 @@ pub struct ForgejoArgs {
     #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_CA_FILE", value_name = "PATH")]
     pub ca_file: Option<PathBuf>,
 
-    /// Timeout of each Forgejo request, from connecting to the end of the body.
+    /// Timeout of each Forgejo request, from connecting to the end of the body. Redirects are
+    /// not followed; HTTPS_PROXY, HTTP_PROXY and ALL_PROXY are honoured for https, never for
+    /// a loopback URL.
     #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_HTTP_TIMEOUT", default_value = "30s", value_parser = parse_duration, value_name = "DURATION")]
     pub http_timeout: Duration,
 
     /// Name prefix of our registrations (`<prefix><cycle id>-<n>-<time>`). Only registrations
-    /// with this prefix are ever deleted. Must not be empty; at most 128 bytes.
+    /// with this prefix are ever deleted. Must not be empty; at most 128 bytes. Give each pool
+    /// on each host its own, never the start of another's: a sweep deletes every offline
+    /// registration with its prefix.
     #[arg(
         long,
         env = "CI_EPHEMERAL_PROVISIONER_RUNNER_PREFIX",
@@ -203,6 +207,8 @@ pub struct RunArgs {
     /// e.g. debian:host: required. Schemes: host (jobs run on the VM), docker (also a NAME
     /// alone; needs a Docker engine on the VM), lxc; blanks around a name or scheme, empty
     /// entries and other schemes are refused. Jobs match when their runs_on ⊆ the label names.
+    /// The launch command gets them as RUNNER_LABELS and must pass each entry to forgejo-runner
+    /// as --label: a runner without labels is given no job.
     #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_LABELS", value_name = "LIST")]
     pub labels: Option<String>,
 
@@ -278,7 +284,8 @@ pub struct RunArgs {
     pub share: crate::core::holds::Share,
 
     /// With --share: how long a job of another host's share waits (since this host first saw it)
-    /// before this host serves it too.
+    /// before this host serves it too. Longer than a VM start plus a launch, or live hosts
+    /// take each other's jobs.
     #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_TAKE_OVER_AFTER", default_value = "2m", value_parser = parse_duration, value_name = "DURATION")]
     pub take_over_after: Duration,
 
@@ -329,7 +336,7 @@ pub struct RunArgs {
     pub warm: u32,
 
     /// An unused warm VM older than this (since its apply) is destroyed, and a later run makes a
-    /// new one (images change).
+    /// new one (images change). At least 10 × --poll-interval.
     #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_WARM_MAX_AGE", default_value = "1h", value_parser = parse_duration, value_name = "DURATION")]
     pub warm_max_age: Duration,
 
