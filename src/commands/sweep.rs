@@ -26,7 +26,7 @@ pub fn cmd_sweep(a: SweepArgs) -> Result<u8, Fatal> {
             // names the cycle in progress that is the reason.
             report.cycle_id = refusal.cycle_id;
             report.fail(refusal.message);
-            report.outcome = "refused".into();
+            report.outcome = crate::core::report::Outcome::Refused;
             return outlet.close(report, End::Done, c);
         }
     };
@@ -50,11 +50,10 @@ pub fn cmd_sweep(a: SweepArgs) -> Result<u8, Fatal> {
         report.fail(failure);
     }
     report.outcome = if report.dry_run {
-        "would_sweep"
+        crate::core::report::Outcome::WouldSweep
     } else {
-        "swept"
-    }
-    .into();
+        crate::core::report::Outcome::Swept
+    };
     report.sweep = Some(sw);
     outlet.close(report, End::Done, c)
 }

@@ -13,7 +13,7 @@ use crate::core::ports::{
     BackoffGate, Claim, Clock, Deleted, Forgejo, LaunchRequest, Launcher, Outputs, ProcessCheck,
     Sleep, StateStore, Tofu,
 };
-use crate::core::report::{ALREADY_GONE, DELETED, PLANNED, Report, Stopwatch};
+use crate::core::report::{ALREADY_GONE, DELETED, Outcome, PLANNED, Report, Stopwatch};
 use crate::core::state::{
     Boundary, CycleState, Launch, NotServed, Phase, PreviousRunner, ProcessState,
 };
@@ -77,7 +77,7 @@ pub fn run(w: &mut World<'_>, cfg: &CycleConfig, report: &mut Report) -> End {
         Ok(s) => s,
         Err(e) => {
             report.fail(format!("{e:#}"));
-            report.outcome = "failed".into();
+            report.outcome = Outcome::Failed;
             return End::Done;
         }
     };
@@ -192,7 +192,7 @@ fn write<T>(
                 "cannot write {}: {e:#}; stopping before any further side effect",
                 store.describe()
             ));
-            report.outcome = "failed".into();
+            report.outcome = Outcome::Failed;
             Err(SaveFailed)
         }
     }
@@ -367,7 +367,7 @@ impl Driver<'_, '_> {
                 self.report.fail(format!(
                     "internal error: {MAX_STEPS_WITHOUT_WAIT} steps without progress; cycle.json is kept"
                 ));
-                self.report.outcome = "failed".into();
+                self.report.outcome = Outcome::Failed;
                 return End::Done;
             }
             let (obs, failed) = self.observe();
@@ -381,7 +381,7 @@ impl Driver<'_, '_> {
             log::debug!("step: {step:?}");
             match step {
                 Step::Idle => {
-                    self.report.outcome = "idle".into();
+                    self.report.outcome = Outcome::Idle;
                     log::info!(
                         "no waiting job to serve (none matches the labels, or each is held, claimed by another slot or another host's share); nothing to do"
                     );
@@ -389,7 +389,7 @@ impl Driver<'_, '_> {
                 }
                 Step::GiveUp { why } => {
                     self.report.fail(why);
-                    self.report.outcome = "failed".into();
+                    self.report.outcome = Outcome::Failed;
                     return End::Done;
                 }
                 Step::Wait { why } => {
@@ -406,7 +406,7 @@ impl Driver<'_, '_> {
                             self.ctx.failed_intents.clear();
                         }
                         Sleep::Stop => {
-                            self.report.outcome = format!("would_wait: {why}");
+                            self.report.outcome = Outcome::WouldWait(why);
                             return End::Done;
                         }
                         Sleep::Interrupted => return self.interrupted("while waiting"),
@@ -415,7 +415,7 @@ impl Driver<'_, '_> {
                                 "SIGHUP: ending this run at its wait ({why}); cycle.json is kept and the next run resumes it with the configuration it is started with"
                             );
                             self.save_before_ending();
-                            self.report.outcome = "reload".into();
+                            self.report.outcome = Outcome::Reload;
                             return End::Done;
                         }
                     }
@@ -423,12 +423,12 @@ impl Driver<'_, '_> {
                 Step::Finish => {
                     // Counted before cycle.json goes: a crash in between counts it again, once.
                     if !self.record_outcome() {
-                        self.report.outcome = "failed".into();
+                        self.report.outcome = Outcome::Failed;
                         return End::Done;
                     }
                     if let Err(e) = self.w.store.remove() {
                         self.report.fail(format!("{e:#}"));
-                        self.report.outcome = "failed".into();
+                        self.report.outcome = Outcome::Failed;
                         return End::Done;
                     }
                     self.state = None;
@@ -438,7 +438,7 @@ impl Driver<'_, '_> {
                         true,
                         "cycle.json removed: no VM, no registration left",
                     );
-                    self.report.outcome = "cycle_finished".into();
+                    self.report.outcome = Outcome::CycleFinished;
                     return End::Done;
                 }
                 other => {
@@ -506,7 +506,7 @@ impl Driver<'_, '_> {
         self.report.fail(format!(
             "stopped by a signal {during}; cycle.json is kept and the next run resumes"
         ));
-        self.report.outcome = "interrupted".into();
+        self.report.outcome = Outcome::Interrupted;
         End::Done
     }
 
@@ -882,7 +882,7 @@ mod tests {
             clock: &mut clock,
         };
         assert_eq!(run(&mut world, &cfg, &mut report), End::Done);
-        assert_eq!(report.outcome, "failed");
+        assert_eq!(report.outcome, Outcome::Failed);
         assert!(
             report
                 .failures
@@ -950,7 +950,7 @@ mod tests {
             ..MemoryStore::default()
         };
         let report = run_with_store(&shared, &mut store);
-        assert_eq!(report.outcome, "backing_off");
+        assert_eq!(report.outcome, Outcome::BackingOff);
         assert!(report.failures.is_empty(), "{:?}", report.failures);
         let closed = report
             .backoff
@@ -973,14 +973,19 @@ mod tests {
             ..MemoryStore::default()
         };
         let report = run_with_config(&shared, &mut store, &cfg);
-        assert_eq!(report.outcome, "backing_off");
+        assert_eq!(report.outcome, Outcome::BackingOff);
         assert!(report.backoff.is_some());
         assert!(store.state.is_none(), "no warm VM started");
         // Not backing off, the same run makes one, which waits for a job until --warm-max-age
         // (the model's clock moves on with each wait), then goes.
         let mut store = MemoryStore::default();
         let report = run_with_config(&shared, &mut store, &cfg);
-        assert_eq!(report.outcome, "cycle_finished", "{:?}", report.failures);
+        assert_eq!(
+            report.outcome,
+            Outcome::CycleFinished,
+            "{:?}",
+            report.failures
+        );
         let said = |text: &str| report.events.iter().any(|e| e.detail.contains(text));
         assert!(said("(warm: no job yet)"), "{:?}", report.events);
         assert!(
@@ -1004,7 +1009,12 @@ mod tests {
             ..MemoryStore::default()
         };
         let report = run_with_store(&shared, &mut store);
-        assert_eq!(report.outcome, "cycle_finished", "{:?}", report.failures);
+        assert_eq!(
+            report.outcome,
+            Outcome::CycleFinished,
+            "{:?}",
+            report.failures
+        );
         assert!(store.state.is_none());
         assert_eq!(
             store.backoff.consecutive_failed_cycles, 4,
@@ -1041,7 +1051,7 @@ mod tests {
         };
         assert_eq!(run(&mut world, &cfg, &mut report), End::Done);
         assert!(report.failures.is_empty(), "{:?}", report.failures);
-        assert_eq!(report.outcome, "cycle_finished");
+        assert_eq!(report.outcome, Outcome::CycleFinished);
         let launched = report
             .events
             .iter()
@@ -1136,7 +1146,7 @@ mod tests {
             ..MemoryStore::default()
         };
         let first = run_with_store(&shared, &mut store);
-        assert_eq!(first.outcome, "backing_off");
+        assert_eq!(first.outcome, Outcome::BackingOff);
         assert_eq!(
             store
                 .holds
@@ -1150,7 +1160,12 @@ mod tests {
         shared.server().now += 30_000;
         store.backoff = crate::core::backoff::Backoff::new();
         let report = run_with_store(&shared, &mut store);
-        assert_eq!(report.outcome, "cycle_finished", "{:?}", report.failures);
+        assert_eq!(
+            report.outcome,
+            Outcome::CycleFinished,
+            "{:?}",
+            report.failures
+        );
         let took = take_jobs(&report);
         assert_eq!(took.len(), 1, "{:?}", report.events);
         let pickup = took[0].pickup_ms.expect("a pickup");
@@ -1191,7 +1206,12 @@ mod tests {
             clock: &mut clock,
         };
         assert_eq!(run(&mut world, &cfg, &mut report), End::Done);
-        assert_eq!(report.outcome, "cycle_finished", "{:?}", report.failures);
+        assert_eq!(
+            report.outcome,
+            Outcome::CycleFinished,
+            "{:?}",
+            report.failures
+        );
         let took = take_jobs(&report);
         assert_eq!(
             took.len(),

@@ -93,7 +93,7 @@ impl Driver<'_, '_> {
                     }
                     None => log::warn!("no warm VM (--warm): {}", closed.describe()),
                 }
-                self.report.outcome = "backing_off".into();
+                self.report.outcome = Outcome::BackingOff;
                 self.report.backoff = Some(closed);
                 return Some(End::Done);
             }
@@ -235,7 +235,7 @@ impl Driver<'_, '_> {
                     "tofu destroy failed: {}; no sweep; cycle.json is kept and the next run retries the destroy first",
                     e.message
                 ));
-                self.report.outcome = "destroy_failed".into();
+                self.report.outcome = Outcome::DestroyFailed;
                 Some(End::Done)
             }
         }
