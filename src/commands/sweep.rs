@@ -30,7 +30,8 @@ pub fn cmd_sweep(a: SweepArgs) -> Result<u8, Fatal> {
             return outlet.close(report, End::Done, c);
         }
     };
-    let sw = sweep::sweep_with(
+    sweep::sweep_into(
+        &mut report,
         &mut *forgejo,
         &licence,
         &c.runner_prefix,
@@ -44,16 +45,11 @@ pub fn cmd_sweep(a: SweepArgs) -> Result<u8, Fatal> {
             ),
             others: &mut || store.others(),
         },
-        &mut |r, result| report.sweep_deletion(r, result, &licence),
     );
-    for failure in crate::core::listing::sweep_failures(&sw) {
-        report.fail(failure);
-    }
     report.outcome = if report.dry_run {
         crate::core::report::Outcome::WouldSweep
     } else {
         crate::core::report::Outcome::Swept
     };
-    report.sweep = Some(sw);
     outlet.close(report, End::Done, c)
 }

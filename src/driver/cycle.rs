@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use crate::core::backoff::{BackoffPolicy, Change};
 use crate::core::holds::HoldsError;
+use crate::core::licence::SweepLicence;
 use crate::core::model::Deletable;
 use crate::core::planner;
 use crate::core::planner::{DeleteReason, Observation, Policy, RunContext, Step, TeardownReason};
@@ -614,46 +615,39 @@ impl Driver<'_, '_> {
             }
             Step::Destroy => self.destroy(),
             Step::Sweep(licence) => {
-                let sw = Stopwatch::start(&*self.w.clock);
-                let audit = &mut *self.report;
-                let store = &mut *self.w.store;
-                let spare = sweep::Spare {
-                    now: self.w.clock.now(),
-                    min_age: self.cfg.policy.sweep_min_age,
-                    others: &mut || store.others(),
-                };
-                let report = sweep::sweep_with(
-                    self.w.forgejo,
-                    &licence,
-                    &self.cfg.policy.runner_prefix,
-                    self.cfg.sweep_max_deletions,
-                    spare,
-                    &mut |r, result| audit.sweep_deletion(r, result, &licence),
-                );
-                let failures = crate::core::listing::sweep_failures(&report);
-                let ok = failures.is_empty();
-                for f in failures {
-                    self.report.fail(f);
-                }
-                let e = self.report.event(
-                    "sweep",
-                    ok,
-                    format!(
-                        "{} deleted, {} already gone, {} failed, {} left over the cap",
-                        report.deleted.len(),
-                        report.already_gone.len(),
-                        report.failed.len(),
-                        report.left_over_cap
-                    ),
-                );
-                e.duration_ms = sw.ms(&*self.w.clock);
-                self.report.sweep = Some(report);
-                self.ctx.swept = true;
-                crate::crash_point!("sweep-done");
+                self.sweep(&licence);
                 None
             }
             Step::Idle | Step::Wait { .. } | Step::GiveUp { .. } | Step::Finish => None,
         }
+    }
+
+    /// The sweep after this cycle's destroy (or with no cycle at all), with its `sweep` event.
+    fn sweep(&mut self, licence: &SweepLicence) {
+        let sw = Stopwatch::start(&*self.w.clock);
+        let store = &mut *self.w.store;
+        let spare = sweep::Spare {
+            now: self.w.clock.now(),
+            min_age: self.cfg.policy.sweep_min_age,
+            others: &mut || store.others(),
+        };
+        let ok = sweep::sweep_into(
+            self.report,
+            self.w.forgejo,
+            licence,
+            &self.cfg.policy.runner_prefix,
+            self.cfg.sweep_max_deletions,
+            spare,
+        );
+        let counts = self
+            .report
+            .sweep
+            .as_ref()
+            .map(|s| s.counts())
+            .unwrap_or_default();
+        self.report.event("sweep", ok, counts).duration_ms = sw.ms(&*self.w.clock);
+        self.ctx.swept = true;
+        crate::crash_point!("sweep-done");
     }
 
     /// Before a teardown because our runner was not given its waiting job: the registration
