@@ -38,7 +38,7 @@ pub struct CycleConfig {
     pub backoff: BackoffPolicy,
 }
 
-/// The implementations this run uses, chosen once in `main`.
+/// The ports this run acts through: the real adapters, or a dry-run's.
 pub struct World<'a> {
     pub forgejo: &'a mut dyn Forgejo,
     pub tofu: &'a mut dyn Tofu,
@@ -49,7 +49,8 @@ pub struct World<'a> {
 
 #[derive(Debug, PartialEq, Eq)]
 pub enum End {
-    /// Finished as far as this run goes; the exit status follows from the report's failures.
+    /// Finished as far as this run goes; the report's outcome and failures give the exit
+    /// status (`Outcome::exit_code`).
     Done,
     /// A configuration problem (exit 2).
     Config(String),
@@ -732,9 +733,8 @@ mod tests {
         }
     }
 
-    /// Found with the simulation (the planner's filter of other slots' claims removed): every
-    /// step chose the job, every claim was refused, and a refusal counted as progress, so the
-    /// runaway guard never stopped the run.
+    /// A refused claim writes nothing, so it is no progress: a planner that chooses, step after
+    /// step, a job the store says another slot holds is stopped by the runaway guard.
     #[test]
     fn a_claim_refused_again_and_again_is_a_runaway_not_progress() {
         let shared = ModelForgejo::new("debian");

@@ -288,8 +288,8 @@ impl Driver<'_, '_> {
             .or_default() += 1;
     }
 
-    /// The prefix that marks this cycle's registrations (see `CycleState::runner_prefix`).
-    /// The cycle's own prefix (`planner::cycle_prefix`); the configured one before a cycle.
+    /// The prefix that marks this cycle's registrations (`planner::cycle_prefix`); the
+    /// configured one before a cycle.
     pub(super) fn cycle_prefix(&self) -> String {
         match &self.state {
             Some(s) => planner::cycle_prefix(s, &self.cfg.policy).to_string(),
