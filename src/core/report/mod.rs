@@ -14,8 +14,9 @@ use serde::Serialize;
 use crate::core::licence::SweepLicence;
 use crate::core::ports::{AuditSink, Deleted};
 use crate::core::time::Timestamp;
-pub use audit::{AuditTrail, MAX_AUDIT_DETAIL, audit_record};
-pub use clock::{ReportClock, Stopwatch};
+use audit::{AuditTrail, audit_record};
+use clock::ReportClock;
+pub use clock::Stopwatch;
 pub use outcome::Outcome;
 pub use text::{cut, event_line, seconds};
 
@@ -364,6 +365,7 @@ mod tests {
 
     use serde_json::Value;
 
+    use super::audit::MAX_AUDIT_DETAIL;
     use super::*;
 
     /// Collects records; fails every append when `broken`.
