@@ -375,14 +375,14 @@ fn record_run(dir: &Path, metrics: Option<MetricsTarget<'_>>, report: &mut Repor
         );
         if let Err(e) = crate::adapters::files::write_textfile(path, &text) {
             report.fail(format!("--metrics-file: {e:#}"));
-            report.settle(report.exit_code == i32::from(EXIT_USAGE));
+            report.settle();
             counters = before.clone();
             counters.record(report);
         }
     }
     if let Err(e) = crate::adapters::files::save_counters(dir, &counters) {
         report.fail(format!("{e:#}"));
-        report.settle(report.exit_code == i32::from(EXIT_USAGE));
+        report.settle();
     }
 }
 
@@ -395,19 +395,15 @@ pub(crate) fn finish(
     output: OutputFormat,
     metrics: Option<MetricsTarget<'_>>,
 ) -> Result<u8, Fatal> {
-    let config_error = match end {
-        End::Config(msg) => {
-            // Kept in last-run.json too: `status` must show why runs stopped doing anything.
-            report.fail(msg);
-            report.outcome = "configuration_error".into();
-            true
-        }
-        End::Done => false,
-    };
+    if let End::Config(msg) = end {
+        // Kept in last-run.json too: `status` must show why runs stopped doing anything.
+        report.fail(msg);
+        report.outcome = crate::core::report::Outcome::ConfigurationError;
+    }
     let end_at = report.now();
     report.finished_at = Some(end_at);
     report.duration_ms = end_at.since(report.started_at).as_millis() as u64;
-    report.settle(config_error);
+    report.settle();
     report.sync_audit();
     if let Some(dir) = dir {
         record_run(dir, metrics, &mut report);
@@ -447,7 +443,10 @@ pub(crate) fn print_plan(actions: &[Value], report: &Report, output: OutputForma
         }
         OutputFormat::Text => {
             if actions.is_empty() {
-                println!("plan: nothing to do ({})", escape_controls(&report.outcome));
+                println!(
+                    "plan: nothing to do ({})",
+                    escape_controls(&report.outcome.to_string())
+                );
             } else {
                 println!("plan ({} action(s)):", actions.len());
                 for a in actions {
@@ -476,7 +475,7 @@ pub(crate) fn print_plan(actions: &[Value], report: &Report, output: OutputForma
                     }
                     println!("  {}", escape_controls(&line));
                 }
-                println!("then: {}", escape_controls(&report.outcome));
+                println!("then: {}", escape_controls(&report.outcome.to_string()));
             }
             let failures = report.failures.len() as u64 + report.failures_not_listed;
             if failures > 0 {

@@ -26,11 +26,12 @@ pub fn cmd_sweep(a: SweepArgs) -> Result<u8, Fatal> {
             // names the cycle in progress that is the reason.
             report.cycle_id = refusal.cycle_id;
             report.fail(refusal.message);
-            report.outcome = "refused".into();
+            report.outcome = crate::core::report::Outcome::Refused;
             return outlet.close(report, End::Done, c);
         }
     };
-    let sw = sweep::sweep_with(
+    sweep::sweep_into(
+        &mut report,
         &mut *forgejo,
         &licence,
         &c.runner_prefix,
@@ -44,17 +45,11 @@ pub fn cmd_sweep(a: SweepArgs) -> Result<u8, Fatal> {
             ),
             others: &mut || store.others(),
         },
-        &mut |r, result| report.sweep_deletion(r, result, &licence),
     );
-    for failure in crate::core::listing::sweep_failures(&sw) {
-        report.fail(failure);
-    }
     report.outcome = if report.dry_run {
-        "would_sweep"
+        crate::core::report::Outcome::WouldSweep
     } else {
-        "swept"
-    }
-    .into();
-    report.sweep = Some(sw);
+        crate::core::report::Outcome::Swept
+    };
     outlet.close(report, End::Done, c)
 }

@@ -503,7 +503,7 @@ mod tests {
             error: Some("listing failed".into()),
             ..SweepReport::default()
         });
-        r.settle(false);
+        r.settle();
         c.record(&r);
         assert!(c.destroy_failing);
         assert_eq!((c.destroy_failures, c.sweep_failures), (1, 1));
@@ -514,7 +514,7 @@ mod tests {
         e.reason = Some("sweep".into());
         let e = r.event("delete_runner", true, crate::core::report::ALREADY_GONE);
         e.reason = Some("sweep".into());
-        r.settle(false);
+        r.settle();
         c.record(&r);
         assert!(!c.destroy_failing, "a successful destroy clears it");
         assert_eq!(c.destroy_failures, 1);

@@ -1,24 +1,27 @@
 //! The imperative shell around the planner: observe, decide, act, persist; repeat until the
 //! cycle ends, the run fails, or (dry-run) the cycle would wait on the outside world.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use crate::core::backoff::{BackoffPolicy, Change};
-use crate::core::holds::HoldsError;
-use crate::core::model::Deletable;
-use crate::core::planner;
-use crate::core::planner::{DeleteReason, Observation, Policy, RunContext, Step, TeardownReason};
+use crate::core::holds::{Holds, HoldsError};
+use crate::core::licence::SweepLicence;
+use crate::core::model::{Job, job_matches, waiting_jobs};
+use crate::core::planner::{
+    self, DeleteReason, Observation, Policy, RunContext, Step, TeardownReason,
+};
 use crate::core::ports::{
-    BackoffGate, Claim, Clock, Deleted, Forgejo, LaunchRequest, Launcher, Outputs, ProcessCheck,
-    Sleep, StateStore, Tofu,
+    BackoffGate, Claim, Clock, Forgejo, LaunchRequest, Launcher, Outputs, Sleep, StateStore, Tofu,
 };
-use crate::core::report::{ALREADY_GONE, DELETED, PLANNED, Report, Stopwatch};
-use crate::core::state::{
-    Boundary, CycleState, Launch, NotServed, Phase, PreviousRunner, ProcessState,
-};
+use crate::core::report::{Outcome, Report, Stopwatch};
+use crate::core::state::{CycleState, NotServed, Phase, PreviousRunner};
 use crate::core::time::{Timestamp, format_duration};
 use crate::driver::sweep;
+
+mod observed;
+mod registrations;
+mod vm;
 
 pub struct CycleConfig {
     pub policy: Policy,
@@ -35,7 +38,7 @@ pub struct CycleConfig {
     pub backoff: BackoffPolicy,
 }
 
-/// The implementations this run uses, chosen once in `main`.
+/// The ports this run acts through: the real adapters, or a dry-run's.
 pub struct World<'a> {
     pub forgejo: &'a mut dyn Forgejo,
     pub tofu: &'a mut dyn Tofu,
@@ -46,7 +49,8 @@ pub struct World<'a> {
 
 #[derive(Debug, PartialEq, Eq)]
 pub enum End {
-    /// Finished as far as this run goes; the exit status follows from the report's failures.
+    /// Finished as far as this run goes; the report's outcome and failures give the exit
+    /// status (`Outcome::exit_code`).
     Done,
     /// A configuration problem (exit 2).
     Config(String),
@@ -67,7 +71,7 @@ struct Driver<'w, 'a> {
     /// The status each registration had when last observed (the evidence of a deletion).
     seen: BTreeMap<i64, String>,
     /// Jobs listed without a handle that this run warned about (once each).
-    no_handle: std::collections::BTreeSet<i64>,
+    no_handle: BTreeSet<i64>,
     /// When the other slots first saw each waiting job (their `held-jobs.json`), as last read.
     others_first_seen: BTreeMap<String, Timestamp>,
 }
@@ -77,7 +81,7 @@ pub fn run(w: &mut World<'_>, cfg: &CycleConfig, report: &mut Report) -> End {
         Ok(s) => s,
         Err(e) => {
             report.fail(format!("{e:#}"));
-            report.outcome = "failed".into();
+            report.outcome = Outcome::Failed;
             return End::Done;
         }
     };
@@ -86,7 +90,7 @@ pub fn run(w: &mut World<'_>, cfg: &CycleConfig, report: &mut Report) -> End {
     // this run, which goes on without holds (at worst a held job gets a runner once more); one
     // that is unusable is also removed, or every run would fail the same way.
     let holds = w.store.load_holds().unwrap_or_else(|e| {
-        let empty = crate::core::holds::Holds::default();
+        let empty = Holds::default();
         let what = match &e {
             HoldsError::Unreadable(_) => "going on without held jobs".to_string(),
             HoldsError::Unusable(_) => match w.store.save_holds(&empty) {
@@ -148,28 +152,6 @@ fn runner_request<'r>(
     }
 }
 
-mod registrations;
-mod vm;
-
-/// A runner that took a job, for its `take_job` event.
-struct Took {
-    id: i64,
-    name: String,
-    job_id: i64,
-    pickup_ms: Option<u64>,
-}
-
-impl Took {
-    fn of(id: i64, r: &crate::core::state::Registration, now: Timestamp) -> Took {
-        Took {
-            id,
-            name: r.name.clone(),
-            job_id: r.job_id,
-            pickup_ms: r.pickup_ms(now),
-        }
-    }
-}
-
 /// cycle.json could not be written (reported): stop before the next side effect.
 struct SaveFailed;
 
@@ -192,7 +174,7 @@ fn write<T>(
                 "cannot write {}: {e:#}; stopping before any further side effect",
                 store.describe()
             ));
-            report.outcome = "failed".into();
+            report.outcome = Outcome::Failed;
             Err(SaveFailed)
         }
     }
@@ -249,6 +231,7 @@ impl Driver<'_, '_> {
         }
     }
 
+    /// What Forgejo and the other slots say now; true when some of it could not be read.
     fn observe(&mut self) -> (Observation, bool) {
         let mut obs = Observation::default();
         if self
@@ -263,7 +246,6 @@ impl Driver<'_, '_> {
                 .err()
                 .map(|e| format!("{e:#}"));
         }
-        let mut failed = false;
         let (want_jobs, ids): (bool, Vec<i64>) = match &self.state {
             None => (true, vec![]),
             Some(s) => {
@@ -275,46 +257,7 @@ impl Driver<'_, '_> {
                 }
             }
         };
-        if want_jobs {
-            // Read before the jobs: a claim another slot writes meanwhile is caught again under
-            // the claims lock, when this slot claims a job itself.
-            let others = match self.w.store.others() {
-                Ok(o) => Some(o),
-                Err(e) => {
-                    failed = true;
-                    self.report.fail(format!(
-                        "{e:#}; no job is served while the other slots' claims are unknown"
-                    ));
-                    None
-                }
-            };
-            match others.map(|o| (o, self.w.forgejo.list_jobs())) {
-                None => {}
-                Some((o, Ok(jobs))) => {
-                    obs.claimed_elsewhere = o.claimed(self.w.clock.now());
-                    obs.warm_elsewhere = o.warm_elsewhere(self.cfg.slot);
-                    self.others_first_seen = o.first_seen;
-                    // A held job that is no longer listed (done, cancelled, re-run) is forgotten;
-                    // a waiting job is remembered from when it was first seen (another host's
-                    // share waits for its take-over from then; a pickup time counts from then).
-                    self.warn_without_handle(&jobs);
-                    let pruned = self.ctx.holds.prune(&jobs);
-                    let waiting =
-                        crate::core::model::waiting_jobs(&jobs, &self.cfg.policy.label_names);
-                    let now = self.w.clock.now();
-                    let noted = self.ctx.holds.note_waiting(&waiting, now);
-                    if pruned || noted {
-                        self.save_holds();
-                    }
-                    obs.jobs = Some(jobs);
-                }
-                Some((_, Err(e))) => {
-                    failed = true;
-                    self.report
-                        .fail(format!("asking Forgejo for jobs failed: {e}"));
-                }
-            }
-        }
+        let mut failed = want_jobs && self.observe_jobs(&mut obs);
         for id in ids {
             match self.w.forgejo.get_runner(id) {
                 Ok(r) => {
@@ -333,13 +276,54 @@ impl Driver<'_, '_> {
         (obs, failed)
     }
 
+    /// The jobs list and the other slots' claims into `obs`, the held jobs brought up to date;
+    /// true when either could not be read.
+    fn observe_jobs(&mut self, obs: &mut Observation) -> bool {
+        // Read before the jobs: a claim another slot writes meanwhile is caught again under
+        // the claims lock, when this slot claims a job itself.
+        let o = match self.w.store.others() {
+            Ok(o) => o,
+            Err(e) => {
+                self.report.fail(format!(
+                    "{e:#}; no job is served while the other slots' claims are unknown"
+                ));
+                return true;
+            }
+        };
+        let jobs = match self.w.forgejo.list_jobs() {
+            Ok(jobs) => jobs,
+            Err(e) => {
+                self.report
+                    .fail(format!("asking Forgejo for jobs failed: {e}"));
+                return true;
+            }
+        };
+        obs.claimed_elsewhere = o.claimed(self.w.clock.now());
+        obs.warm_elsewhere = o.warm_elsewhere(self.cfg.slot);
+        self.others_first_seen = o.first_seen;
+        // A held job that is no longer listed (done, cancelled, re-run) is forgotten; a waiting
+        // job is remembered from when it was first seen (another host's share waits for its
+        // take-over from then; a pickup time counts from then).
+        self.warn_without_handle(&jobs);
+        let pruned = self.ctx.holds.prune(&jobs);
+        let waiting = waiting_jobs(&jobs, &self.cfg.policy.label_names);
+        let now = self.w.clock.now();
+        let noted = self.ctx.holds.note_waiting(&waiting, now);
+        if pruned || noted {
+            self.save_holds();
+        }
+        obs.jobs = Some(jobs);
+        false
+    }
+
     /// A waiting job of ours listed without a handle is never served (`Job::has_handle`): said
     /// once per run, at warn level.
-    fn warn_without_handle(&mut self, jobs: &[crate::core::model::Job]) {
+    fn warn_without_handle(&mut self, jobs: &[Job]) {
         let names = &self.cfg.policy.label_names;
-        for j in jobs.iter().filter(|j| {
-            j.is_waiting() && !j.has_handle() && crate::core::model::job_matches(j, names)
-        }) {
+        for j in jobs
+            .iter()
+            .filter(|j| j.is_waiting() && !j.has_handle() && job_matches(j, names))
+        {
             if self.no_handle.insert(j.id) {
                 log::warn!(
                     "job {} is listed without a handle; not serving it: a runner asked for no handle takes any job of its labels, not this one (Forgejo 15 or newer lists every job with one)",
@@ -349,6 +333,7 @@ impl Driver<'_, '_> {
         }
     }
 
+    /// Observes, decides and acts, step after step, until the run ends.
     fn drive(&mut self) -> End {
         let mut steps = 0u32;
         // A long job means hours of identical waits: log each reason once at info level.
@@ -367,8 +352,7 @@ impl Driver<'_, '_> {
                 self.report.fail(format!(
                     "internal error: {MAX_STEPS_WITHOUT_WAIT} steps without progress; cycle.json is kept"
                 ));
-                self.report.outcome = "failed".into();
-                return End::Done;
+                return self.end(Outcome::Failed);
             }
             let (obs, failed) = self.observe();
             self.ctx.failed_observations = if failed {
@@ -379,75 +363,84 @@ impl Driver<'_, '_> {
             let now = self.w.clock.now();
             let step = planner::decide(self.state.as_ref(), &obs, &self.ctx, &self.cfg.policy, now);
             log::debug!("step: {step:?}");
-            match step {
+            let end = match step {
                 Step::Idle => {
-                    self.report.outcome = "idle".into();
                     log::info!(
                         "no waiting job to serve (none matches the labels, or each is held, claimed by another slot or another host's share); nothing to do"
                     );
-                    return End::Done;
+                    Some(self.end(Outcome::Idle))
                 }
                 Step::GiveUp { why } => {
                     self.report.fail(why);
-                    self.report.outcome = "failed".into();
-                    return End::Done;
+                    Some(self.end(Outcome::Failed))
                 }
                 Step::Wait { why } => {
-                    if why != last_wait {
-                        log::info!("{why}");
-                        last_wait.clone_from(&why);
-                    } else {
-                        log::debug!("{why}");
+                    let end = self.wait(why, &mut last_wait);
+                    if end.is_none() {
+                        steps = 0;
                     }
-                    match self.w.clock.sleep(self.cfg.poll_interval) {
-                        Sleep::Slept => {
-                            steps = 0;
-                            self.ctx.failed_deletes.clear();
-                            self.ctx.failed_intents.clear();
-                        }
-                        Sleep::Stop => {
-                            self.report.outcome = format!("would_wait: {why}");
-                            return End::Done;
-                        }
-                        Sleep::Interrupted => return self.interrupted("while waiting"),
-                        Sleep::Reload => {
-                            log::info!(
-                                "SIGHUP: ending this run at its wait ({why}); cycle.json is kept and the next run resumes it with the configuration it is started with"
-                            );
-                            self.save_before_ending();
-                            self.report.outcome = "reload".into();
-                            return End::Done;
-                        }
-                    }
+                    end
                 }
-                Step::Finish => {
-                    // Counted before cycle.json goes: a crash in between counts it again, once.
-                    if !self.record_outcome() {
-                        self.report.outcome = "failed".into();
-                        return End::Done;
-                    }
-                    if let Err(e) = self.w.store.remove() {
-                        self.report.fail(format!("{e:#}"));
-                        self.report.outcome = "failed".into();
-                        return End::Done;
-                    }
-                    self.state = None;
-                    crate::crash_point!("finish-removed");
-                    self.report.event(
-                        "finish",
-                        true,
-                        "cycle.json removed: no VM, no registration left",
-                    );
-                    self.report.outcome = "cycle_finished".into();
-                    return End::Done;
-                }
-                other => {
-                    if let Some(end) = self.act(other, now) {
-                        return end;
-                    }
-                }
+                Step::Finish => Some(self.finish()),
+                other => self.act(other, now),
+            };
+            if let Some(end) = end {
+                return end;
             }
         }
+    }
+
+    /// The run ends so.
+    fn end(&mut self, outcome: Outcome) -> End {
+        self.report.outcome = outcome;
+        End::Done
+    }
+
+    /// One poll interval's sleep (`None`), unless the run ends at this wait: a dry-run's stop,
+    /// a signal, SIGHUP. `last_wait`: the reason of the last wait, logged once at info level.
+    fn wait(&mut self, why: String, last_wait: &mut String) -> Option<End> {
+        if why != *last_wait {
+            log::info!("{why}");
+            last_wait.clone_from(&why);
+        } else {
+            log::debug!("{why}");
+        }
+        match self.w.clock.sleep(self.cfg.poll_interval) {
+            Sleep::Slept => {
+                self.ctx.failed_deletes.clear();
+                self.ctx.failed_intents.clear();
+                None
+            }
+            Sleep::Stop => Some(self.end(Outcome::WouldWait(why))),
+            Sleep::Interrupted => Some(self.interrupted("while waiting")),
+            Sleep::Reload => {
+                log::info!(
+                    "SIGHUP: ending this run at its wait ({why}); cycle.json is kept and the next run resumes it with the configuration it is started with"
+                );
+                self.save_before_ending();
+                Some(self.end(Outcome::Reload))
+            }
+        }
+    }
+
+    /// No VM and no registration left: the cycle is counted, then cycle.json goes.
+    fn finish(&mut self) -> End {
+        // Counted before cycle.json goes: a crash in between counts it again, once.
+        if !self.record_outcome() {
+            return self.end(Outcome::Failed);
+        }
+        if let Err(e) = self.w.store.remove() {
+            self.report.fail(format!("{e:#}"));
+            return self.end(Outcome::Failed);
+        }
+        self.state = None;
+        crate::crash_point!("finish-removed");
+        self.report.event(
+            "finish",
+            true,
+            "cycle.json removed: no VM, no registration left",
+        );
+        self.end(Outcome::CycleFinished)
     }
 
     fn backoff_gate(&self, now: Timestamp) -> BackoffGate {
@@ -506,8 +499,7 @@ impl Driver<'_, '_> {
         self.report.fail(format!(
             "stopped by a signal {during}; cycle.json is kept and the next run resumes"
         ));
-        self.report.outcome = "interrupted".into();
-        End::Done
+        self.end(Outcome::Interrupted)
     }
 
     /// Carries out one step. `Some(end)` ends the run.
@@ -517,91 +509,13 @@ impl Driver<'_, '_> {
             Step::StartWarm => self.start_warm(now),
             Step::Apply => self.apply(),
             Step::ResolveIntent { name } => self.resolve_intent(&name),
-            Step::Forget { id } => {
-                // A launched runner whose registration Forgejo removed ran its job: a start
-                // that worked. Never seen active, it took its job unseen: counted now.
-                let mut took = None;
-                if let Some(s) = &mut self.state
-                    && let Some(r) = s
-                        .registration(id)
-                        .filter(|r| r.launch == Launch::Done && !r.failed_start)
-                {
-                    if !r.busy {
-                        took = Some(Took::of(id, r, now));
-                    }
-                    s.start_failures = 0;
-                    s.served = true;
-                }
-                let name = self.forget(id, now);
-                let e = self.report.event(
-                    "forget_runner",
-                    true,
-                    "Forgejo answered 404: it ran its job and was removed",
-                );
-                e.runner_id = Some(id);
-                e.runner_name = name;
-                e.reason = Some("consumed".into());
-                let end = self.save().err().map(|_| End::Done);
-                if end.is_none()
-                    && let Some(t) = took
-                {
-                    self.took_job(t, false);
-                }
-                crate::crash_point!("forget-written");
-                end
-            }
+            Step::Forget { id } => self.forget_consumed(id, now),
             Step::Delete { target, reason } => self.delete(&target, reason, now),
-            Step::AdoptLaunch { id } => {
-                if let Some(s) = &mut self.state {
-                    if let Some(r) = s.registration_mut(id) {
-                        r.launch = Launch::Done;
-                        r.launched_at.get_or_insert(now);
-                        r.connected = true;
-                    }
-                    s.jobs_started += 1;
-                    s.start_failures = 0;
-                }
-                log::warn!(
-                    "runner {id} is up although its launch was not recorded as done; adopting it"
-                );
-                self.save().err().map(|_| End::Done)
-            }
-            Step::MarkConnected { id } => {
-                let s = self.state.as_mut()?;
-                if let Some(r) = s.registration_mut(id) {
-                    r.connected = true;
-                    log::info!("runner {id} ({}) connected", r.name);
-                }
-                // The start worked: only failed starts in a row mean a broken VM.
-                s.start_failures = 0;
-                self.save().err().map(|_| End::Done)
-            }
-            Step::MarkBusy { id } => {
-                let s = self.state.as_mut()?;
-                s.served = true;
-                let mut took = None;
-                if let Some(r) = s.registration_mut(id) {
-                    r.busy = true;
-                    took = Some(Took::of(id, r, now));
-                }
-                let end = self.save().err().map(|_| End::Done);
-                if end.is_none()
-                    && let Some(t) = took
-                {
-                    self.took_job(t, true);
-                }
-                end
-            }
-            Step::MarkJobGone { id } | Step::ClearJobGone { id } => {
-                let gone = matches!(step, Step::MarkJobGone { .. });
-                if let Some(r) = self.state.as_mut().and_then(|s| s.registration_mut(id)) {
-                    r.job_gone_since = if gone { Some(now) } else { None };
-                }
-                if gone {
-                    log::warn!("runner {id} is idle but its job is neither waiting nor running");
-                }
-                self.save().err().map(|_| End::Done)
-            }
+            Step::AdoptLaunch { id } => self.adopt_launch(id, now),
+            Step::MarkConnected { id } => self.mark_connected(id),
+            Step::MarkBusy { id } => self.mark_busy(id, now),
+            Step::MarkJobGone { id } => self.mark_job_gone(id, Some(now)),
+            Step::ClearJobGone { id } => self.mark_job_gone(id, None),
             Step::CheckPrevious { id } => self.check_previous(id),
             Step::Register {
                 job_id,
@@ -614,46 +528,39 @@ impl Driver<'_, '_> {
             }
             Step::Destroy => self.destroy(),
             Step::Sweep(licence) => {
-                let sw = Stopwatch::start(&*self.w.clock);
-                let audit = &mut *self.report;
-                let store = &mut *self.w.store;
-                let spare = sweep::Spare {
-                    now: self.w.clock.now(),
-                    min_age: self.cfg.policy.sweep_min_age,
-                    others: &mut || store.others(),
-                };
-                let report = sweep::sweep_with(
-                    self.w.forgejo,
-                    &licence,
-                    &self.cfg.policy.runner_prefix,
-                    self.cfg.sweep_max_deletions,
-                    spare,
-                    &mut |r, result| audit.sweep_deletion(r, result, &licence),
-                );
-                let failures = crate::core::listing::sweep_failures(&report);
-                let ok = failures.is_empty();
-                for f in failures {
-                    self.report.fail(f);
-                }
-                let e = self.report.event(
-                    "sweep",
-                    ok,
-                    format!(
-                        "{} deleted, {} already gone, {} failed, {} left over the cap",
-                        report.deleted.len(),
-                        report.already_gone.len(),
-                        report.failed.len(),
-                        report.left_over_cap
-                    ),
-                );
-                e.duration_ms = sw.ms(&*self.w.clock);
-                self.report.sweep = Some(report);
-                self.ctx.swept = true;
-                crate::crash_point!("sweep-done");
+                self.sweep(&licence);
                 None
             }
             Step::Idle | Step::Wait { .. } | Step::GiveUp { .. } | Step::Finish => None,
         }
+    }
+
+    /// The sweep after this cycle's destroy (or with no cycle at all), with its `sweep` event.
+    fn sweep(&mut self, licence: &SweepLicence) {
+        let sw = Stopwatch::start(&*self.w.clock);
+        let store = &mut *self.w.store;
+        let spare = sweep::Spare {
+            now: self.w.clock.now(),
+            min_age: self.cfg.policy.sweep_min_age,
+            others: &mut || store.others(),
+        };
+        let ok = sweep::sweep_into(
+            self.report,
+            self.w.forgejo,
+            licence,
+            &self.cfg.policy.runner_prefix,
+            self.cfg.sweep_max_deletions,
+            spare,
+        );
+        let counts = self
+            .report
+            .sweep
+            .as_ref()
+            .map(|s| s.counts())
+            .unwrap_or_default();
+        self.report.event("sweep", ok, counts).duration_ms = sw.ms(&*self.w.clock);
+        self.ctx.swept = true;
+        crate::crash_point!("sweep-done");
     }
 
     /// Before a teardown because our runner was not given its waiting job: the registration
@@ -711,35 +618,6 @@ impl Driver<'_, '_> {
         e.job_id = Some(job_id);
     }
 
-    /// The `take_job` event of a runner that took a job, with the job's pickup time (counted
-    /// from it in `counters.json`). Made only once cycle.json says so (`busy`, or the
-    /// registration forgotten), so no later run counts it again; a crash before the end of the
-    /// run loses the count, as it loses every counter of that run.
-    fn took_job(&mut self, t: Took, seen_active: bool) {
-        let pickup = t.pickup_ms.map(crate::core::report::seconds);
-        let detail = match (seen_active, &pickup) {
-            (true, Some(p)) => format!(
-                "runner {} took a job; job {} was first seen waiting {p} before",
-                t.id, t.job_id
-            ),
-            (false, Some(p)) => format!(
-                "runner {} ran a job without ever being seen active (its registration is gone); job {} was first seen waiting at most {p} before it was taken",
-                t.id, t.job_id
-            ),
-            (true, None) => format!("runner {} took a job", t.id),
-            (false, None) => format!(
-                "runner {} ran a job without ever being seen active (its registration is gone)",
-                t.id
-            ),
-        };
-        log::info!("{} ({detail})", t.name);
-        let e = self.report.event("take_job", true, detail);
-        e.runner_id = Some(t.id);
-        e.runner_name = Some(t.name);
-        e.job_id = Some(t.job_id);
-        e.pickup_ms = t.pickup_ms;
-    }
-
     fn teardown(&mut self, reason: TeardownReason) -> Option<End> {
         let text = reason.describe();
         if reason.is_failure() {
@@ -767,7 +645,7 @@ mod tests {
     //! always works (the end-to-end tests use the real binary).
     use super::*;
     use crate::adapters::dry::MemoryStore;
-    use crate::core::ports::StepError;
+    use crate::core::ports::{ProcessCheck, StepError};
     use crate::test_forgejo::ModelForgejo;
 
     struct NoopTofu;
@@ -855,9 +733,8 @@ mod tests {
         }
     }
 
-    /// Found with the simulation (the planner's filter of other slots' claims removed): every
-    /// step chose the job, every claim was refused, and a refusal counted as progress, so the
-    /// runaway guard never stopped the run.
+    /// A refused claim writes nothing, so it is no progress: a planner that chooses, step after
+    /// step, a job the store says another slot holds is stopped by the runaway guard.
     #[test]
     fn a_claim_refused_again_and_again_is_a_runaway_not_progress() {
         let shared = ModelForgejo::new("debian");
@@ -882,7 +759,7 @@ mod tests {
             clock: &mut clock,
         };
         assert_eq!(run(&mut world, &cfg, &mut report), End::Done);
-        assert_eq!(report.outcome, "failed");
+        assert_eq!(report.outcome, Outcome::Failed);
         assert!(
             report
                 .failures
@@ -950,7 +827,7 @@ mod tests {
             ..MemoryStore::default()
         };
         let report = run_with_store(&shared, &mut store);
-        assert_eq!(report.outcome, "backing_off");
+        assert_eq!(report.outcome, Outcome::BackingOff);
         assert!(report.failures.is_empty(), "{:?}", report.failures);
         let closed = report
             .backoff
@@ -973,14 +850,19 @@ mod tests {
             ..MemoryStore::default()
         };
         let report = run_with_config(&shared, &mut store, &cfg);
-        assert_eq!(report.outcome, "backing_off");
+        assert_eq!(report.outcome, Outcome::BackingOff);
         assert!(report.backoff.is_some());
         assert!(store.state.is_none(), "no warm VM started");
         // Not backing off, the same run makes one, which waits for a job until --warm-max-age
         // (the model's clock moves on with each wait), then goes.
         let mut store = MemoryStore::default();
         let report = run_with_config(&shared, &mut store, &cfg);
-        assert_eq!(report.outcome, "cycle_finished", "{:?}", report.failures);
+        assert_eq!(
+            report.outcome,
+            Outcome::CycleFinished,
+            "{:?}",
+            report.failures
+        );
         let said = |text: &str| report.events.iter().any(|e| e.detail.contains(text));
         assert!(said("(warm: no job yet)"), "{:?}", report.events);
         assert!(
@@ -1004,7 +886,12 @@ mod tests {
             ..MemoryStore::default()
         };
         let report = run_with_store(&shared, &mut store);
-        assert_eq!(report.outcome, "cycle_finished", "{:?}", report.failures);
+        assert_eq!(
+            report.outcome,
+            Outcome::CycleFinished,
+            "{:?}",
+            report.failures
+        );
         assert!(store.state.is_none());
         assert_eq!(
             store.backoff.consecutive_failed_cycles, 4,
@@ -1041,7 +928,7 @@ mod tests {
         };
         assert_eq!(run(&mut world, &cfg, &mut report), End::Done);
         assert!(report.failures.is_empty(), "{:?}", report.failures);
-        assert_eq!(report.outcome, "cycle_finished");
+        assert_eq!(report.outcome, Outcome::CycleFinished);
         let launched = report
             .events
             .iter()
@@ -1136,7 +1023,7 @@ mod tests {
             ..MemoryStore::default()
         };
         let first = run_with_store(&shared, &mut store);
-        assert_eq!(first.outcome, "backing_off");
+        assert_eq!(first.outcome, Outcome::BackingOff);
         assert_eq!(
             store
                 .holds
@@ -1150,7 +1037,12 @@ mod tests {
         shared.server().now += 30_000;
         store.backoff = crate::core::backoff::Backoff::new();
         let report = run_with_store(&shared, &mut store);
-        assert_eq!(report.outcome, "cycle_finished", "{:?}", report.failures);
+        assert_eq!(
+            report.outcome,
+            Outcome::CycleFinished,
+            "{:?}",
+            report.failures
+        );
         let took = take_jobs(&report);
         assert_eq!(took.len(), 1, "{:?}", report.events);
         let pickup = took[0].pickup_ms.expect("a pickup");
@@ -1191,7 +1083,12 @@ mod tests {
             clock: &mut clock,
         };
         assert_eq!(run(&mut world, &cfg, &mut report), End::Done);
-        assert_eq!(report.outcome, "cycle_finished", "{:?}", report.failures);
+        assert_eq!(
+            report.outcome,
+            Outcome::CycleFinished,
+            "{:?}",
+            report.failures
+        );
         let took = take_jobs(&report);
         assert_eq!(
             took.len(),

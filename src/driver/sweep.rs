@@ -4,11 +4,13 @@
 use anyhow::{anyhow, bail};
 
 use crate::core::licence::SweepLicence;
-use crate::core::listing::{LIST_PASSES, Listing, MAX_PAGES, PAGE_LIMIT, Seen, select};
-use crate::core::model::{Runner, is_ours};
+use crate::core::listing::{
+    LIST_PASSES, Listing, MAX_PAGES, PAGE_LIMIT, Seen, Selection, select, sweep_failures,
+};
+use crate::core::model::{Deletable, Runner, is_ours};
 use crate::core::planner::DeleteReason;
 use crate::core::ports::{Deleted, Forgejo};
-use crate::core::report::{SweepReport, SweptRunner};
+use crate::core::report::{Report, SweepReport, SweptRunner};
 use crate::core::slots::{Others, Spared, SweepGuard};
 
 pub fn list_all(
@@ -68,6 +70,29 @@ pub fn list_all(
     // changes. When every page agreed on the count and as many rows came back as it promised,
     // but some twice, read the pages again: a skipped row shows up.
     let pages = page;
+    read_again(forgejo, pages, returned, &mut totals, &mut seen)?;
+    // Complete only when every page agreed on the count and we saw exactly that many distinct
+    // rows: a count that changed while we paged means rows moved between pages, and more rows
+    // than counted means the count is wrong (it may have ended the listing early).
+    let distinct = seen.distinct();
+    let complete = match totals.as_slice() {
+        [] => true,
+        [t] => distinct as u64 == *t,
+        _ => false,
+    };
+    Ok(seen.into_listing(pages, complete, last_total))
+}
+
+/// The re-reads of pages `1..pages` (at most `LIST_PASSES` reads in all) while every page agreed
+/// on the count `t`, `returned` rows came back, but fewer than `t` distinct: rows that tie on
+/// the sort key hid some. A count that changes ends them (it is pushed to `totals`).
+fn read_again(
+    forgejo: &mut dyn Forgejo,
+    pages: u32,
+    returned: u64,
+    totals: &mut Vec<u64>,
+    seen: &mut Seen<'_>,
+) -> anyhow::Result<()> {
     let mut passes = 1;
     while let [t] = totals.as_slice()
         && (seen.distinct() as u64) < *t
@@ -90,16 +115,7 @@ pub fn list_all(
             }
         }
     }
-    // Complete only when every page agreed on the count and we saw exactly that many distinct
-    // rows: a count that changed while we paged means rows moved between pages, and more rows
-    // than counted means the count is wrong (it may have ended the listing early).
-    let distinct = seen.distinct();
-    let complete = match totals.as_slice() {
-        [] => true,
-        [t] => distinct as u64 == *t,
-        _ => false,
-    };
-    Ok(seen.into_listing(pages, complete, last_total))
+    Ok(())
 }
 
 fn swept(r: &Runner) -> SweptRunner {
@@ -108,23 +124,6 @@ fn swept(r: &Runner) -> SweptRunner {
         name: r.name.clone(),
         status: r.status.as_str().to_string(),
     }
-}
-
-/// Runs the sweep with no one told of its deletions (the unit tests). Failures are in the report
-/// (`error`, `failed`); the caller decides what they mean for the exit status.
-#[cfg(test)]
-pub fn sweep(
-    forgejo: &mut dyn Forgejo,
-    licence: &SweepLicence,
-    prefix: &str,
-    cap: usize,
-) -> SweepReport {
-    let spare = Spare {
-        now: crate::core::time::Timestamp(0),
-        min_age: std::time::Duration::ZERO,
-        others: &mut || Ok(Others::default()),
-    };
-    sweep_with(forgejo, licence, prefix, cap, spare, &mut |_, _| {})
 }
 
 /// What the sweep spares although it passed the gate: registrations whose name shows they are
@@ -139,10 +138,33 @@ pub struct Spare<'a> {
 /// What one DELETE of the sweep did: gone (204 or 404), or the error.
 pub type DeleteResult = Result<Deleted, String>;
 
-/// `sweep`, telling `on_delete` about each DELETE just before it is sent (`None`) and as soon as
-/// Forgejo answered (the audit trail). No sweep runs without its licence: the proof that no VM
-/// of ours can exist (`core::licence`).
-pub fn sweep_with(
+/// Runs the licensed sweep into `report`: each DELETE in its audit trail (its intent just before
+/// it is sent, its answer as soon as Forgejo gave it), each failure a failure of the run, the
+/// counts in `report.sweep`. True when nothing failed. No sweep runs without its licence: the
+/// proof that no VM of ours can exist (`core::licence`).
+pub fn sweep_into(
+    report: &mut Report,
+    forgejo: &mut dyn Forgejo,
+    licence: &SweepLicence,
+    prefix: &str,
+    cap: usize,
+    spare: Spare<'_>,
+) -> bool {
+    let sw = sweep_with(forgejo, licence, prefix, cap, spare, &mut |r, result| {
+        report.sweep_deletion(r, result, licence)
+    });
+    let failures = sweep_failures(&sw);
+    let ok = failures.is_empty();
+    for f in failures {
+        report.fail(f);
+    }
+    report.sweep = Some(sw);
+    ok
+}
+
+/// The sweep, telling `on_delete` about each DELETE just before it is sent (`None`) and as soon
+/// as Forgejo answered. Failures are in the result (`error`, `failed`).
+fn sweep_with(
     forgejo: &mut dyn Forgejo,
     licence: &SweepLicence,
     prefix: &str,
@@ -185,6 +207,21 @@ pub fn sweep_with(
         }
     };
     let sel = select(&listing, prefix, cap, &guard);
+    keep_spared(&mut report, &sel);
+    for (target, r) in &sel.delete {
+        delete_one(forgejo, target, r, &mut report, on_delete);
+    }
+    if report.left_over_cap > 0 {
+        log::warn!(
+            "sweep: {} more offline registrations left for the next sweep (--sweep-max-deletions)",
+            report.left_over_cap
+        );
+    }
+    report
+}
+
+/// What the gate let go but the sweep keeps, each in its list and the log, and the counts.
+fn keep_spared(report: &mut SweepReport, sel: &Selection) {
     for (r, why) in &sel.spared {
         let name = r.name.as_deref().unwrap_or("?");
         let list = match why {
@@ -223,46 +260,47 @@ pub fn sweep_with(
         );
         report.skipped_doubtful.push(r);
     }
-    for (target, r) in &sel.delete {
-        on_delete(&swept(r), None);
-        match forgejo.delete_runner(target, DeleteReason::Sweep.as_str()) {
-            Ok(Deleted::Now) => {
-                crate::crash_point!("sweep-deleted-one");
-                log::info!(
-                    "sweep: deleted offline runner {} ({})",
-                    r.id,
-                    r.name.as_deref().unwrap_or("?")
-                );
-                on_delete(&swept(r), Some(Ok(Deleted::Now)));
-                report.deleted.push(swept(r));
-            }
-            Ok(Deleted::Planned) => {
-                log::info!(
-                    "sweep: would delete offline runner {} ({}) (dry-run: nothing sent)",
-                    r.id,
-                    r.name.as_deref().unwrap_or("?")
-                );
-                on_delete(&swept(r), Some(Ok(Deleted::Planned)));
-                report.deleted.push(swept(r));
-            }
-            Ok(Deleted::AlreadyGone) => {
-                on_delete(&swept(r), Some(Ok(Deleted::AlreadyGone)));
-                report.already_gone.push(r.id);
-            }
-            Err(e) => {
-                log::error!("sweep: {e}");
-                on_delete(&swept(r), Some(Err(e.to_string())));
-                report.failed.push(swept(r));
-            }
+}
+
+/// One DELETE of the sweep, told to `on_delete` before and after, its answer in `report`.
+fn delete_one(
+    forgejo: &mut dyn Forgejo,
+    target: &Deletable,
+    r: &Runner,
+    report: &mut SweepReport,
+    on_delete: &mut dyn FnMut(&SweptRunner, Option<DeleteResult>),
+) {
+    on_delete(&swept(r), None);
+    match forgejo.delete_runner(target, DeleteReason::Sweep.as_str()) {
+        Ok(Deleted::Now) => {
+            crate::crash_point!("sweep-deleted-one");
+            log::info!(
+                "sweep: deleted offline runner {} ({})",
+                r.id,
+                r.name.as_deref().unwrap_or("?")
+            );
+            on_delete(&swept(r), Some(Ok(Deleted::Now)));
+            report.deleted.push(swept(r));
+        }
+        Ok(Deleted::Planned) => {
+            log::info!(
+                "sweep: would delete offline runner {} ({}) (dry-run: nothing sent)",
+                r.id,
+                r.name.as_deref().unwrap_or("?")
+            );
+            on_delete(&swept(r), Some(Ok(Deleted::Planned)));
+            report.deleted.push(swept(r));
+        }
+        Ok(Deleted::AlreadyGone) => {
+            on_delete(&swept(r), Some(Ok(Deleted::AlreadyGone)));
+            report.already_gone.push(r.id);
+        }
+        Err(e) => {
+            log::error!("sweep: {e}");
+            on_delete(&swept(r), Some(Err(e.to_string())));
+            report.failed.push(swept(r));
         }
     }
-    if report.left_over_cap > 0 {
-        log::warn!(
-            "sweep: {} more offline registrations left for the next sweep (--sweep-max-deletions)",
-            report.left_over_cap
-        );
-    }
-    report
 }
 
 #[cfg(test)]
@@ -270,13 +308,27 @@ mod tests {
     //! The sweep against the tests' model of Forgejo (what Forgejo does) and against a scripted
     //! adversary (what it does not).
     use super::*;
-    use crate::core::listing::sweep_failures;
     use crate::core::model::Job;
-    use crate::core::model::{Deletable, RunnerStatus};
+    use crate::core::model::RunnerStatus;
     use crate::core::ports::ApiError;
     use crate::core::ports::NewRunner;
     use crate::core::ports::RunnerPage;
     use crate::test_forgejo::{ModelForgejo, add_runner};
+
+    /// The sweep with no one told of its deletions, no name too young and no other slot.
+    fn sweep(
+        forgejo: &mut dyn Forgejo,
+        licence: &SweepLicence,
+        prefix: &str,
+        cap: usize,
+    ) -> SweepReport {
+        let spare = Spare {
+            now: crate::core::time::Timestamp(0),
+            min_age: std::time::Duration::ZERO,
+            others: &mut || Ok(Others::default()),
+        };
+        sweep_with(forgejo, licence, prefix, cap, spare, &mut |_, _| {})
+    }
 
     // -- Forgejo, as the tests' model of it says -------------------------------------------------
 

@@ -2,10 +2,17 @@
 //! the next runner, deleted through the gate and forgotten only once Forgejo says they are gone,
 //! and found again by name when a POST lost its answer.
 
-use super::*;
+use super::{Driver, End, SaveFailed, runner_request};
 use crate::core::backoff::FailureReason;
-use crate::core::model::Runner;
+use crate::core::model::{Deletable, Runner};
+use crate::core::planner::{self, DeleteReason};
+use crate::core::ports::{Claim, Deleted, LaunchRequest, NewRunner, ProcessCheck};
+use crate::core::report::{ALREADY_GONE, DELETED, PLANNED, Stopwatch};
 use crate::core::resolve::{FoundRow, LostPost, could_be, resolve_lost_post};
+use crate::core::slots::registration_name;
+use crate::core::state::{Boundary, Launch, Phase, PreviousRunner, ProcessState, Registration};
+use crate::core::time::{Timestamp, format_duration};
+use crate::driver::sweep;
 
 impl Driver<'_, '_> {
     /// Removes a registration from the state once Forgejo confirmed it gone.
@@ -281,8 +288,8 @@ impl Driver<'_, '_> {
             .or_default() += 1;
     }
 
-    /// The prefix that marks this cycle's registrations (see `CycleState::runner_prefix`).
-    /// The cycle's own prefix (`planner::cycle_prefix`); the configured one before a cycle.
+    /// The prefix that marks this cycle's registrations (`planner::cycle_prefix`); the
+    /// configured one before a cycle.
     pub(super) fn cycle_prefix(&self) -> String {
         match &self.state {
             Some(s) => planner::cycle_prefix(s, &self.cfg.policy).to_string(),
@@ -378,6 +385,8 @@ impl Driver<'_, '_> {
         }
     }
 
+    /// Registers a runner for `job_id` and launches it: the intent (claiming the job) written
+    /// first, then the POST, then the launch, each step written before the next.
     pub(super) fn register(
         &mut self,
         job_id: i64,
@@ -385,23 +394,43 @@ impl Driver<'_, '_> {
         boundary: Boundary,
         now: Timestamp,
     ) -> Option<End> {
+        let name = match self.write_intent(job_id, job_handle, boundary, now) {
+            Err(SaveFailed) => return Some(End::Done),
+            Ok(None) => return None,
+            Ok(Some(name)) => name,
+        };
+        crate::crash_point!("register-intent-written");
+        let new = match self.post_registration(&name, job_id) {
+            Ok(new) => new,
+            Err(end) => return end,
+        };
+        // The token lives only in `new` and dies with it.
+        self.launch(&new, &name, job_id, job_handle)
+    }
+
+    /// Writes the intent of a registration for `job_id`, which claims the job: its name, or
+    /// `None` when another slot claimed the job meanwhile (or there is no cycle).
+    fn write_intent(
+        &mut self,
+        job_id: i64,
+        job_handle: &str,
+        boundary: Boundary,
+        now: Timestamp,
+    ) -> Result<Option<String>, SaveFailed> {
         // Intent first: the name is unique, so a lost answer can be found again.
         // The cycle's own prefix: its registrations stay deletable by it whatever is configured now.
         let prefix = self.cycle_prefix();
-        let mut s = self.state.clone()?;
+        let Some(mut s) = self.state.clone() else {
+            return Ok(None);
+        };
         // The first job draws the VM's trust boundary, written with the first intent.
         s.boundary.get_or_insert(boundary);
-        let name = crate::core::slots::registration_name(&prefix, &s.cycle_id, s.next_seq, now);
+        let name = registration_name(&prefix, &s.cycle_id, s.next_seq, now);
         s.next_seq += 1;
         // The intent claims its job (the cycle's start claim has done its work).
         s.claim = None;
         s.claim_handle = None;
-        let mut intent = crate::core::state::Registration::intent(
-            name.clone(),
-            job_id,
-            job_handle.to_string(),
-            now,
-        );
+        let mut intent = Registration::intent(name.clone(), job_id, job_handle.to_string(), now);
         // Seen waiting by now at the latest (this run's jobs list): where its pickup starts.
         intent.job_first_seen = Some(
             self.ctx
@@ -410,21 +439,26 @@ impl Driver<'_, '_> {
                 .map_or(now, |t| t.min(now)),
         );
         s.registrations.push(intent);
-        match self.save_claiming(&s, job_id, job_handle) {
-            Err(SaveFailed) => return Some(End::Done),
-            Ok(Claim::HeldBy(slot)) => {
+        match self.save_claiming(&s, job_id, job_handle)? {
+            Claim::HeldBy(slot) => {
                 log::info!("job {job_id} was claimed by {slot} meanwhile; not registering for it");
-                return None;
+                Ok(None)
             }
-            Ok(Claim::Saved) => self.state = Some(s),
+            Claim::Saved => {
+                self.state = Some(s);
+                Ok(Some(name))
+            }
         }
-        crate::crash_point!("register-intent-written");
+    }
 
+    /// The POST of the registration `name`, its id and uuid written at once. `Err`: how the step
+    /// ends (a failed POST is counted and reported, the run goes on).
+    fn post_registration(&mut self, name: &str, job_id: i64) -> Result<NewRunner, Option<End>> {
         let sw = Stopwatch::start(&*self.w.clock);
-        let new = match self.w.forgejo.register_runner(&name) {
+        let new = match self.w.forgejo.register_runner(name) {
             Ok(n) => n,
             Err(e) => {
-                let s = self.state.as_mut()?;
+                let s = self.state.as_mut().ok_or(None)?;
                 s.start_failures += 1;
                 s.failure = Some(FailureReason::LaunchFailed);
                 if e.is_rejection() {
@@ -432,19 +466,18 @@ impl Driver<'_, '_> {
                     s.registrations.retain(|r| r.name != name);
                 }
                 if self.save().is_err() {
-                    return Some(End::Done);
+                    return Err(Some(End::Done));
                 }
                 crate::crash_point!("register-failed-written");
                 self.report
                     .fail(format!("registering runner {name} failed: {e}"));
                 let ev = self.report.event("register_runner", false, e.to_string());
-                ev.runner_name = Some(name);
-                return None;
+                ev.runner_name = Some(name.to_string());
+                return Err(None);
             }
         };
         crate::crash_point!("register-post-answered");
-        let s = self.state.as_mut()?;
-        let cycle_id = s.cycle_id.clone();
+        let s = self.state.as_mut().ok_or(None)?;
         if let Some(r) = s
             .registrations
             .iter_mut()
@@ -454,25 +487,36 @@ impl Driver<'_, '_> {
             r.uuid = Some(new.uuid.clone());
         }
         if self.save().is_err() {
-            return Some(End::Done);
+            return Err(Some(End::Done));
         }
         crate::crash_point!("register-id-written");
         let ev = self
             .report
             .event("register_runner", true, format!("for job {job_id}"));
         ev.runner_id = Some(new.id);
-        ev.runner_name = Some(name.clone());
+        ev.runner_name = Some(name.to_string());
         ev.job_id = Some(job_id);
         ev.duration_ms = sw.ms(&*self.w.clock);
+        Ok(new)
+    }
 
-        // Launch. The token lives only in `new` and dies with it.
+    /// Launches the runner just registered (`new`, with its token) on the VM: `started` written
+    /// before the launch command runs, `done` after it returned.
+    fn launch(
+        &mut self,
+        new: &NewRunner,
+        name: &str,
+        job_id: i64,
+        job_handle: &str,
+    ) -> Option<End> {
         if self.outputs.is_none() {
+            let cycle_id = self.state.as_ref()?.cycle_id.clone();
             match self.w.tofu.outputs(&cycle_id) {
                 Ok(o) => self.outputs = Some(o),
                 Err(e) => {
                     return self.launch_failed(
                         new.id,
-                        &name,
+                        name,
                         format!("reading tofu outputs failed: {}", e.message),
                         e.interrupted,
                     );
@@ -491,7 +535,7 @@ impl Driver<'_, '_> {
         let req = LaunchRequest {
             runner_id: new.id,
             runner_uuid: &new.uuid,
-            runner_name: &name,
+            runner_name: name,
             job_id,
             job_handle,
             labels: &self.cfg.labels,
@@ -518,12 +562,12 @@ impl Driver<'_, '_> {
                     .report
                     .event("launch_runner", true, format!("for job {job_id}"));
                 ev.runner_id = Some(new.id);
-                ev.runner_name = Some(name);
+                ev.runner_name = Some(name.to_string());
                 ev.job_id = Some(job_id);
                 ev.duration_ms = sw.ms(&*self.w.clock);
                 None
             }
-            Err(e) => self.launch_failed(new.id, &name, e.message, e.interrupted),
+            Err(e) => self.launch_failed(new.id, name, e.message, e.interrupted),
         }
     }
 

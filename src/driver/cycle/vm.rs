@@ -1,9 +1,12 @@
 //! The cycle's VM: a new cycle recorded before its apply, the apply and its outputs, the destroy.
 
-use super::*;
+use super::{Driver, End, SaveFailed, write};
 use crate::core::backoff::FailureReason;
-use crate::core::ports::Start;
-use crate::core::state::DESTROY_FAILED;
+use crate::core::planner::TeardownReason;
+use crate::core::ports::{Claim, Outputs, Start, StepError};
+use crate::core::report::{Outcome, Stopwatch};
+use crate::core::state::{CycleState, DESTROY_FAILED, Phase};
+use crate::core::time::Timestamp;
 
 impl Driver<'_, '_> {
     /// A new cycle.json, claiming the attempt `job_handle` of `job_id` for this slot; nothing when
@@ -93,9 +96,8 @@ impl Driver<'_, '_> {
                     }
                     None => log::warn!("no warm VM (--warm): {}", closed.describe()),
                 }
-                self.report.outcome = "backing_off".into();
                 self.report.backoff = Some(closed);
-                return Some(End::Done);
+                return Some(self.end(Outcome::BackingOff));
             }
             (Ok(Start::Claim(Claim::Saved)), _) => self.progressed = true,
         }
@@ -159,7 +161,7 @@ impl Driver<'_, '_> {
                     .fail(format!("tofu apply failed: {}", e.message));
                 self.state.as_mut()?.apply_failed(
                     format!("tofu apply failed: {}", e.message),
-                    planner::TeardownReason::ApplyFailed.describe(),
+                    TeardownReason::ApplyFailed.describe(),
                 );
                 if self.save().is_err() {
                     return Some(End::Done);
@@ -171,7 +173,7 @@ impl Driver<'_, '_> {
     }
 
     /// The VM's tofu outputs, read once per run.
-    pub(super) fn vm_outputs(&mut self) -> Result<Outputs, crate::core::ports::StepError> {
+    pub(super) fn vm_outputs(&mut self) -> Result<Outputs, StepError> {
         if let Some(o) = &self.outputs {
             return Ok(o.clone());
         }
@@ -235,8 +237,7 @@ impl Driver<'_, '_> {
                     "tofu destroy failed: {}; no sweep; cycle.json is kept and the next run retries the destroy first",
                     e.message
                 ));
-                self.report.outcome = "destroy_failed".into();
-                Some(End::Done)
+                Some(self.end(Outcome::DestroyFailed))
             }
         }
     }

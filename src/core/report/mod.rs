@@ -1,14 +1,24 @@
-//! The run report: every side effect with its outcome, every failure, the exit status.
+//! The run report: every side effect with its outcome, every failure, the exit status. The
+//! data is here; how the run ended in `outcome`, the audit trail in `audit`, the source of its
+//! timestamps in `clock`, its text in `text`.
+
+mod audit;
+mod clock;
+mod outcome;
+mod text;
 
 use std::collections::BTreeMap;
-use std::fmt;
 
 use serde::Serialize;
-use serde_json::{Value, json};
 
 use crate::core::licence::SweepLicence;
-use crate::core::ports::{AuditSink, Clock, Deleted};
+use crate::core::ports::{AuditSink, Deleted};
 use crate::core::time::Timestamp;
+use audit::{AuditTrail, audit_record};
+use clock::ReportClock;
+pub use clock::Stopwatch;
+pub use outcome::Outcome;
+pub use text::{cut, event_line, seconds};
 
 /// The detail of a `delete_runner` event whose DELETE Forgejo answered 404: gone, but not by us.
 pub const ALREADY_GONE: &str = "already gone (404)";
@@ -18,23 +28,6 @@ pub const DELETED: &str = "deleted";
 
 /// A dry-run's deletion: in the plan, never sent.
 pub const PLANNED: &str = "would be deleted (dry-run: nothing sent)";
-
-/// Details longer than this are cut in the audit trail (tofu's stderr can be long).
-pub const MAX_AUDIT_DETAIL: usize = 2048;
-
-/// The report's audit sink, if any (never serialized).
-#[derive(Default)]
-pub struct Audit(Option<Box<dyn AuditSink>>);
-
-impl fmt::Debug for Audit {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(if self.0.is_some() {
-            "Audit(on)"
-        } else {
-            "Audit(off)"
-        })
-    }
-}
 
 #[derive(Clone, Debug, Serialize)]
 pub struct Event {
@@ -102,6 +95,19 @@ pub struct SweepReport {
     pub error: Option<String>,
 }
 
+impl SweepReport {
+    /// `3 deleted, 1 already gone, 0 failed, 2 left over the cap`
+    pub fn counts(&self) -> String {
+        format!(
+            "{} deleted, {} already gone, {} failed, {} left over the cap",
+            self.deleted.len(),
+            self.already_gone.len(),
+            self.failed.len(),
+            self.left_over_cap
+        )
+    }
+}
+
 /// What a run did, counted from its events (the sweep's own counts are in `SweepReport`).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct Summary {
@@ -151,57 +157,6 @@ impl Summary {
         }
         s
     }
-
-    /// One line: `VM applied; 2 registered, 2 launched; deleted 1 unconsumed; VM destroyed`.
-    pub fn line(&self) -> String {
-        let mut parts: Vec<String> = Vec::new();
-        let n = |count: u32, what: &str| format!("{count} {what}");
-        if self.vm_applied > 0 {
-            parts.push("VM applied".into());
-        }
-        if self.apply_failed > 0 {
-            parts.push(n(self.apply_failed, "apply failed"));
-        }
-        let mut regs = Vec::new();
-        for (count, what) in [
-            (self.registered, "registered"),
-            (self.register_failed, "registration failed"),
-            (self.launched, "launched"),
-            (self.launch_failed, "launch failed"),
-            (self.consumed, "consumed"),
-        ] {
-            if count > 0 {
-                regs.push(n(count, what));
-            }
-        }
-        if !regs.is_empty() {
-            parts.push(regs.join(", "));
-        }
-        if !self.deleted.is_empty() {
-            let by: Vec<String> = self.deleted.iter().map(|(r, c)| n(*c, r)).collect();
-            parts.push(format!("deleted {}", by.join(", ")));
-        }
-        if self.already_gone > 0 {
-            parts.push(n(self.already_gone, "already gone"));
-        }
-        if self.delete_failed > 0 {
-            parts.push(n(self.delete_failed, "deletion(s) failed"));
-        }
-        if self.held > 0 {
-            parts.push(n(self.held, "job(s) held"));
-        }
-        if self.vm_destroyed > 0 {
-            parts.push("VM destroyed".into());
-        }
-        if self.destroy_failed > 0 {
-            parts.push(n(self.destroy_failed, "destroy failed"));
-        }
-        if parts.is_empty() {
-            "no side effect".into()
-        } else {
-            parts.join("; ")
-        }
-    }
 }
 
 #[derive(Debug, Serialize)]
@@ -212,8 +167,7 @@ pub struct Report {
     pub cycle_id: Option<String>,
     pub started_at: Timestamp,
     pub finished_at: Option<Timestamp>,
-    /// `idle`, `cycle_finished`, `failed`, `interrupted`, `would_wait`, `swept`, …
-    pub outcome: String,
+    pub outcome: Outcome,
     pub exit_code: i32,
     pub events: Vec<Event>,
     /// Distinct failures, at most `MAX_FAILURES`; every one is also logged at error level.
@@ -229,39 +183,9 @@ pub struct Report {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub backoff: Option<crate::core::backoff::Closed>,
     #[serde(skip)]
-    audit: Audit,
+    audit: AuditTrail,
     #[serde(skip)]
     clock: ReportClock,
-    /// Events already appended to the audit trail.
-    #[serde(skip)]
-    audited: usize,
-}
-
-/// The report's source of timestamps (see `Report::set_clock`).
-#[derive(Default)]
-pub struct ReportClock(Option<Box<dyn Fn() -> Timestamp>>);
-
-impl fmt::Debug for ReportClock {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(if self.0.is_some() {
-            "ReportClock(set)"
-        } else {
-            "ReportClock(start)"
-        })
-    }
-}
-
-/// Measures a step on the clock port: the time from `start` to `ms`.
-pub struct Stopwatch(Timestamp);
-
-impl Stopwatch {
-    pub fn start(clock: &dyn Clock) -> Stopwatch {
-        Stopwatch(clock.now())
-    }
-
-    pub fn ms(&self, clock: &dyn Clock) -> u64 {
-        u64::try_from(clock.now().0.saturating_sub(self.0.0)).unwrap_or(0)
-    }
 }
 
 /// A run that keeps failing the same way (Forgejo down for hours) must not grow its report
@@ -277,7 +201,7 @@ impl Report {
             cycle_id: None,
             started_at: now,
             finished_at: None,
-            outcome: String::new(),
+            outcome: Outcome::Unset,
             exit_code: 0,
             events: Vec::new(),
             failures: Vec::new(),
@@ -286,15 +210,14 @@ impl Report {
             duration_ms: 0,
             summary: Summary::default(),
             backoff: None,
-            audit: Audit::default(),
-            clock: ReportClock(None),
-            audited: 0,
+            audit: AuditTrail::default(),
+            clock: ReportClock::default(),
         }
     }
 
     /// From now on every event and failure is also appended to `sink` as it happens.
     pub fn set_audit(&mut self, sink: Box<dyn AuditSink>) {
-        self.audit = Audit(Some(sink));
+        self.audit = AuditTrail::new(sink);
     }
 
     /// Records a failure: logged at error level, kept in the report (and the audit trail), and
@@ -303,12 +226,7 @@ impl Report {
         let message = message.into();
         self.flush_audit();
         if self.keep_failure(message.clone()) {
-            let record = json!({
-                "at": self.now(),
-                "cycle_id": self.cycle_id,
-                "kind": "failure",
-                "detail": cut(&message, MAX_AUDIT_DETAIL),
-            });
+            let record = audit::failure_record(self.now(), self.cycle_id.as_deref(), &message);
             self.append(&record);
         }
     }
@@ -326,11 +244,8 @@ impl Report {
         }
     }
 
-    fn append(&mut self, record: &Value) {
-        let Some(sink) = self.audit.0.as_mut() else {
-            return;
-        };
-        if let Err(e) = sink.append(record) {
+    fn append(&mut self, record: &serde_json::Value) {
+        if let Err(e) = self.audit.append(record) {
             // Not audited itself (that is what just failed), but logged and kept.
             self.keep_failure(format!("audit trail: {e:#}"));
         }
@@ -339,9 +254,8 @@ impl Report {
     /// Appends the events not yet in the audit trail. Each event is complete once the next one
     /// starts; the driver also flushes before every write of cycle.json, and `finish` at the end.
     pub fn flush_audit(&mut self) {
-        while self.audited < self.events.len() {
-            let record = audit_record(self.cycle_id.as_deref(), &self.events[self.audited]);
-            self.audited += 1;
+        while let Some(e) = self.audit.next_pending(&self.events) {
+            let record = audit_record(self.cycle_id.as_deref(), e);
             self.append(&record);
         }
     }
@@ -349,10 +263,7 @@ impl Report {
     /// Appends what is pending and makes the audit trail durable.
     pub fn sync_audit(&mut self) {
         self.flush_audit();
-        let Some(sink) = self.audit.0.as_mut() else {
-            return;
-        };
-        if let Err(e) = sink.sync() {
+        if let Err(e) = self.audit.sync() {
             self.keep_failure(format!("audit trail: {e:#}"));
         }
     }
@@ -361,25 +272,19 @@ impl Report {
     /// crash between the DELETE and its event still leaves the deletion findable.
     pub fn intend_deletion(&mut self, intent: &Event) {
         self.flush_audit();
-        let mut record = audit_record(self.cycle_id.as_deref(), intent);
-        if let Some(o) = record.as_object_mut() {
-            o.insert("kind".into(), json!("intent"));
-            for k in ["ok", "detail", "duration_ms"] {
-                o.remove(k);
-            }
-        }
+        let record = audit::intent_record(self.cycle_id.as_deref(), intent);
         self.append(&record);
     }
 
     /// The time on the run's clock (`set_clock`); without one, the time the run started.
     pub fn now(&self) -> Timestamp {
-        self.clock.0.as_ref().map_or(self.started_at, |now| now())
+        self.clock.now(self.started_at)
     }
 
     /// Where the report's timestamps come from: the clock port of the run (the real clock, or a
     /// fixture's, which stands still).
     pub fn set_clock(&mut self, now: Box<dyn Fn() -> Timestamp>) {
-        self.clock = ReportClock(Some(now));
+        self.clock = ReportClock::new(now);
     }
 
     /// An event not (yet) in the report, e.g. the description of a deletion about to happen.
@@ -435,26 +340,11 @@ impl Report {
         self.flush_audit();
     }
 
-    /// Sets the exit status and the outcome from the failures; `config_error` is exit 2.
-    pub fn settle(&mut self, config_error: bool) {
-        self.exit_code = match (config_error, self.failures.is_empty()) {
-            (true, _) => 2,
-            (false, true) => 0,
-            (false, false) => 1,
-        };
-        if self.exit_code == 1 && self.outcome == "swept" {
-            self.outcome = "sweep_failed".into();
-        }
-        if self.exit_code != 0 && (self.outcome.is_empty() || self.outcome == "cycle_finished") {
-            self.outcome = format!(
-                "{}_with_errors",
-                if self.outcome.is_empty() {
-                    "run"
-                } else {
-                    &self.outcome
-                }
-            );
-        }
+    /// Sets the exit status from the outcome and the failures (`Outcome::exit_code`), the
+    /// outcome that follows from it (`Outcome::settled`), and the summary.
+    pub fn settle(&mut self) {
+        self.exit_code = self.outcome.exit_code(!self.failures.is_empty());
+        self.outcome = std::mem::take(&mut self.outcome).settled(self.exit_code);
         self.summary = Summary::of(&self.events);
     }
 
@@ -466,123 +356,6 @@ impl Report {
         self.events.push(e);
         self.events.last_mut().expect("just pushed")
     }
-
-    /// A short human summary.
-    pub fn text(&self) -> String {
-        let mut out = format!(
-            "{} {}: {} (exit {}, {})",
-            self.command,
-            self.cycle_id.as_deref().unwrap_or("(no cycle)"),
-            self.outcome,
-            self.exit_code,
-            seconds(self.duration_ms)
-        );
-        out.push_str(&format!("\n  {}", self.summary.line()));
-        // Names and errors in events come from Forgejo and tofu: escaped, one line each.
-        for e in &self.events {
-            out.push_str(&format!(
-                "\n  {}",
-                crate::core::escape::escape_controls(&event_line(e))
-            ));
-        }
-        if let Some(s) = &self.sweep {
-            out.push_str(&format!(
-                "\n  sweep{}: {} listed on {} pages, {} offline with our prefix, {} deleted, {} already gone, {} failed, {} doubtful skipped, {} left over the cap",
-                if s.error.is_some() {
-                    " FAILED (the listing is incomplete)"
-                } else {
-                    ""
-                },
-                s.listed,
-                s.pages,
-                s.found,
-                s.deleted.len(),
-                s.already_gone.len(),
-                s.failed.len(),
-                s.skipped_doubtful.len(),
-                s.left_over_cap,
-            ));
-        }
-        // Each failure was logged at error level when it happened (on stderr, or the journal):
-        // the summary counts them rather than printing every one a second time.
-        let failures = self.failures.len() as u64 + self.failures_not_listed;
-        if self.failures_not_listed > 0 {
-            out.push_str(&format!(
-                "\n  {failures} error(s), logged as they happened; the first {} are kept in last-run.json (`ci-ephemeral-provisioner status` shows them)",
-                self.failures.len()
-            ));
-        } else if failures > 0 {
-            out.push_str(&format!(
-                "\n  {failures} error(s), logged as they happened and kept in last-run.json (`ci-ephemeral-provisioner status` shows them)"
-            ));
-        }
-        out
-    }
-}
-
-/// `1.25s`
-pub fn seconds(ms: u64) -> String {
-    format!("{}.{:02}s", ms / 1000, (ms % 1000) / 10)
-}
-
-/// `ok    0.10s delete_runner runner 3 ephemeral-x-1 (unconsumed, seen offline): deleted`
-pub fn event_line(e: &Event) -> String {
-    let mut why: Vec<String> = Vec::new();
-    if let Some(r) = &e.reason {
-        why.push(r.clone());
-    }
-    if let Some(s) = &e.status {
-        why.push(format!("seen {s}"));
-    }
-    if let Some(c) = &e.destroyed_cycle_id {
-        why.push(format!("after the destroy of {c}"));
-    }
-    format!(
-        "{} {:>6} {}{}{}{}: {}",
-        if e.ok { "ok  " } else { "FAIL" },
-        seconds(e.duration_ms),
-        e.step,
-        e.runner_id
-            .map(|i| format!(" runner {i}"))
-            .unwrap_or_default(),
-        e.runner_name
-            .as_ref()
-            .map(|n| format!(" {n}"))
-            .unwrap_or_default(),
-        if why.is_empty() {
-            String::new()
-        } else {
-            format!(" ({})", why.join(", "))
-        },
-        // The whole detail is in the JSON form and the audit trail; the error lines repeat it.
-        cut(&e.detail, 300)
-    )
-}
-
-/// The audit record of an event: the event with the cycle id and `name` (the registration's).
-pub fn audit_record(cycle_id: Option<&str>, e: &Event) -> Value {
-    let mut v = serde_json::to_value(e).unwrap_or_else(|_| json!({}));
-    if let Some(o) = v.as_object_mut() {
-        o.insert("cycle_id".into(), json!(cycle_id));
-        o.insert("kind".into(), json!("side_effect"));
-        if let Some(name) = o.remove("runner_name") {
-            o.insert("name".into(), name);
-        }
-        o.insert("detail".into(), json!(cut(&e.detail, MAX_AUDIT_DETAIL)));
-    }
-    v
-}
-
-/// At most `max` bytes of `s`, cut at a character boundary, marked when cut.
-pub fn cut(s: &str, max: usize) -> String {
-    if s.len() <= max {
-        return s.to_string();
-    }
-    let mut end = max;
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    format!("{}… ({} bytes cut)", &s[..end], s.len() - end)
 }
 
 #[cfg(test)]
@@ -590,6 +363,9 @@ mod tests {
     use std::cell::RefCell;
     use std::rc::Rc;
 
+    use serde_json::Value;
+
+    use super::audit::MAX_AUDIT_DETAIL;
     use super::*;
 
     /// Collects records; fails every append when `broken`.
@@ -646,12 +422,12 @@ mod tests {
     fn text_names_the_outcome_duration_and_each_deletions_evidence() {
         let mut r = Report::new("run", false, Timestamp(0));
         r.cycle_id = Some("c1".into());
-        r.outcome = "cycle_finished".into();
+        r.outcome = Outcome::CycleFinished;
         r.duration_ms = 12_345;
         deletion(&mut r, "sweep", DELETED, true);
         r.events[0].destroyed_cycle_id = Some("c1".into());
         r.events[0].duration_ms = 70;
-        r.settle(false);
+        r.settle();
         let text = r.text();
         let lines: Vec<&str> = text.lines().collect();
         assert_eq!(lines[0], "run c1: cycle_finished (exit 0, 12.34s)");
@@ -665,16 +441,20 @@ mod tests {
     #[test]
     fn settle_sets_the_exit_status_from_failures_and_configuration_errors() {
         let mut r = Report::new("run", false, Timestamp(0));
-        r.outcome = "cycle_finished".into();
-        r.settle(false);
-        assert_eq!((r.exit_code, r.outcome.as_str()), (0, "cycle_finished"));
-        r.fail("boom");
-        r.settle(false);
+        r.outcome = Outcome::CycleFinished;
+        r.settle();
         assert_eq!(
-            (r.exit_code, r.outcome.as_str()),
+            (r.exit_code, r.outcome.to_string().as_str()),
+            (0, "cycle_finished")
+        );
+        r.fail("boom");
+        r.settle();
+        assert_eq!(
+            (r.exit_code, r.outcome.to_string().as_str()),
             (1, "cycle_finished_with_errors")
         );
-        r.settle(true);
+        r.outcome = Outcome::ConfigurationError;
+        r.settle();
         assert_eq!(r.exit_code, 2);
     }
 
@@ -719,7 +499,7 @@ mod tests {
         r.event("tofu_destroy", true, "VM destroyed");
         r.flush_audit();
         assert_eq!(r.failures, vec!["audit trail: disk full".to_string()]);
-        r.settle(false);
+        r.settle();
         assert_eq!(r.exit_code, 1);
     }
 
