@@ -988,6 +988,7 @@ fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
     }
 }
 
+// Mutation caught: an entry dropped from docs/troubleshooting.md.
 #[test]
 fn every_error_message_has_its_troubleshooting_entry() {
     let mut files = Vec::new();
