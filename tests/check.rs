@@ -118,6 +118,7 @@ fn a_missing_tofu_binary_fails() {
     );
 }
 
+// Mutation caught: check shows tofu's last lines only (describe()).
 #[test]
 fn a_broken_module_fails_without_touching_it() {
     let env = Env::new();
@@ -263,6 +264,7 @@ fn stops_at_the_configuration(env: &Env, extra: &[&str], says: &str) {
     );
 }
 
+// Mutation caught: check goes on (exit 1) past a configuration error.
 #[test]
 fn a_configuration_error_stops_check_with_exit_2() {
     let env = Env::new();
@@ -324,6 +326,7 @@ fn labels_forgejo_runner_would_refuse_or_misread_stop_check_and_run() {
     assert!(!env.state.exists(), "a refused run got past the lock");
 }
 
+// Mutation caught: no warning for a docker label with a scheme written.
 #[test]
 fn each_label_is_shown_with_its_scheme_and_docker_ones_are_warned_about() {
     let env = Env::new();

@@ -481,11 +481,13 @@ fn matrix(scenario: Scenario, part: usize, of: usize) -> Vec<String> {
     t
 }
 
+// Mutation caught: no cycle.json write before tofu apply.
 #[test]
 fn matrix_full_cycle_even() {
     matrix(Scenario::Full, 0, 2);
 }
 
+// Mutation caught: no cycle.json write of the registration intent before the POST.
 #[test]
 fn matrix_full_cycle_odd() {
     matrix(Scenario::Full, 1, 2);
@@ -496,6 +498,7 @@ fn matrix_unconsumed_registration() {
     matrix(Scenario::Unconsumed, 0, 1);
 }
 
+// Mutation caught: a lost-POST registration forgotten without being deleted.
 #[test]
 fn matrix_lost_post_answer() {
     matrix(Scenario::LostPost, 0, 1);
@@ -545,6 +548,7 @@ fn matrix_reuse_after_the_check() {
 
 /// The scenarios together reach every crash point in the code: a point added without a
 /// scenario that reaches it fails here.
+// Mutation caught: a crash point added that no scenario reaches.
 #[test]
 fn matrix_covers_every_crash_point() {
     let mut reached: Vec<String> = [
@@ -619,6 +623,7 @@ fn converge_with_wrapper(env: &Env) {
     assert!(env.fake.jobs().iter().all(|j| j.status == "success"));
 }
 
+// Mutation caught: no SIGINT forwarded to tofu on SIGTERM.
 #[test]
 fn sigterm_during_apply_reaches_tofu_as_one_sigint() {
     let env = env_with_tofu_wrapper();
@@ -638,6 +643,7 @@ fn sigterm_during_apply_reaches_tofu_as_one_sigint() {
     converge_with_wrapper(&env);
 }
 
+// Mutation caught: no SIGINT forwarded to tofu on SIGTERM.
 #[test]
 fn sigterm_during_destroy_reaches_tofu_as_one_sigint() {
     let env = env_with_tofu_wrapper();

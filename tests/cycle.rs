@@ -669,6 +669,7 @@ fn sigterm_during_apply_forwards_sigint_and_the_next_run_converges() {
     env.assert_at_rest();
 }
 
+// Mutation caught: the Authorization value logged at trace.
 #[test]
 fn secrets_never_leak_into_output_files_or_children() {
     let env = Env::new();
@@ -1541,6 +1542,9 @@ fn set_holds_until(env: &Env, until: &str) {
     fs::write(env.state.join("held-jobs.json"), h.to_string()).unwrap();
 }
 
+// Mutation caught: a never-connected registration deleted as unconsumed.
+// Mutation caught: a never-connected runner not counted as a failed start.
+// Mutation caught: a launch that exits 0 resets the failed-start count (as before).
 #[test]
 fn runners_that_never_connect_are_failed_starts_and_three_take_the_vm_down() {
     let env = Env::new();
@@ -1584,6 +1588,7 @@ fn runners_that_never_connect_are_failed_starts_and_three_take_the_vm_down() {
     assert_eq!(job_status(&env, job), "waiting");
 }
 
+// Mutation caught: no reset when the runner is seen up / when it ran its job.
 #[test]
 fn a_runner_that_connected_resets_the_count_of_failed_starts() {
     // Never connects, runs its job, never connects, never connects: no three failed starts in
@@ -1620,6 +1625,7 @@ fn a_runner_that_connected_resets_the_count_of_failed_starts() {
     env.assert_at_rest();
 }
 
+// Mutation caught: the fake lets a runner without labels take any job (the old fake).
 #[test]
 fn a_runner_without_labels_takes_the_vm_down_at_once_and_the_run_fails() {
     // The old default launch: `one-job` without `--label` declares no labels, and Forgejo's
@@ -1667,6 +1673,8 @@ fn a_runner_without_labels_takes_the_vm_down_at_once_and_the_run_fails() {
     assert_eq!(job_status(&env, job), "waiting");
 }
 
+// Mutation caught: held jobs not consulted / the hold not kept.
+// Mutation caught: the fake hands out jobs queued behind their concurrency group.
 #[test]
 fn a_job_forgejo_holds_back_is_held_and_the_pool_serves_the_next_one() {
     let env = Env::new();

@@ -1167,6 +1167,7 @@ fn fake_takes(c: &forgejo_rules::Case) -> bool {
     taken
 }
 
+// Mutation caught: the fake lets a runner without labels take any job (the old fake).
 #[test]
 fn the_fake_follows_forgejos_assignment_rule_in_every_case_of_the_table() {
     forgejo_rules::check_rule_against_the_table();

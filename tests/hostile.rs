@@ -145,6 +145,7 @@ fn file_bytes(path: &Path) -> impl Fn() -> String + '_ {
     move || format!("{:?}", fs::read(path).ok())
 }
 
+// Mutation caught: cycle.json of any version accepted.
 #[test]
 fn a_broken_cycle_json_is_a_clear_error_that_changes_and_deletes_nothing() {
     let valid = valid_cycle_json();
@@ -211,6 +212,7 @@ fn a_broken_cycle_json_is_a_clear_error_that_changes_and_deletes_nothing() {
     }
 }
 
+// Mutation caught: cycle.json read through a symlink.
 #[test]
 fn cycle_json_that_is_not_a_plain_file_is_refused_unread() {
     let valid = valid_cycle_json();
@@ -361,6 +363,10 @@ fn row(id: i64, name: &str, status: &str) -> serde_json::Value {
     json!({"id": id, "name": name, "status": status, "uuid": "u", "labels": null})
 }
 
+// Mutation caught: may_delete without the offline check.
+// Mutation caught: core::listing::select ignores conflicting rows.
+// Mutation caught: no response body size cap (ureq's 10 MB default).
+// Mutation caught: body read errors reported raw (timeout: global).
 #[test]
 fn hostile_runner_lists_delete_nothing_on_doubt() {
     let html = "<!DOCTYPE html><html><body><h1>Bad Gateway</h1></body></html>".to_string();
@@ -411,6 +417,7 @@ fn hostile_runner_lists_delete_nothing_on_doubt() {
 
 /// A server that answers every page with the same full page and no count (a pager that loops):
 /// the listing gives up at the first page that brings nothing new and deletes nothing.
+// Mutation caught: list_all without its page limit.
 #[test]
 fn a_runner_list_that_never_ends_is_an_error() {
     let env = Env::new();
@@ -434,6 +441,8 @@ fn a_runner_list_that_never_ends_is_an_error() {
 }
 
 /// Waiting-jobs answers that cannot be trusted: an error, and no VM, no registration.
+// Mutation caught: no global HTTP timeout.
+// Mutation caught: body read errors reported raw (timeout: global).
 #[test]
 fn hostile_job_lists_start_nothing() {
     let cases: Vec<(&str, Fault, &str)> = vec![
@@ -601,6 +610,7 @@ fn a_registration_in_doubt_is_never_deleted_until_forgejo_answers_plainly() {
 /// An `X-Total-Count` that lies low, with more rows than fit one page: a register POST whose
 /// answer was lost must not be taken as never created because page 1 already "had them all".
 /// The registration (on page 2) stays in cycle.json until Forgejo is seen without it.
+// Mutation caught: a listing with more rows than its count taken as complete (the bug, reintroduced).
 #[test]
 fn a_count_that_lies_low_never_makes_a_lost_registration_forgotten() {
     let env = Env::new();

@@ -116,6 +116,7 @@ fn violations_of(
     found
 }
 
+// Mutation caught: an I/O call (std::fs::read_to_string) in src/core/.
 #[test]
 fn the_core_does_no_io_and_knows_nothing_of_the_shell() {
     let mut files = Vec::new();
@@ -162,6 +163,7 @@ fn the_core_check_catches_a_planted_violation() {
     assert!(violations(&code(&f)).is_empty(), "{}", code(&f));
 }
 
+// Mutation caught: use crate::commands::EXIT_FAILED in src/adapters/clock.rs (an adapter that knows exit codes).
 #[test]
 fn adapters_and_the_driver_know_nothing_of_the_commands() {
     let mut bad = Vec::new();
@@ -225,6 +227,7 @@ fn delete_requests(files: &[PathBuf]) -> Vec<(String, String)> {
     found
 }
 
+// Mutation caught: a "DELETE" sent outside delete_runner(target: &Deletable) / may_delete called outside the core.
 #[test]
 fn only_delete_runner_sends_a_delete_and_it_takes_the_gates_proof() {
     let mut files = Vec::new();
@@ -279,6 +282,7 @@ fn users_outside_core(src: &Path, name: &'static str) -> Vec<String> {
         .collect()
 }
 
+// Mutation caught: without_cycle(None, …) called in driver/cycle.rs (a licence without reading cycle.json).
 #[test]
 fn only_the_sweep_command_licenses_a_sweep_from_cycle_json() {
     // A `SweepLicence` cannot be built by hand (private fields: the compile_fail doctest on
@@ -301,6 +305,7 @@ fn only_the_sweep_command_licenses_a_sweep_from_cycle_json() {
     );
 }
 
+// Mutation caught: without_cycle(None, …) called in driver/cycle.rs (a licence without reading cycle.json).
 #[test]
 fn the_licence_check_catches_a_planted_caller() {
     let dir = tempfile::tempdir().unwrap();

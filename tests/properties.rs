@@ -340,6 +340,8 @@ proptest! {
     // -- the deletion gate ---------------------------------------------------------------------
 
     /// Deletable exactly when: a non-empty prefix, a name that starts with it, status offline.
+    // Mutation caught: may_delete without the offline check.
+    // Mutation caught: may_delete without the prefix check.
     #[test]
     fn gate_needs_prefix_name_and_exactly_offline(
         name in proptest::option::of(".{0,24}"),
@@ -361,6 +363,7 @@ proptest! {
     }
 
     /// Any name made of the prefix and a suffix, offline, passes; any other status does not.
+    // Mutation caught: may_delete without the offline check.
     #[test]
     fn gate_admits_our_offline_runners(prefix in ".{1,8}", suffix in ".{0,24}", status in any_status()) {
         let name = format!("{prefix}{suffix}");
@@ -371,6 +374,7 @@ proptest! {
     }
 
     /// Whatever JSON Forgejo sends as `status`, only the exact string "offline" can delete.
+    // Mutation caught: RunnerStatus parses "Offline" (any case) as offline.
     #[test]
     fn only_the_exact_string_offline_can_delete(v in proptest::option::of(any_json())) {
         let status = RunnerStatus::from_json(v.as_ref());
@@ -453,6 +457,7 @@ proptest! {
 
     /// Whatever the listing holds, the sweep selects only rows the gate admits, never a
     /// conflicting one, at most `cap`.
+    // Mutation caught: core::listing::select ignores conflicting rows.
     #[test]
     fn sweep_selects_only_what_the_gate_admits(
         rows in prop::collection::vec(any_runner(), 0..80),
@@ -484,6 +489,8 @@ proptest! {
 
     /// Paging through arbitrary pages (rows, counts, an error anywhere) always ends, and a row
     /// seen with two different contents is marked conflicting.
+    // Mutation caught: list_all never marks a row seen with two contents as conflicting.
+    // Mutation caught: a listing with more rows than its count taken as complete (the bug, reintroduced).
     #[test]
     fn listing_arbitrary_pages_ends_and_flags_conflicts(
         pages in prop::collection::vec((few_ids(), proptest::option::of(0u64..200)), 0..6),
@@ -634,6 +641,7 @@ proptest! {
     /// Every list the product takes, forgejo-runner takes entry by entry with the same names,
     /// schemes and images, and declares those names; every entry forgejo-runner refuses, the
     /// product refuses; and the product refuses more only for a reason it states.
+    // Mutation caught: core::labels takes a plugin's scheme as host.
     #[test]
     fn labels_read_as_forgejo_runner_reads_them(
         entries in prop::collection::vec(any_entry(), 1..5),

@@ -116,6 +116,8 @@ fn run_everything(env: &Env) -> Vec<Outcome> {
     outs
 }
 
+// Mutation caught: the Authorization value logged at trace.
+// Mutation caught: no redaction of a child's output.
 #[test]
 fn no_token_appears_in_anything_the_binary_printed_wrote_or_passed_on() {
     let env = wrapped_env();

@@ -94,6 +94,7 @@ fn resources_in(state: &Path) -> usize {
     }
 }
 
+// Mutation caught: FileStore::others reads no other slot.
 #[test]
 fn three_slots_serve_six_jobs_three_at_a_time_each_once_and_leave_nothing() {
     let env = Env::new();
@@ -216,6 +217,9 @@ fn three_slots_serve_six_jobs_three_at_a_time_each_once_and_leave_nothing() {
 
 /// A slot's claim (a job another slot's cycle.json holds) is respected: the job gets no runner
 /// here, even though it waits. Without claims this slot would register for it.
+// Mutation caught: FileStore::others reads no other slot.
+// Mutation caught: the planner's filter of jobs claimed elsewhere removed.
+// Mutation caught: a dry-run that does not read the other slots.
 #[test]
 fn a_job_another_slot_holds_gets_no_second_runner() {
     let env = Env::new();
@@ -278,6 +282,8 @@ fn a_job_another_slot_holds_gets_no_second_runner() {
 
 /// The sweep spares another slot's registrations and young ones; it deletes the old and the
 /// nameless-time ones of before. Without the guard it would delete all four.
+// Mutation caught: the sweep's check of names another slot holds removed (SweepGuard::spares).
+// Mutation caught: the sweep's age floor removed.
 #[test]
 fn the_sweep_spares_another_slots_and_young_registrations() {
     let env = Env::new();
@@ -390,6 +396,7 @@ fn held_jobs(env: &Env, name: &str) -> Option<serde_json::Value> {
 
 /// Two hosts serving the same labels with `--share`: the job's own host serves it; the other
 /// boots no VM for it, only remembers it, and forgets it once it is taken.
+// Mutation caught: --share ignored.
 #[test]
 fn of_two_hosts_sharing_the_jobs_only_the_jobs_own_host_boots_a_vm() {
     let env = Env::new();
@@ -420,6 +427,7 @@ fn of_two_hosts_sharing_the_jobs_only_the_jobs_own_host_boots_a_vm() {
 }
 
 /// The job's own host is dead: another host serves it once it has waited `--take-over-after`.
+// Mutation caught: the take-over never comes.
 #[test]
 fn a_dead_hosts_share_is_taken_over_after_the_wait() {
     let env = Env::new();
@@ -478,6 +486,7 @@ fn plant_dir(env: &Env, k: u32) -> std::path::PathBuf {
 
 /// A slot beyond `--slots` that still has a cycle: every run says so (exit 1), as its VM and
 /// registrations stay until that slot runs again.
+// Mutation caught: a slot beyond --slots with a cycle not reported.
 #[test]
 fn a_slot_beyond_the_pool_with_a_cycle_in_progress_fails_every_run_until_it_is_finished() {
     let env = Env::new();
@@ -508,6 +517,7 @@ fn a_slot_beyond_the_pool_with_a_cycle_in_progress_fails_every_run_until_it_is_f
 
 /// A job another slot holds (Forgejo did not give it to that slot's runner) is not tried here
 /// either until the hold ends.
+// Mutation caught: another slot's holds ignored.
 #[test]
 fn a_job_another_slot_has_put_on_hold_gets_no_runner_here() {
     let env = Env::new();

@@ -949,6 +949,7 @@ mod tests {
     }
 
     /// Slots racing for one job: the claims lock lets exactly one have it, round after round.
+    // Mutation caught: save_claiming without the claims lock.
     #[test]
     fn of_slots_racing_for_one_job_exactly_one_claims_it() {
         let dir = tempfile::tempdir().unwrap();

@@ -366,6 +366,7 @@ mod tests {
         assert_eq!(one("big box:host").unwrap().name, "big box");
     }
 
+    // Mutation caught: core::labels takes a plugin's scheme as host.
     #[test]
     fn what_forgejo_runner_refuses_or_misreads_is_refused_with_its_rule() {
         for (entry, rule) in [
@@ -402,6 +403,7 @@ mod tests {
         }
     }
 
+    // Mutation caught: core::labels without the check for a name given twice.
     #[test]
     fn the_list_is_refused_at_its_first_bad_entry_which_the_error_names() {
         let e = Labels::parse(" debian:host , docker ,,").unwrap_err();

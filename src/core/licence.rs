@@ -6,6 +6,8 @@
 //! progress at all. [`SweepLicence`] carries that fact; `driver::sweep` requires it, and only this
 //! module (through the planner and `without_cycle`) can make one.
 //!
+//! Mutation caught by the two doctests below: a `SweepLicence` made outside the core.
+//!
 //! ```compile_fail,E0451
 //! // No licence out of thin air: its fields are private.
 //! let forged = ci_ephemeral_provisioner::core::licence::SweepLicence {

@@ -115,6 +115,8 @@ pub fn is_ours(name: Option<&str>, prefix: &str) -> bool {
 /// `Forgejo::delete_runner` accepts. Its field is private and `may_delete` is its only
 /// constructor, so no code can send a DELETE for a registration the gate has not passed:
 ///
+/// (Mutation caught by this doctest: a `Deletable` made without `may_delete`.)
+///
 /// ```compile_fail,E0451
 /// let bypass = ci_ephemeral_provisioner::core::model::Deletable { id: 7 };
 /// ```

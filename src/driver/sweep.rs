@@ -686,6 +686,7 @@ mod tests {
         assert_eq!(rep.deleted.len(), 7);
     }
 
+    // Mutation caught: a listing with more rows than its count taken as complete.
     #[test]
     fn a_total_that_lies_low_makes_the_listing_incomplete() {
         // 50 rows on page 1 but a count of 10: the count ended the listing early, so absence

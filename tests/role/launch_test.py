@@ -996,8 +996,10 @@ CASES = [
     Case("labels-as-given", labels="debian:host,, x:host ", mode="quick", check=check_labels_as_given,
          vm_files={".docker/run/docker.sock": ("", 0o600)}),
     # What the schemes need on the VM: a Docker engine's socket, LXC's tools.
+    # Mutation caught: the Docker socket check (or its docker label detection) removed.
     Case("docker-without-engine", labels="debian:host,ubuntu,arm:docker://node:22",
          check=check_docker_without_engine),
+    # Mutation caught: the LXC check removed.
     Case("lxc-without-lxc", labels="c:lxc", vm_files={"bin/lxc-create": (NO_LXC, 0o755)},
          check=check_lxc_without_lxc),
     Case("schemes-served", labels=SCHEMES, mode="quick", check=check_schemes_served,

@@ -1099,6 +1099,7 @@ fn the_prefix_recorded_in_the_cycle_wins_over_a_changed_configuration() {
     )));
 }
 
+// Mutation caught: no give-up after three failed observation rounds.
 #[test]
 fn a_run_that_could_only_wait_on_failing_requests_gives_up_after_three_rounds() {
     // Offline within its grace: the step is a wait.
@@ -1125,6 +1126,7 @@ fn a_run_that_could_only_wait_on_failing_requests_gives_up_after_three_rounds() 
     );
 }
 
+// Mutation caught: a launch command gone mid-cycle ignored (Observation.launch_problem).
 #[test]
 fn a_launch_command_gone_mid_cycle_tears_the_vm_down_instead_of_registering() {
     let st = state_with(Phase::Running, vec![]);
@@ -1934,6 +1936,7 @@ fn held(job_id: i64, until: i64) -> RunContext {
     c
 }
 
+// Mutation caught: a never-connected registration deleted as unconsumed.
 #[test]
 fn a_launched_runner_never_seen_up_is_deleted_as_never_connected_after_the_grace() {
     let launched = MIN;
@@ -1994,6 +1997,7 @@ fn a_runner_seen_idle_or_active_for_the_first_time_is_marked_connected() {
     );
 }
 
+// Mutation caught: no pickup timeout.
 #[test]
 fn an_idle_runner_whose_job_still_waits_past_the_pickup_timeout_takes_the_vm_down() {
     let launched = MIN;
@@ -2036,6 +2040,7 @@ fn an_idle_runner_whose_job_still_waits_past_the_pickup_timeout_takes_the_vm_dow
     )));
 }
 
+// Mutation caught: no teardown for a runner whose declared labels do not cover its job.
 #[test]
 fn an_idle_runner_whose_labels_do_not_cover_its_job_takes_the_vm_down_at_once() {
     let st = state_with(Phase::Running, vec![reg(1, Launch::Done, Some(at(MIN)))]);
