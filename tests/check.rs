@@ -456,9 +456,12 @@ fn version_names_the_version_and_the_commit_of_this_checkout() {
     assert!(out.status.success(), "{out:?}");
     let text = String::from_utf8(out.stdout).unwrap();
     let git = |args: &[&str]| {
+        // --no-optional-locks: a plain `git status` rewrites the index, which build.rs watches,
+        // and every later cargo build (the release binary too) would compile the crate again.
         let out = std::process::Command::new("git")
             .arg("-C")
             .arg(env!("CARGO_MANIFEST_DIR"))
+            .arg("--no-optional-locks")
             .args(args)
             .output()
             .expect("run git");

@@ -19,8 +19,8 @@ use std::io::{Read, Write};
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use support::fake_forgejo::{Conn, FakeForgejo, TOKEN_USER_ID};
@@ -117,6 +117,14 @@ fn metrics_at(host: &Host, path: &str, want: &[(&str, &str)]) -> String {
     text
 }
 
+/// A phase lap on stderr, with the seconds since the test began (shown with `--nocapture`, and
+/// in the output of a failed test): where the time went, for a reader of a slow or failed CI log.
+fn lap(what: &str) {
+    static START: OnceLock<Instant> = OnceLock::new();
+    let start = START.get_or_init(Instant::now);
+    eprintln!("[role_e2e {:6.1}s] {what}", start.elapsed().as_secs_f64());
+}
+
 fn manifest() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
@@ -176,7 +184,10 @@ impl Host {
         args.extend_from_slice(more);
         let (ok, out) = self.script(&args);
         fs::write(self.work.join(format!("{name}.log")), &out).unwrap();
-        eprintln!("play {name}: ok={ok} in {:.1?}", started.elapsed());
+        lap(&format!(
+            "play {name}: ok={ok} in {:.1}s",
+            started.elapsed().as_secs_f64()
+        ));
         let changed = out
             .lines()
             .filter(|l| l.contains("changed="))
@@ -502,7 +513,7 @@ fn path_str(p: &Path) -> &str {
 /// Polls `cond` (a hang guard, not a timing assertion: CI machines are slow and shared).
 fn wait_until(what: &str, host: &Host, mut cond: impl FnMut() -> bool) {
     let start = Instant::now();
-    eprintln!("waiting for {what}");
+    lap(&format!("waiting for {what}"));
     while !cond() {
         if start.elapsed() > Duration::from_secs(240) {
             let journal = host.journal(UNIT);
@@ -510,7 +521,7 @@ fn wait_until(what: &str, host: &Host, mut cond: impl FnMut() -> bool) {
         }
         std::thread::sleep(Duration::from_millis(250));
     }
-    eprintln!("  after {:.1?}", start.elapsed());
+    lap(&format!("  after {:.1}s", start.elapsed().as_secs_f64()));
 }
 
 /// Where the role takes the binary from (the other source emptied: the example's group_vars
@@ -614,7 +625,7 @@ ci_ephemeral_provisioner_pool_defaults:
   environment:
     VM_DIR: /var/lib/ci-ephemeral-provisioner/default/vm
     TF_VAR_ssh_key_path: /etc/e2e/id_vm
-    # The default launch command finds the probe's ssh first (tests/role/module/probe-bin/ssh,
+    # The default launch command finds the probe's ssh first (tests/role/probe-bin/ssh,
     # installed there by role_e2e.sh).
     PATH: /etc/e2e/probe-bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
   secret_environment: {{}}
@@ -653,6 +664,7 @@ ci_ephemeral_provisioner_pools:
 #[test]
 #[ignore = "needs root, systemd-container, a rootfs and ansible: run by .ci/role"]
 fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
+    lap("start");
     let rootfs = PathBuf::from(required_env("ROLE_E2E_ROOTFS"));
     required_env("ANSIBLE_VENV");
     let binary = std::env::var("ROLE_E2E_BINARY")
@@ -686,6 +698,7 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
     let online = fake.add_runner("ephemeral-online", true, Conn::Idle);
     let (job, handle) = fake.add_job(&["debian"]);
 
+    lap("booting the container");
     let host = Host::boot(work, &rootfs);
     let local = Source::Local(&binary);
     // node_exporter's textfile directory exists already, owned by someone else; setfacl is not
@@ -709,6 +722,7 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
                      \x20 - name: gpu\n    runner_prefix: gpu-\n    labels: gpu:host\n    slots: 2\n\
                      \x20   environment:\n      VM_DIR: /var/lib/ci-ephemeral-provisioner/gpu/vm\n";
 
+    lap("phase: preflight refusals");
     // Preflight refuses pools whose prefixes overlap, before touching the host.
     let overlap = "  - name: default\n    runner_prefix: ephemeral-\n    labels: debian:host\n\
                    \x20 - name: more\n    runner_prefix: ephemeral-more-\n    labels: more:host\n";
@@ -730,6 +744,7 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
     );
     assert!(!host.file("etc/ci-ephemeral-provisioner").exists());
 
+    lap("phase: first deployment and its first job");
     // First run: installs and enables the timers; the timers start the cycles.
     let (ok, out, changed) = host.play("site", &vars(&fake, work, &local, two_pools));
     assert!(ok, "the role failed:\n{out}");
@@ -882,6 +897,7 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
         "{triggers}"
     );
 
+    lap("phase: a start while the lock is held");
     // A start while another run holds the lock exits 75, which the unit counts as success.
     // The holder waits for the lock (a run may have it), says so, and keeps it until released.
     fs::write(host.file("var/tmp/hold"), "").unwrap();
@@ -962,6 +978,7 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
         .collect();
     assert_eq!(labels, ["debian:host", "arm64:host"], "{argv:?}");
 
+    lap("phase: two repositories, two VMs");
     // Two jobs of two repositories wait at once. Under the role's default (--reuse-within repo)
     // the VM that ran the one never runs the other: each gets a VM of its own, although the pool
     // may run 10 jobs on one VM (--max-jobs-per-vm).
@@ -1002,6 +1019,7 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
         host.read("var/lib/ci-ephemeral-provisioner/default/vm/vm.log")
     );
 
+    lap("phase: a launch while sshd is down");
     // A VM whose sshd is not up yet when its job arrives (it boots slowly): the launch command
     // waits for sshd instead of failing, and the first launch serves the job. The "VM" is the
     // container itself; host.sh reaches it with nsenter, not ssh, and Ansible is not needed
@@ -1074,6 +1092,7 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
     // The first job, the two repositories' and the one that waited for sshd.
     assert_eq!(records.lines().count(), 4, "one runner per job:\n{records}");
 
+    lap("phase: secrets, check units, recovery by hand, gates");
     // The token: a root-only file (the units' standard input), nowhere else.
     assert_eq!(
         host.sh_ok("stat -c '%U:%G %a' /etc/ci-ephemeral-provisioner/forgejo-token")
@@ -1204,6 +1223,7 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
     host.sh_ok("systemd-analyze verify --recursive-errors=no ci-ephemeral-provisioner@default.service ci-ephemeral-provisioner@default.timer");
     host.sh_ok("systemd-analyze security --threshold=20 ci-ephemeral-provisioner@default.service");
 
+    lap("phase: the gpu pool, its slot 2, metrics");
     // The other pool ran too (idle: nothing to do) and kept its hands off: both its slots.
     for unit in [
         "ci-ephemeral-provisioner@gpu.service",
@@ -1277,6 +1297,7 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
         "the shared user's entry is still there:\n{acl}"
     );
 
+    lap("phase: a cycle on gpu slot 2");
     // A cycle on slot 2 of the gpu pool (slot 1's timer stopped meanwhile, so slot 2 takes the
     // job): tofu in the pool's working copy, in the slot's own workspace and TF_DATA_DIR.
     host.sh_ok("systemctl stop ci-ephemeral-provisioner@gpu.timer");
@@ -1348,6 +1369,7 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
     );
     host.sh_ok("systemctl start ci-ephemeral-provisioner@gpu.timer");
 
+    lap("phase: idempotence, binary sources and version");
     // Second run of the role: nothing to change.
     let (ok, out, changed) = host.play("site-again", &vars(&fake, work, &local, two_pools));
     assert!(ok, "{out}");
@@ -1372,15 +1394,30 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
     assert!(out.contains("did not match"), "{out}");
     assert!(hits.load(Ordering::SeqCst) > 0, "get_url never downloaded");
     assert_eq!(installed(), before, "the installed binary changed");
+    // The right one, with the version expected (one play for both): the installed binary's
+    // --version is printed, and checked when a version is expected.
     let right = Source::Url {
         url,
         sha256: sha256.clone(),
     };
-    let (ok, out, changed) = host.play("url", &vars(&fake, work, &right, two_pools));
+    let version = env!("CARGO_PKG_VERSION");
+    let (ok, out, changed) = host.play(
+        "url-and-version",
+        &format!(
+            "{}ci_ephemeral_provisioner_version: \"{version}\"\n",
+            vars(&fake, work, &right, two_pools)
+        ),
+    );
     assert!(ok, "{out}");
     assert_eq!(
         changed, 0,
         "same bytes from the URL changed something:\n{out}"
+    );
+    assert!(
+        out.contains(&format!(
+            "Installed: ci-ephemeral-provisioner {version} (commit "
+        )),
+        "{out}"
     );
     // A local file is checked too: against binary_sha256 when given (else its .sha256 file,
     // as in every other play), before anything changes.
@@ -1397,22 +1434,7 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
         "a local binary with another SHA-256 was accepted:\n{out}"
     );
     assert_eq!(installed(), before, "the installed binary changed");
-    // The installed binary's --version: printed, and checked when a version is expected.
-    let version = env!("CARGO_PKG_VERSION");
-    let (ok, out, changed) = host.play(
-        "version",
-        &format!(
-            "{}ci_ephemeral_provisioner_version: \"{version}\"\n",
-            vars(&fake, work, &local, two_pools)
-        ),
-    );
-    assert!(ok && changed == 0, "{out}");
-    assert!(
-        out.contains(&format!(
-            "Installed: ci-ephemeral-provisioner {version} (commit "
-        )),
-        "{out}"
-    );
+    // Another version expected than the binary has: refused.
     let (ok, out, _) = host.play(
         "version-other",
         &format!(
@@ -1427,6 +1449,7 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
         "a binary of another version was accepted:\n{out}"
     );
 
+    lap("phase: staggered slots");
     // Staggered slots. The gpu pool raised to 3 slots (and the interval to 6 s, for phases well
     // apart): slot K's timer is a file of its own, OnActiveSec= the boot delay plus (K-1)/3 of
     // the interval, and the play restarts the pool's timers together, so that the slots look at
@@ -1593,6 +1616,7 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
     let (ok, out, _) = host.play("interval-back", &vars(&fake, work, &local, two_pools));
     assert!(ok, "{out}");
 
+    lap("phase: retiring a slot");
     // Lowering the gpu pool's slots to 1 retires slot 2, never while it has a cycle in progress.
     // A stand-in for one: slot 2 stopped, a cycle.json in its slot-2/.
     let gpu_one_slot = vars(
@@ -1683,6 +1707,7 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
             .contains("SLOTS")
     );
 
+    lap("phase: removing a pool");
     // Removing a pool from the list stops and disables its timer.
     let one_pool =
         "  - name: default\n    runner_prefix: ephemeral-\n    labels: debian:host,arm64:host\n";
@@ -1737,6 +1762,7 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
         "enabled"
     );
 
+    lap("phase: a failing destroy, retried, then converging");
     // A destroy that fails leaves the unit failed, the error in the journal and the cycle on disk.
     fs::write(
         host.file("var/lib/ci-ephemeral-provisioner/default/vm/fail-destroy"),
@@ -1839,6 +1865,7 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
         fake.runners()
     );
 
+    lap("phase: a new metrics directory");
     // A textfile directory that does not exist yet: the role creates it (root:root 0755, the
     // service user's ACL entry), puts it in ReadWritePaths=, and the next run writes there.
     let fresh_dir = "/var/lib/e2e-textfile";
@@ -1874,6 +1901,7 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
         "644"
     );
 
+    lap("phase: broken pools");
     // A missing tofu is refused by preflight; a tofu that does not work is found by the pool's
     // `check`, which fails the deployment, saying what to fix.
     let missing = vars(&fake, work, &local, one_pool).replace(
@@ -1957,6 +1985,7 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
         "the pending restart was not forgotten"
     );
 
+    lap("phase: the example's own pool");
     // The example itself (examples/ansible): its group_vars as they are, with stand-ins swapped in
     // (tests/role/example_vars.py) for Forgejo, the vault's secrets, the cloud (the test module)
     // and the "VM" (this host's sshd, whose host key the module outputs as the example's
@@ -2064,4 +2093,5 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
         fake.runners()
     );
     drop(host);
+    lap("done; the container is down");
 }

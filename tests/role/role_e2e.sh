@@ -61,10 +61,11 @@ boot)
     install -m 755 "$tofu" "$rootfs/usr/local/bin/tofu"
     install -m 755 "$here/forgejo-runner" "$rootfs/usr/local/bin/forgejo-runner"
     # The hostile probe and the `ssh` that runs it under the default launch command (the pools'
-    # PATH starts with /etc/e2e/probe-bin); the module runs its own copy of probe.sh.
+    # PATH starts with /etc/e2e/probe-bin); the module runs its own copy of probe.sh. The ssh is
+    # kept out of module/: every play copies the module file by file, a few remote calls each.
     install -d -m 755 "$rootfs/etc/e2e/probe-bin"
     install -m 755 "$here/module/probe.sh" "$rootfs/etc/e2e/probe.sh"
-    install -m 755 "$here/module/probe-bin/ssh" "$rootfs/etc/e2e/probe-bin/ssh"
+    install -m 755 "$here/probe-bin/ssh" "$rootfs/etc/e2e/probe-bin/ssh"
     # known_hosts for the launch command: the container's own host key.
     printf '[localhost]:%s,[127.0.0.1]:%s %s\n' "$SSH_PORT" "$SSH_PORT" "$(cut -d' ' -f1,2 "$rootfs/etc/ssh/ssh_host_ed25519_key.pub")" \
         > "$work/known_hosts"

@@ -1,7 +1,7 @@
 # The role end-to-end test's "cloud": terraform_data + local-exec only (no provider download).
 # The "VM" is the test container itself, reached over SSH on 127.0.0.1:2222; vm.sh keeps a log
 # and a marker per VM in $VM_DIR and fails a destroy while $VM_DIR/fail-destroy exists. probe.sh
-# (run here on create, and by probe-bin/ssh under the launch command) plays a hostile child.
+# (run here on create, and by ../probe-bin/ssh under the launch command) plays a hostile child.
 variable "cycle_id" {
   type = string
 }
