@@ -189,15 +189,15 @@ mutate "claims-ignored" src/core/planner.rs \
     '            store.save_starting(&state, job_id, job_handle, &gate)' \
     '            store.save(&state).map(|()| Start::Claim(Claim::Saved))' \
     src/driver/cycle/registrations.rs \
-    '        match self.save_claiming(&s, job_id, job_handle) {' \
-    '        match self.w.store.save(&s).map(|()| Claim::Saved).map_err(|_| SaveFailed) {'
+    '        match self.save_claiming(&s, job_id, job_handle)? {' \
+    '        match self.w.store.save(&s).map(|()| Claim::Saved).map_err(|_| SaveFailed)? {'
 
 # The check under the claims lock alone: the planner's filter was read before the jobs, and
 # another slot may claim the job in between.
 # Caught: two runners of one host for one attempt (another slot claimed the job between the read of its claims and the intent); seed 142.
 mutate "register-without-claims-lock" src/driver/cycle/registrations.rs \
-    '        match self.save_claiming(&s, job_id, job_handle) {' \
-    '        match self.w.store.save(&s).map(|()| Claim::Saved).map_err(|_| SaveFailed) {'
+    '        match self.save_claiming(&s, job_id, job_handle)? {' \
+    '        match self.w.store.save(&s).map(|()| Claim::Saved).map_err(|_| SaveFailed)? {'
 
 # The failure backoff's gate never closes (a retry is always allowed): a broken pool starts VMs
 # without bound.
