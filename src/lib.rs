@@ -7,7 +7,9 @@
 //! - `adapters`: the ports' implementations: HTTP Forgejo, the tofu CLI, the launch command,
 //!   processes and signals, files and the lock, the clock, logging, and the dry-run stand-ins.
 //! - `driver`: runs the planner's steps through the ports and persists each (the cycle, the sweep).
-//! - `commands`: one file per command, and the one place that picks the implementations
+//! - `commands`: one file per command, and the rooms they share: the configuration
+//!   (`commands::config`), the recording of a run's outcome (`commands::record`), the exit
+//!   statuses (`commands::exit`), and the one place that picks the implementations
 //!   (`commands::wiring`).
 
 /// A test-only crash point (see `crashpoint`); nothing at all in release builds.

@@ -5,7 +5,8 @@ use std::process::ExitCode;
 
 use ci_ephemeral_provisioner::adapters::{logging, process, token};
 use ci_ephemeral_provisioner::cli::{Cli, Command};
-use ci_ephemeral_provisioner::commands::{self, EXIT_FAILED, Fatal};
+use ci_ephemeral_provisioner::commands;
+use ci_ephemeral_provisioner::commands::exit::{EXIT_FAILED, Fatal};
 use clap::Parser;
 
 fn main() -> ExitCode {

@@ -348,3 +348,52 @@ fn the_delete_check_catches_a_planted_bypass() {
     assert_eq!(found.len(), 1, "{found:?}");
     assert!(found[0].1.starts_with("fn cleanup("), "{found:?}");
 }
+
+/// The lines of a `mod.rs` (comments aside) that are neither a module declaration
+/// (`mod x;`, `pub mod x;`, `pub(crate) mod x;`) nor an attribute: (line, text).
+fn not_module_declarations(code: &str) -> Vec<(usize, String)> {
+    let declares_a_module = |l: &str| {
+        let l = ["pub(crate) ", "pub "]
+            .iter()
+            .find_map(|p| l.strip_prefix(p))
+            .unwrap_or(l);
+        l.strip_prefix("mod ")
+            .and_then(|r| r.strip_suffix(';'))
+            .is_some_and(|name| name.chars().all(|c| c.is_alphanumeric() || c == '_'))
+    };
+    code.lines()
+        .enumerate()
+        .map(|(n, l)| (n + 1, l.trim()))
+        .filter(|(_, l)| !l.is_empty() && !l.starts_with("#[") && !declares_a_module(l))
+        .map(|(n, l)| (n, l.to_string()))
+        .collect()
+}
+
+// Mutation caught: `pub use exit::Fatal;` or `pub const EXIT_OK: u8 = 0;` in src/commands/mod.rs (an item imported back from the list of rooms).
+#[test]
+fn the_commands_mod_only_lists_its_rooms() {
+    // Every item lives in the room named for it (`config`, `record`, `exit`, …) and is imported
+    // from there: with nothing but modules in mod.rs, no `crate::commands::{…}` import climbs
+    // back up (the compiler refuses one).
+    let path = root().join("src/commands/mod.rs");
+    let found = not_module_declarations(&code(&path));
+    assert!(
+        found.is_empty(),
+        "src/commands/mod.rs only lists the rooms (`pub mod …;`); move these into the room they \
+         belong to and import them from there:\n{found:?}"
+    );
+    assert!(
+        code(&path).matches("pub mod ").count() > 4,
+        "{}",
+        code(&path)
+    );
+    // The check bites: a constant, a re-export and a helper planted among the rooms.
+    let planted = "pub mod config;\n#[doc(hidden)]\npub mod exit;\n\
+                   pub const EXIT_OK: u8 = 0;\npub use exit::Fatal;\n\
+                   pub(crate) fn usage() {}\nmod wiring;\n";
+    let found: Vec<usize> = not_module_declarations(planted)
+        .iter()
+        .map(|(n, _)| *n)
+        .collect();
+    assert_eq!(found, [4, 5, 6]);
+}

@@ -12,10 +12,9 @@ use crate::adapters::forgejo_http::major_version;
 use crate::adapters::process::{ChildSpec, find_executable, run_child};
 use crate::adapters::signals::StopFlag;
 use crate::cli::{OutputFormat, RunArgs};
-use crate::commands::{
-    EXIT_FAILED, EXIT_OK, EXIT_USAGE, Fatal, forgejo_target, read_token, slot_dir,
-    validate_run_args, wiring,
-};
+use crate::commands::config::{forgejo_target, read_token, slot_dir, validate_run_args};
+use crate::commands::exit::{EXIT_FAILED, EXIT_OK, EXIT_USAGE, Fatal};
+use crate::commands::wiring;
 use crate::core::labels::Labels;
 use crate::core::ports::{Forgejo, Launcher, Tofu};
 use crate::core::state::STATE_FILE;

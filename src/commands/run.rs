@@ -1,7 +1,9 @@
 //! `run`: one provisioner cycle (or its plan, for a dry-run), its report, metrics and audit trail.
 
 use crate::cli::RunCommand;
-use crate::commands::{Fatal, check_fixture, cycle_config, policy, validate_run_args, wiring};
+use crate::commands::config::{check_fixture, cycle_config, policy, validate_run_args};
+use crate::commands::exit::Fatal;
+use crate::commands::wiring;
 use crate::driver::cycle;
 
 pub fn cmd_run(RunCommand { args: a, dry }: RunCommand) -> Result<u8, Fatal> {

@@ -7,7 +7,9 @@ use serde_json::{Value, json};
 
 use crate::adapters::files::read_state_file;
 use crate::cli::{OutputFormat, StatusArgs};
-use crate::commands::{EXIT_FAILED, EXIT_OK, Fatal, slot_dir, usage};
+use crate::commands::config::slot_dir;
+use crate::commands::exit::{EXIT_FAILED, EXIT_OK, Fatal, usage};
+use crate::commands::record::LAST_RUN_FILE;
 use crate::core::metrics::Counters;
 use crate::core::state::STATE_FILE;
 use crate::core::status::{EVENTS_SHOWN, Limits, MAX_LAST_RUN_BYTES, facts, warnings};
@@ -71,7 +73,7 @@ pub fn gather(dir: &Path, pool: &Path, limits: &Limits, now: Timestamp) -> Value
             (None, Some(format!("{e:#}")))
         }
     };
-    let last_path = dir.join(crate::commands::LAST_RUN_FILE);
+    let last_path = dir.join(LAST_RUN_FILE);
     let (last_run, last_run_error): (Option<Value>, Option<String>) =
         match crate::adapters::files::read_state_text(&last_path, MAX_LAST_RUN_BYTES) {
             Ok(None) => (None, None),

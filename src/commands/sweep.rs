@@ -1,8 +1,9 @@
 //! `sweep`: the offline registrations with our prefix, deleted when no cycle is in progress.
 
 use crate::cli::SweepArgs;
-use crate::commands::{Fatal, check_fixture, check_metrics_file, check_prefix, wiring};
-use crate::core::slots::sweep_min_age;
+use crate::commands::config::{check_fixture, check_metrics_file, check_prefix, sweep_min_age};
+use crate::commands::exit::Fatal;
+use crate::commands::wiring;
 use crate::driver::cycle::End;
 use crate::driver::sweep;
 
@@ -38,11 +39,7 @@ pub fn cmd_sweep(a: SweepArgs) -> Result<u8, Fatal> {
         c.sweep_max_deletions,
         sweep::Spare {
             now: clock.now(),
-            min_age: sweep_min_age(
-                a.registration_grace,
-                a.launch_timeout,
-                c.http_timeout.saturating_mul(2),
-            ),
+            min_age: sweep_min_age(a.registration_grace, a.launch_timeout, c),
             others: &mut || store.others(),
         },
     );

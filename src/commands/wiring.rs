@@ -21,10 +21,9 @@ use crate::adapters::logging::log_config;
 use crate::adapters::signals::{ReloadFlag, StopFlag};
 use crate::adapters::tofu_cli::{CliTofu, TOFU_DATA_DIR};
 use crate::cli::{DryRunArgs, ForgejoArgs, RunArgs, SweepArgs};
-use crate::commands::{
-    EXIT_FAILED, EXIT_OK, Fatal, announce_run, events_file, finish, forgejo_target, metrics_target,
-    print_plan, read_token, slot_dir, usage,
-};
+use crate::commands::config::{forgejo_target, metrics_target, read_token, slot_dir};
+use crate::commands::exit::{EXIT_FAILED, EXIT_OK, Fatal, failed, usage};
+use crate::commands::record::{announce_run, events_file, finish, print_plan};
 use crate::core::backoff::Backoff;
 use crate::core::holds::{HOLDS_FILE, Holds};
 use crate::core::licence::{DestroyRecord, SweepLicence, without_cycle};
@@ -125,8 +124,8 @@ pub(crate) fn cycle(
         dir,
         lock,
     } = live(a, c, label_names)?;
-    let stop = StopFlag::install().map_err(|e| Fatal(EXIT_FAILED, format!("{e:#}")))?;
-    let reload = ReloadFlag::install().map_err(|e| Fatal(EXIT_FAILED, format!("{e:#}")))?;
+    let stop = StopFlag::install().map_err(failed)?;
+    let reload = ReloadFlag::install().map_err(failed)?;
     let clock = RealClock::new(stop.clone(), reload);
     let report = live_report("run", &clock, &dir, c);
     Ok(CycleRun {
