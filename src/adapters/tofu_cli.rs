@@ -36,11 +36,30 @@ const LOCK_TIMEOUT: &str = "-lock-timeout=2m";
 /// pool share the module directory, and each must init and select its workspace alone.
 pub const TOFU_DATA_DIR: &str = "tofu-data";
 
+/// How tofu runs `args` on the module in `module`: `-chdir` into it, unattended (no prompts, no
+/// input), with `TF_VAR_cycle_id`. No stdin, no time limit; callers add to the environment
+/// (a slot's workspace and data directory, `check`'s own data directory) and may set one.
+pub fn invocation(bin: &Path, module: &Path, cycle_id: &str, args: &[&str]) -> ChildSpec {
+    let mut all = vec![format!("-chdir={}", module.display())];
+    all.extend(args.iter().map(|a| a.to_string()));
+    ChildSpec {
+        program: bin.to_path_buf(),
+        args: all.into_iter().map(Into::into).collect(),
+        env: vec![
+            ("TF_IN_AUTOMATION".into(), "1".into()),
+            ("TF_INPUT".into(), "0".into()),
+            ("TF_VAR_cycle_id".into(), cycle_id.into()),
+        ],
+        stdin: None,
+        timeout: None,
+    }
+}
+
 pub struct CliTofu {
     pub bin: PathBuf,
     pub dir: Option<PathBuf>,
     /// The pool's slot this tofu serves: `TF_VAR_slot`; slot K ≥ 2 runs in the workspace
-    /// `slot-K` (slot 1 in the default one, as a pool without slots always did).
+    /// `slot-K`, slot 1 in the default one.
     pub slot: u32,
     /// The pool has more than one slot: slot 1 names its workspace too (`TF_WORKSPACE=default`),
     /// so that a workspace selected by hand (`tofu workspace select slot-2`) can never make it
@@ -78,18 +97,10 @@ impl CliTofu {
         })
     }
 
-    fn run(&self, cycle_id: &str, args: &[&str]) -> Result<Vec<u8>, StepError> {
-        let dir = self.dir()?;
-        let mut all = vec![format!("-chdir={}", dir.display())];
-        all.extend(args.iter().map(|a| a.to_string()));
-        let shown = format!("{} {}", self.bin.display(), all.join(" "));
-        log::info!("running {shown}");
-        let mut env = vec![
-            ("TF_IN_AUTOMATION".into(), "1".into()),
-            ("TF_INPUT".into(), "0".into()),
-            ("TF_VAR_cycle_id".into(), cycle_id.into()),
-            ("TF_VAR_slot".into(), self.slot.to_string()),
-        ];
+    /// What this slot adds to tofu's environment: `TF_VAR_slot`, its workspace, and (slot K ≥ 2)
+    /// its own data directory.
+    fn slot_env(&self) -> Vec<(String, String)> {
+        let mut env = vec![("TF_VAR_slot".into(), self.slot.to_string())];
         match crate::core::slots::slot_dir_name(self.slot) {
             Some(workspace) => env.push(("TF_WORKSPACE".into(), workspace)),
             None if self.pinned => env.push(("TF_WORKSPACE".into(), "default".into())),
@@ -102,13 +113,23 @@ impl CliTofu {
             // (Empty means no cache from the environment.)
             env.push(("TF_PLUGIN_CACHE_DIR".into(), String::new()));
         }
-        let spec = ChildSpec {
-            program: self.bin.clone(),
-            args: all.into_iter().map(Into::into).collect(),
-            env,
-            stdin: None,
-            timeout: None,
-        };
+        env
+    }
+
+    fn run(&self, cycle_id: &str, args: &[&str]) -> Result<Vec<u8>, StepError> {
+        let dir = self.dir()?;
+        let mut spec = invocation(&self.bin, dir, cycle_id, args);
+        spec.env.extend(self.slot_env());
+        let shown = format!(
+            "{} {}",
+            self.bin.display(),
+            spec.args
+                .iter()
+                .map(|a| a.to_string_lossy())
+                .collect::<Vec<_>>()
+                .join(" ")
+        );
+        log::info!("running {shown}");
         let r = run_child(&spec, &self.stop).map_err(|e| {
             StepError::failed(format!(
                 "cannot run {}: {e} (is --tofu-bin right and installed?)",
@@ -128,10 +149,7 @@ impl CliTofu {
                 interrupted: true,
             });
         }
-        if !r.success() {
-            return Err(StepError::failed(format!("`{shown}` {}", r.describe())));
-        }
-        Ok(r.stdout)
+        Err(StepError::failed(format!("`{shown}` {}", r.describe())))
     }
 }
 

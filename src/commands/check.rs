@@ -9,8 +9,9 @@ use serde_json::json;
 
 use crate::adapters::files::{StateDir, inspect_state_dir, read_state_file};
 use crate::adapters::forgejo_http::major_version;
-use crate::adapters::process::{ChildSpec, find_executable, run_child};
+use crate::adapters::process::{find_executable, run_child};
 use crate::adapters::signals::StopFlag;
+use crate::adapters::tofu_cli::invocation;
 use crate::cli::{OutputFormat, RunArgs};
 use crate::commands::config::{forgejo_target, read_token, slot_dir, validate_run_args};
 use crate::commands::exit::{EXIT_FAILED, EXIT_OK, EXIT_USAGE, Fatal};
@@ -265,21 +266,11 @@ fn check_tofu(a: &RunArgs) -> anyhow::Result<String> {
     })?;
     let data = tmp.path().join("data");
     let run = |args: &[&str]| -> anyhow::Result<Vec<u8>> {
-        let mut all = vec![format!("-chdir={}", copy.display())];
-        all.extend(args.iter().map(|a| a.to_string()));
         let shown = format!("{} {}", program.display(), args.join(" "));
-        let spec = ChildSpec {
-            program: program.clone(),
-            args: all.into_iter().map(Into::into).collect(),
-            env: vec![
-                ("TF_IN_AUTOMATION".into(), "1".into()),
-                ("TF_INPUT".into(), "0".into()),
-                ("TF_DATA_DIR".into(), data.display().to_string()),
-                ("TF_VAR_cycle_id".into(), "check".into()),
-            ],
-            stdin: None,
-            timeout: Some(TOFU_CHECK_TIMEOUT),
-        };
+        let mut spec = invocation(&program, &copy, "check", args);
+        spec.env
+            .push(("TF_DATA_DIR".into(), data.display().to_string()));
+        spec.timeout = Some(TOFU_CHECK_TIMEOUT);
         let r = run_child(&spec, &StopFlag::new())
             .map_err(|e| anyhow!("cannot run {}: {e}", program.display()))?;
         if r.success() {
