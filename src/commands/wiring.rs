@@ -32,6 +32,7 @@ use crate::core::report::Report;
 use crate::core::secret::Secret;
 use crate::core::slots::Others;
 use crate::core::state::{CycleState, STATE_FILE};
+use crate::core::time::Timestamp;
 use crate::driver::cycle::{End, World};
 
 /// Where Forgejo is said to be in a fixture dry-run's plan and report.
@@ -149,49 +150,45 @@ fn dry_cycle(
     flags: &DryRunArgs,
     label_names: &[String],
 ) -> Result<CycleRun, Fatal> {
-    let (world, (cycle, holds, others, backoff), now, url) = match &flags.fixture {
-        Some(path) => {
-            let fx = load_fixture(path, label_names)?;
-            let now = fx.now.unwrap_or_else(wall_now);
-            let files = (
-                fx.cycle,
-                Holds::default(),
-                Others::default(),
-                Backoff::new(),
-            );
-            (fx.forgejo, files, now, FIXTURE_URL.to_string())
-        }
-        None => {
-            let (world, files, url) = dry_http(c, label_names, |dir, slot| {
-                let failed = |e: anyhow::Error| Fatal(EXIT_FAILED, format!("{e:#}"));
-                let cycle = read_state_file(&dir.join(STATE_FILE)).map_err(failed)?;
-                let holds = read_holds_file(&dir.join(HOLDS_FILE))
-                    .map_err(|e| Fatal(EXIT_FAILED, format!("{e:#}")))?;
-                let mut files = FileStore::slot(slot.clone());
-                let others = files.others().map_err(failed)?;
-                let backoff = files.load_backoff().map_err(failed)?;
-                Ok((cycle, holds, others, backoff))
-            })?;
-            (world, files, wall_now(), url)
-        }
-    };
-    let (forgejo, plan, outlet) = dry(world);
+    let w = dry_world(c, flags, label_names, |source| match source {
+        DrySource::Fixture { cycle } => Ok(MemoryStore {
+            state: *cycle,
+            holds: Holds::default(),
+            others: Others::default(),
+            backoff: Backoff::new(),
+        }),
+        DrySource::Slot(slot) => read_slot(slot),
+    })?;
     Ok(CycleRun {
         ports: Ports {
-            forgejo: Box::new(forgejo),
-            tofu: Box::new(DryTofu { plan: plan.clone() }),
-            launcher: Box::new(DryLauncher { plan }),
-            store: Box::new(MemoryStore {
-                state: cycle,
-                holds,
-                others,
-                backoff,
+            forgejo: Box::new(w.forgejo),
+            tofu: Box::new(DryTofu {
+                plan: w.plan.clone(),
             }),
-            clock: Box::new(DryClock { now }),
+            launcher: Box::new(DryLauncher { plan: w.plan }),
+            store: Box::new(w.found),
+            clock: Box::new(DryClock { now: w.now }),
         },
-        report: Report::new("run", true, now),
-        outlet,
-        forgejo_url: url,
+        report: Report::new("run", true, w.now),
+        outlet: w.outlet,
+        forgejo_url: w.url,
+    })
+}
+
+/// A slot's files as a dry-run's store: read once, never written.
+fn read_slot(slot: &SlotDir) -> Result<MemoryStore, Fatal> {
+    let dir = slot.dir();
+    let state = read_state_file(&dir.join(STATE_FILE)).map_err(failed)?;
+    let holds =
+        read_holds_file(&dir.join(HOLDS_FILE)).map_err(|e| Fatal(EXIT_FAILED, format!("{e:#}")))?;
+    let mut files = FileStore::slot(slot.clone());
+    let others = files.others().map_err(failed)?;
+    let backoff = files.load_backoff().map_err(failed)?;
+    Ok(MemoryStore {
+        state,
+        holds,
+        others,
+        backoff,
     })
 }
 
@@ -220,36 +217,32 @@ pub(crate) fn sweep(a: &SweepArgs) -> Result<SweepRun, Fatal> {
     let refused = |r: Refusal| Fatal(EXIT_FAILED, r.message);
     if a.dry.dry_run {
         log_config(a, None, None);
-        let (world, licence, store, now): (_, _, Box<dyn StateStore>, _) = match &a.dry.fixture {
-            Some(path) => {
-                let fx = load_fixture(path, &[])?;
-                let licence = sweep_licence(Ok(fx.cycle), "the fixture", || None);
-                let now = fx.now.unwrap_or_else(wall_now);
-                let store = MemoryStore {
+        let w = dry_world(c, &a.dry, &[], |source| match source {
+            DrySource::Fixture { cycle } => {
+                let licence = sweep_licence(Ok(*cycle), "the fixture", || None);
+                let store: Box<dyn StateStore> = Box::new(MemoryStore {
                     state: None,
                     holds: Holds::default(),
                     others: Others::default(),
                     backoff: Backoff::new(),
-                };
-                (fx.forgejo, licence.map_err(refused)?, Box::new(store), now)
+                });
+                Ok((licence.map_err(refused)?, store))
             }
-            None => {
-                let (world, (licence, slot), _) = dry_http(c, &[], |dir, slot| {
-                    let path = dir.join(STATE_FILE);
-                    let cycle = read_state_file(&path);
-                    let licence = sweep_licence(cycle, &path.display().to_string(), || None);
-                    Ok((licence.map_err(refused)?, slot.clone()))
-                })?;
-                (world, licence, Box::new(FileStore::slot(slot)), wall_now())
+            DrySource::Slot(slot) => {
+                let path = slot.dir().join(STATE_FILE);
+                let cycle = read_state_file(&path);
+                let licence = sweep_licence(cycle, &path.display().to_string(), || None);
+                let store: Box<dyn StateStore> = Box::new(FileStore::slot(slot.clone()));
+                Ok((licence.map_err(refused)?, store))
             }
-        };
-        let (forgejo, _, outlet) = dry(world);
+        })?;
+        let (licence, store) = w.found;
         return Ok(SweepRun {
-            forgejo: Box::new(forgejo),
+            forgejo: Box::new(w.forgejo),
             store,
-            clock: Box::new(DryClock { now }),
-            report: Report::new("sweep", true, now),
-            outlet,
+            clock: Box::new(DryClock { now: w.now }),
+            report: Report::new("sweep", true, w.now),
+            outlet: w.outlet,
             licence: Ok(licence),
         });
     }
@@ -340,33 +333,66 @@ fn live(args: &dyn Debug, c: &ForgejoArgs, label_names: &[String]) -> Result<Liv
     })
 }
 
-/// A dry-run against Forgejo itself: where it is, the token, then `read` of the state directory
-/// (never written, never locked), then the HTTP client. Returns the client, what `read` found
-/// and the URL.
-fn dry_http<T>(
-    c: &ForgejoArgs,
-    label_names: &[String],
-    read: impl FnOnce(&Path, &SlotDir) -> Result<T, Fatal>,
-) -> Result<(Box<dyn Forgejo>, T, String), Fatal> {
-    let (url, scope) = forgejo_target(c)?;
-    let slot = slot_dir(&c.local)?;
-    let token = read_token(&c.token_file)?;
-    let found = read(&slot.dir(), &slot)?;
-    let forgejo = http_forgejo(c, &url, scope, &token, label_names)?;
-    Ok((Box::new(forgejo), found, url))
+/// Where a dry-run reads what it finds beside Forgejo.
+enum DrySource<'a> {
+    /// The fixture, and the cycle it holds (boxed: a cycle is large beside a reference).
+    Fixture { cycle: Box<Option<CycleState>> },
+    /// The slot's directory (read, never written nor locked).
+    Slot(&'a SlotDir),
 }
 
-/// A dry-run's Forgejo over `world` (reads pass through, writes go to the plan), the plan, and
-/// the outlet that prints it.
-fn dry(world: Box<dyn Forgejo>) -> (DryForgejo, Plan, Outlet) {
+/// A dry-run's world: its Forgejo (reads pass through to the fixture or to Forgejo itself,
+/// writes go to the plan), the plan, the outlet that prints it, what the command read beside
+/// Forgejo, the time, and where Forgejo is said to be.
+struct DryWorld<T> {
+    forgejo: DryForgejo,
+    plan: Plan,
+    outlet: Outlet,
+    found: T,
+    now: Timestamp,
+    url: String,
+}
+
+/// The dry world of `run` and `sweep`: from the fixture (`--fixture`), or from Forgejo itself:
+/// where it is, the token, then `read` of the state directory, then the HTTP client.
+fn dry_world<T>(
+    c: &ForgejoArgs,
+    flags: &DryRunArgs,
+    label_names: &[String],
+    read: impl FnOnce(DrySource<'_>) -> Result<T, Fatal>,
+) -> Result<DryWorld<T>, Fatal> {
+    let (world, found, now, url): (Box<dyn Forgejo>, _, _, _) = match &flags.fixture {
+        Some(path) => {
+            let fx = load_fixture(path, label_names)?;
+            let found = read(DrySource::Fixture {
+                cycle: Box::new(fx.cycle),
+            })?;
+            let now = fx.now.unwrap_or_else(wall_now);
+            (fx.forgejo, found, now, FIXTURE_URL.to_string())
+        }
+        None => {
+            let (url, scope) = forgejo_target(c)?;
+            let slot = slot_dir(&c.local)?;
+            let token = read_token(&c.token_file)?;
+            let found = read(DrySource::Slot(&slot))?;
+            let forgejo = http_forgejo(c, &url, scope, &token, label_names)?;
+            (Box::new(forgejo), found, wall_now(), url)
+        }
+    };
     let plan = Plan::default();
     let forgejo = DryForgejo::new(world, plan.clone());
-    let read_errors = forgejo.read_errors();
     let outlet = Outlet::Dry {
         plan: plan.clone(),
-        read_errors,
+        read_errors: forgejo.read_errors(),
     };
-    (forgejo, plan, outlet)
+    Ok(DryWorld {
+        forgejo,
+        plan,
+        outlet,
+        found,
+        now,
+        url,
+    })
 }
 
 /// The Forgejo client of a live run or a live dry-run.
