@@ -5,18 +5,23 @@ use std::path::Path;
 
 use serde_json::{Value, json};
 
-use crate::adapters::files::read_state_file;
+use crate::adapters::files::{
+    load_counters, read_backoff_file, read_holds_file, read_state_file, read_state_text,
+};
 use crate::cli::{OutputFormat, StatusArgs};
 use crate::commands::config::slot_dir;
 use crate::commands::exit::{EXIT_FAILED, EXIT_OK, Fatal, usage};
 use crate::commands::record::LAST_RUN_FILE;
+use crate::core::backoff::{BACKOFF_FILE, Backoff};
+use crate::core::holds::{HOLDS_FILE, Hold};
 use crate::core::metrics::Counters;
-use crate::core::state::STATE_FILE;
+use crate::core::state::{CycleState, STATE_FILE};
 use crate::core::status::{EVENTS_SHOWN, Limits, MAX_LAST_RUN_BYTES, facts, warnings};
 use crate::core::time::Timestamp;
 
 pub fn cmd_status(a: StatusArgs) -> Result<u8, Fatal> {
-    let dir = slot_dir(&a.local)?.dir();
+    let slot = slot_dir(&a.local)?;
+    let dir = slot.dir();
     // Read-only and often run by root: the owner is not ours to judge here, only that the
     // directory is there (a typo must not look like a host where no run happened yet).
     match fs::metadata(&dir) {
@@ -44,9 +49,12 @@ pub fn cmd_status(a: StatusArgs) -> Result<u8, Fatal> {
         max_success_age: a.max_success_age,
         max_cycle_duration: a.max_cycle_duration,
     };
-    let pool = slot_dir(&a.local)?.pool;
-    let doc =
-        crate::commands::status::gather(&dir, &pool, &limits, crate::adapters::clock::wall_now());
+    let doc = gather(
+        &dir,
+        &slot.pool,
+        &limits,
+        crate::adapters::clock::wall_now(),
+    );
     match a.local.output {
         OutputFormat::Json => {
             println!("{}", serde_json::to_string_pretty(&doc).unwrap_or_default());
@@ -64,56 +72,17 @@ pub fn cmd_status(a: StatusArgs) -> Result<u8, Fatal> {
 /// Everything `status` shows, as one JSON document (the text form is rendered from it).
 /// `dir` is the slot's directory, `pool` the pool's (where `backoff.json` is).
 pub fn gather(dir: &Path, pool: &Path, limits: &Limits, now: Timestamp) -> Value {
-    let mut unreadable = Vec::new();
-    let cycle_path = dir.join(STATE_FILE);
-    let (cycle, cycle_error) = match read_state_file(&cycle_path) {
-        Ok(c) => (c, None),
-        Err(e) => {
-            unreadable.push(format!("cycle.json is unreadable: {e:#}"));
-            (None, Some(format!("{e:#}")))
-        }
-    };
-    let last_path = dir.join(LAST_RUN_FILE);
-    let (last_run, last_run_error): (Option<Value>, Option<String>) =
-        match crate::adapters::files::read_state_text(&last_path, MAX_LAST_RUN_BYTES) {
-            Ok(None) => (None, None),
-            Err(e) => (None, Some(e.to_string())),
-            Ok(Some(t)) => match serde_json::from_str(&t) {
-                Ok(v) => (Some(v), None),
-                Err(e) => (
-                    None,
-                    Some(format!("{} is not JSON: {e}", last_path.display())),
-                ),
-            },
-        };
-    if let Some(e) = &last_run_error {
-        unreadable.push(e.clone());
-    }
-    let (counters, counters_error) = match crate::adapters::files::load_counters(dir) {
-        Ok(c) if c == Counters::default() => (None, None),
-        Ok(c) => (Some(c), None),
-        Err(e) => {
-            unreadable.push(format!("{e:#}"));
-            (None, Some(format!("{e:#}")))
-        }
-    };
-    let held: Vec<crate::core::holds::Hold> =
-        match crate::adapters::files::read_holds_file(&dir.join(crate::core::holds::HOLDS_FILE)) {
-            Ok(h) => h.active(now).cloned().collect(),
-            Err(e) => {
-                unreadable.push(e.to_string());
-                Vec::new()
-            }
-        };
-    let backoff = match crate::adapters::files::read_backoff_file(
-        &pool.join(crate::core::backoff::BACKOFF_FILE),
-    ) {
-        Ok(b) => Some(b),
-        Err(e) => {
-            unreadable.push(format!("{e:#}"));
-            None
-        }
-    };
+    let Found {
+        unreadable,
+        cycle,
+        cycle_error,
+        last_run,
+        last_run_error,
+        counters,
+        counters_error,
+        held,
+        backoff,
+    } = Found::read(dir, pool, now);
     let (events, events_skipped, events_error) =
         match crate::adapters::events_file::tail(dir, EVENTS_SHOWN) {
             Ok(t) => (t.records, t.skipped, None),
@@ -163,6 +132,82 @@ pub fn gather(dir: &Path, pool: &Path, limits: &Limits, now: Timestamp) -> Value
     })
 }
 
+/// What `status` read of the slot's and the pool's state files. A file that cannot be read is
+/// named in `unreadable` (a warning), in the order read, and its error kept beside its value.
+struct Found {
+    unreadable: Vec<String>,
+    cycle: Option<CycleState>,
+    cycle_error: Option<String>,
+    last_run: Option<Value>,
+    last_run_error: Option<String>,
+    /// None when there are none yet (all zero).
+    counters: Option<Counters>,
+    counters_error: Option<String>,
+    /// The holds in force at `now`.
+    held: Vec<Hold>,
+    backoff: Option<Backoff>,
+}
+
+impl Found {
+    fn read(dir: &Path, pool: &Path, now: Timestamp) -> Found {
+        let mut unreadable = Vec::new();
+        let (cycle, cycle_error) = match read_state_file(&dir.join(STATE_FILE)) {
+            Ok(c) => (c, None),
+            Err(e) => {
+                unreadable.push(format!("cycle.json is unreadable: {e:#}"));
+                (None, Some(format!("{e:#}")))
+            }
+        };
+        let (last_run, last_run_error) = match read_last_run(&dir.join(LAST_RUN_FILE)) {
+            Ok(v) => (v, None),
+            Err(e) => {
+                unreadable.push(e.clone());
+                (None, Some(e))
+            }
+        };
+        let (counters, counters_error) = match load_counters(dir) {
+            Ok(c) if c == Counters::default() => (None, None),
+            Ok(c) => (Some(c), None),
+            Err(e) => {
+                unreadable.push(format!("{e:#}"));
+                (None, Some(format!("{e:#}")))
+            }
+        };
+        let held = match read_holds_file(&dir.join(HOLDS_FILE)) {
+            Ok(h) => h.active(now).cloned().collect(),
+            Err(e) => {
+                unreadable.push(e.to_string());
+                Vec::new()
+            }
+        };
+        let backoff = read_backoff_file(&pool.join(BACKOFF_FILE))
+            .inspect_err(|e| unreadable.push(format!("{e:#}")))
+            .ok();
+        Found {
+            unreadable,
+            cycle,
+            cycle_error,
+            last_run,
+            last_run_error,
+            counters,
+            counters_error,
+            held,
+            backoff,
+        }
+    }
+}
+
+/// last-run.json as JSON; none when there is no such file.
+fn read_last_run(path: &Path) -> Result<Option<Value>, String> {
+    match read_state_text(path, MAX_LAST_RUN_BYTES) {
+        Ok(None) => Ok(None),
+        Err(e) => Err(e.to_string()),
+        Ok(Some(t)) => serde_json::from_str(&t)
+            .map(Some)
+            .map_err(|e| format!("{} is not JSON: {e}", path.display())),
+    }
+}
+
 /// The pickup times of every slot of the pool together (each slot's last ones), when the pool
 /// has more than one slot directory; `None` otherwise. A slot whose counters cannot be read is
 /// left out (the slot's own `status` names the file).
@@ -173,7 +218,7 @@ fn pool_pickups(pool: &Path) -> Option<Value> {
     }
     let mut ms = Vec::new();
     for (_, dir) in &dirs {
-        if let Ok(c) = crate::adapters::files::load_counters(dir) {
+        if let Ok(c) = load_counters(dir) {
             ms.extend(c.pickups.recent_ms);
         }
     }
