@@ -8,7 +8,7 @@ use anyhow::{anyhow, bail};
 use serde_json::json;
 
 use crate::adapters::files::{StateDir, inspect_state_dir, read_state_file};
-use crate::adapters::forgejo_http::major_version;
+use crate::adapters::forgejo_http::{HttpForgejo, major_version};
 use crate::adapters::process::{find_executable, run_child};
 use crate::adapters::signals::StopFlag;
 use crate::adapters::tofu_cli::invocation;
@@ -191,22 +191,34 @@ fn check_forgejo(a: &RunArgs, labels: &Labels) -> Vec<Line> {
         }
     };
     drop(token);
-    let version = forgejo.version().map_err(|e| e.to_string()).and_then(|v| {
-        match major_version(&v) {
-            Some(m) if m >= MIN_FORGEJO_MAJOR => Ok(format!("{url} answers, Forgejo {v}")),
-            Some(_) => Err(format!(
-                "{url} runs Forgejo {v}; this tool needs Forgejo {MIN_FORGEJO_MAJOR} or later (its runner and jobs API): upgrade Forgejo"
-            )),
-            None => Err(format!(
-                "{url} reports the version {v:?}, which is not a Forgejo version; is --forgejo-url the address of Forgejo?"
-            )),
-        }
-    });
+    let version = version_line(&mut forgejo, &url);
     let reachable = version.is_ok();
     lines.push(Line::new("forgejo", version));
-    if !reachable {
-        return lines;
+    if reachable {
+        lines.push(Line::new(
+            "token scope",
+            scope_line(&mut forgejo, &a.common.scope),
+        ));
     }
+    lines
+}
+
+/// Forgejo answers, and is new enough.
+fn version_line(forgejo: &mut HttpForgejo, url: &str) -> Result<String, String> {
+    let v = forgejo.version().map_err(|e| e.to_string())?;
+    match major_version(&v) {
+        Some(m) if m >= MIN_FORGEJO_MAJOR => Ok(format!("{url} answers, Forgejo {v}")),
+        Some(_) => Err(format!(
+            "{url} runs Forgejo {v}; this tool needs Forgejo {MIN_FORGEJO_MAJOR} or later (its runner and jobs API): upgrade Forgejo"
+        )),
+        None => Err(format!(
+            "{url} reports the version {v:?}, which is not a Forgejo version; is --forgejo-url the address of Forgejo?"
+        )),
+    }
+}
+
+/// The token lists the scope's runners and the jobs for the labels.
+fn scope_line(forgejo: &mut impl Forgejo, scope: &str) -> Result<String, String> {
     let runners = forgejo
         .list_runners_page(1, 1)
         .map_err(|e| e.to_string())
@@ -218,15 +230,12 @@ fn check_forgejo(a: &RunArgs, labels: &Labels) -> Vec<Line> {
         .list_jobs()
         .map_err(|e| e.to_string())
         .map(|j| format!("{} waiting or running job(s) for these labels", j.len()));
-    let scope_result = match (runners, jobs) {
+    match (runners, jobs) {
         (Ok(r), Ok(j)) => Ok(format!(
-            "the token lists runners and jobs of scope {}: {r}, {j}",
-            a.common.scope
+            "the token lists runners and jobs of scope {scope}: {r}, {j}"
         )),
         (Err(e), _) | (_, Err(e)) => Err(e),
-    };
-    lines.push(Line::new("token scope", scope_result));
-    lines
+    }
 }
 
 fn check_launch(a: &RunArgs) -> anyhow::Result<String> {
