@@ -261,12 +261,12 @@ fn only_delete_runner_sends_a_delete_and_it_takes_the_gates_proof() {
         gated_in_shell.is_empty(),
         "may_delete outside src/core: {gated_in_shell:?}"
     );
-    let model = code(&root().join("src/core/model.rs"));
+    let gate = code(&root().join("src/core/sweep/gate.rs"));
     assert!(
-        model.contains("pub struct Deletable {\n    id: i64,\n}"),
-        "{model}"
+        gate.contains("pub struct Deletable {\n    id: i64,\n}"),
+        "{gate}"
     );
-    assert_eq!(model.matches("Deletable { id").count(), 1, "{model}");
+    assert_eq!(gate.matches("Deletable { id").count(), 1, "{gate}");
 }
 
 /// The files under `src` outside its `core/` whose code (tests aside) names `name` (as a word:
@@ -286,7 +286,7 @@ fn users_outside_core(src: &Path, name: &'static str) -> Vec<String> {
 #[test]
 fn only_the_sweep_command_licenses_a_sweep_from_cycle_json() {
     // A `SweepLicence` cannot be built by hand (private fields: the compile_fail doctest on
-    // `core::licence`), and the planner's `after_destroy` is private to the core. The other
+    // `core::sweep::licence`), and the planner's `after_destroy` is private to the core. The other
     // way to one, `without_cycle`, states that cycle.json holds no cycle: only the `sweep`
     // command's wiring may say so, from the file it read under the lock.
     assert_eq!(
@@ -294,7 +294,7 @@ fn only_the_sweep_command_licenses_a_sweep_from_cycle_json() {
         ["commands/wiring.rs"],
         "a licence made elsewhere sweeps without having read cycle.json"
     );
-    let licence = code(&root().join("src/core/licence.rs"));
+    let licence = code(&root().join("src/core/sweep/licence.rs"));
     assert!(
         licence.contains("pub struct SweepLicence {\n    evidence: String,\n    destroyed_cycle_id: Option<String>,\n}"),
         "{licence}"
@@ -310,16 +310,16 @@ fn only_the_sweep_command_licenses_a_sweep_from_cycle_json() {
 fn the_licence_check_catches_a_planted_caller() {
     let dir = tempfile::tempdir().unwrap();
     let src = dir.path();
-    fs::create_dir_all(src.join("core")).unwrap();
+    fs::create_dir_all(src.join("core/sweep")).unwrap();
     fs::create_dir_all(src.join("driver")).unwrap();
     fs::write(
-        src.join("core/licence.rs"),
+        src.join("core/sweep/licence.rs"),
         "pub(crate) fn without_cycle() {}\n",
     )
     .unwrap();
     fs::write(
         src.join("driver/cycle.rs"),
-        "use crate::core::licence::without_cycle as assume_no_cycle;\n\
+        "use crate::core::sweep::licence::without_cycle as assume_no_cycle;\n\
          fn f() { let _l = assume_no_cycle(); }\n\
          // without_cycle in a comment is no use of it\n",
     )

@@ -185,7 +185,7 @@ pub(crate) fn policy(a: &RunArgs, labels: &Labels) -> Policy {
         job_pickup_timeout: a.job_pickup_timeout,
         share: a.share,
         take_over_after: a.take_over_after,
-        sweep_min_age: crate::core::slots::sweep_min_age(
+        sweep_min_age: crate::core::sweep::spare::sweep_min_age(
             a.registration_grace,
             a.launch_timeout,
             a.common.http_timeout.saturating_mul(2),
@@ -488,7 +488,8 @@ pub(crate) fn print_plan(actions: &[Value], report: &Report, output: OutputForma
 #[cfg(test)]
 mod name_tests {
     use super::MAX_PREFIX_BYTES;
-    use crate::core::slots::{MAX_SLOTS, registered_at, registration_name};
+    use crate::core::slots::MAX_SLOTS;
+    use crate::core::sweep::spare::{registered_at, registration_name};
     use crate::core::time::Timestamp;
     use crate::test_forgejo::forgejo_rules::{RUNNER_NAME_MAX_BYTES, stored_runner_name};
 

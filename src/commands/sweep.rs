@@ -2,7 +2,7 @@
 
 use crate::cli::SweepArgs;
 use crate::commands::{Fatal, check_fixture, check_metrics_file, check_prefix, wiring};
-use crate::core::slots::sweep_min_age;
+use crate::core::sweep::spare::sweep_min_age;
 use crate::driver::cycle::End;
 use crate::driver::sweep;
 

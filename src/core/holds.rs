@@ -11,7 +11,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, anyhow};
 use serde::{Deserialize, Serialize};
 
-use crate::core::model::Job;
+use crate::core::forgejo::Job;
 use crate::core::time::Timestamp;
 
 pub const HOLDS_FILE: &str = "held-jobs.json";

@@ -8,10 +8,10 @@ use std::fmt::Write as _;
 use serde::{Deserialize, Serialize};
 
 use crate::core::backoff::Backoff;
-pub use crate::core::licence::DestroyRecord;
-use crate::core::planner::DeleteReason;
 use crate::core::report::Report;
 use crate::core::state::CycleState;
+use crate::core::sweep::gate::DeleteReason;
+pub use crate::core::sweep::licence::DestroyRecord;
 use crate::core::time::Timestamp;
 
 pub const COUNTERS_FILE: &str = "counters.json";
@@ -19,19 +19,6 @@ pub const COUNTERS_FILE: &str = "counters.json";
 pub(crate) const COUNTERS_VERSION: u32 = 1;
 
 pub const PREFIX: &str = "ci_ephemeral_provisioner";
-
-const DELETE_REASONS: [DeleteReason; 10] = [
-    DeleteReason::Unconsumed,
-    DeleteReason::NeverConnected,
-    DeleteReason::LaunchFailed,
-    DeleteReason::LaunchCutOff,
-    DeleteReason::Teardown,
-    DeleteReason::Stranded,
-    DeleteReason::PickupTimeout,
-    DeleteReason::WrongLabels,
-    DeleteReason::LostRegistration,
-    DeleteReason::Sweep,
-];
 
 /// Everything the metrics and `status --check` need from past runs.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -393,7 +380,8 @@ pub fn render(
         "counter",
         "Runner registrations deleted (Forgejo answered 204), by reason.",
     );
-    let mut reasons: BTreeMap<&str, u64> = DELETE_REASONS.iter().map(|r| (r.as_str(), 0)).collect();
+    let mut reasons: BTreeMap<&str, u64> =
+        DeleteReason::ALL.iter().map(|r| (r.as_str(), 0)).collect();
     for (r, n) in &c.deleted {
         reasons.insert(r, *n);
     }
