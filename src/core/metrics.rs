@@ -273,6 +273,15 @@ pub fn render(
     labels: &[(&'static str, String)],
 ) -> String {
     let mut o = Out(String::new(), labels.to_vec());
+    render_runs(&mut o, c, running);
+    render_cycle(&mut o, cycle, backoff);
+    render_deletions(&mut o, c);
+    render_pickups(&mut o, c);
+    o.0
+}
+
+/// The binary, the last run and the run in progress, and the runs by command and exit status.
+fn render_runs(o: &mut Out, c: &Counters, running: Option<Timestamp>) {
     o.family(
         "build_info",
         "gauge",
@@ -335,6 +344,10 @@ pub fn render(
             );
         }
     }
+}
+
+/// The cycle in progress and the pool's failure backoff.
+fn render_cycle(o: &mut Out, cycle: &CycleView<'_>, backoff: Option<&Backoff>) {
     let (active, started, jobs) = match cycle {
         CycleView::None => (0, None, 0),
         CycleView::Active(s) => (1, Some(s.started_at), s.jobs_started),
@@ -375,6 +388,11 @@ pub fn render(
             .map(secs)
             .unwrap_or_else(|| "0".into()),
     );
+}
+
+/// Registrations deleted and jobs held, by reason (every reason has a sample), and the destroys
+/// and sweeps that failed.
+fn render_deletions(o: &mut Out, c: &Counters) {
     o.family(
         "registrations_deleted_total",
         "counter",
@@ -433,6 +451,10 @@ pub fn render(
         "Deletable registrations the last sweep left for the next because of --sweep-max-deletions.",
         c.sweep_left_over_cap,
     );
+}
+
+/// The histogram of the pickup times.
+fn render_pickups(o: &mut Out, c: &Counters) {
     let p = "job_pickup_seconds";
     o.family(
         p,
@@ -448,7 +470,6 @@ pub fn render(
         format!("{}.{:03}", c.pickups.sum_ms / 1000, c.pickups.sum_ms % 1000),
     );
     o.sample(&format!("{p}_count"), &[], c.pickups.count);
-    o.0
 }
 
 #[cfg(test)]
