@@ -96,7 +96,7 @@ pub(crate) fn inspect_state_dir(dir: &Path) -> Result<StateDir, StateDirError> {
 }
 
 /// One slot of a pool: the pool's state directory (`--state-dir`) and the slot's number. Slot 1
-/// keeps its files in the pool's directory itself (as a pool without slots always did), slot
+/// keeps its files in the pool's directory itself (so a pool of one slot has no `slot-K/`), slot
 /// K ≥ 2 in `slot-K/` inside it; the pool's claims lock is in the pool's directory.
 #[derive(Clone, Debug)]
 pub struct SlotDir {

@@ -20,8 +20,8 @@ use crate::core::time::Timestamp;
 pub struct Claimed {
     /// Attempts, by handle.
     pub handles: BTreeSet<String>,
-    /// Every attempt of these jobs: the job a cycle was started for, recorded by a version that
-    /// did not write its handle (`CycleState::claim` without `claim_handle`).
+    /// Every attempt of these jobs: the job a cycle was started for, recorded without its handle
+    /// (`CycleState::claim` without `claim_handle`).
     pub jobs: BTreeSet<i64>,
 }
 
@@ -38,8 +38,8 @@ pub struct Others {
     /// Job attempts (handles) another slot registered for (or is about to), or started its cycle
     /// for: which slot.
     pub claimed: BTreeMap<String, String>,
-    /// Jobs another slot started its cycle for, recorded without the attempt's handle (a
-    /// cycle.json of an earlier version): every attempt of them is that slot's.
+    /// Jobs another slot started its cycle for, recorded without the attempt's handle: every
+    /// attempt of them is that slot's.
     pub claimed_any_attempt: BTreeMap<i64, String>,
     /// Names of every registration in another slot's cycle.json, intents included.
     pub names: BTreeSet<String>,
@@ -154,7 +154,7 @@ mod tests {
         assert!(!o.claimed(now).covers(5, "h5-rerun"));
         assert_eq!(o.claimant(5, "h5").map(String::as_str), Some("slot 2"));
         assert_eq!(o.claimant(5, "h5-rerun"), None);
-        // A start claim of an earlier version (no handle) covers every attempt of its job.
+        // A start claim without a handle covers every attempt of its job.
         s.claim_handle = None;
         let mut o = Others::default();
         o.add(2, "slot 2", &s);

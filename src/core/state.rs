@@ -158,7 +158,7 @@ impl Registration {
     }
 
     /// The pickup time of its job at `now`, in milliseconds: since the pool first saw the job
-    /// waiting. `None` for a registration of an earlier version, which did not record it.
+    /// waiting. `None` when the registration does not record when the job was first seen.
     pub fn pickup_ms(&self, now: Timestamp) -> Option<u64> {
         self.job_first_seen
             .map(|t| u64::try_from(now.since(t).as_millis()).unwrap_or(u64::MAX))
@@ -211,8 +211,7 @@ pub struct CycleState {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub claim: Option<i64>,
     /// The handle of the attempt of `claim` (a rerun is a new attempt with a new handle): the
-    /// claim is on that attempt only. Missing in a cycle.json of an earlier version: the claim
-    /// then covers every attempt of the job.
+    /// claim is on that attempt only. Without it the claim covers every attempt of the job.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub claim_handle: Option<String>,
     /// A runner of this cycle took a job: the cycle resets the pool's failure backoff.

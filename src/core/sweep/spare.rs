@@ -18,8 +18,8 @@ pub fn registration_name(prefix: &str, cycle_id: &str, seq: u32, at: Timestamp) 
 }
 
 /// When a registration was created, from its name: `Some(Ok(t))` for a name of
-/// [`registration_name`]'s form, `None` for a name without a time (from before names carried
-/// one), `Some(Err(()))` for a last part shaped like a time that is none (never judged).
+/// [`registration_name`]'s form, `None` for a name without a time (its age is not judged),
+/// `Some(Err(()))` for a last part shaped like a time that is none (never judged).
 pub fn registered_at(name: &str) -> Option<Result<Timestamp, ()>> {
     let last = name.rsplit('-').next()?;
     let b = last.as_bytes();
@@ -108,7 +108,7 @@ mod tests {
         let name = registration_name("ephemeral-", "20261201t201000z-ab12", 3, at);
         assert_eq!(name, "ephemeral-20261201t201000z-ab12-3-20261201t201057z");
         assert_eq!(registered_at(&name), Some(Ok(at)));
-        // A name from before: its last part is the sequence number.
+        // A name without a time: its last part is the sequence number.
         assert_eq!(registered_at("ephemeral-20261201t201000z-ab12-3"), None);
         assert_eq!(registered_at("ephemeral-20261301t201057z"), Some(Err(())));
     }
