@@ -1214,8 +1214,8 @@ const SLOT_LIMIT_TEXTS: &[(&str, &str)] = &[
         "role/meta/argument_specs.yml",
         "Cycles of the pool that may run at once, 1 to {max},",
     ),
-    ("role/README.md", "cycles at once, 1 to {max},"),
-    ("README.md", "one VM each, 1 to {max} |"),
+    ("role/README.md", "1 to {max}"),
+    ("README.md", "1 to {max}"),
     ("run --help", "How many slots the pool has, 1 to {max}"),
 ];
 
