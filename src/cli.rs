@@ -398,9 +398,9 @@ pub struct LocalArgs {
     #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_STATE_DIR", value_name = "DIR")]
     pub state_dir: Option<PathBuf>,
 
-    /// How many slots the pool has: that many runs of this pool, one per slot, serve its jobs at
-    /// once, each with its own VM. All slots share --state-dir, --tofu-dir, --runner-prefix and
-    /// --labels (at most 64).
+    /// How many slots the pool has, 1 to 64: that many runs of this pool, one per slot, serve its
+    /// jobs at once, each with its own VM. All slots share --state-dir, --tofu-dir,
+    /// --runner-prefix and --labels.
     #[arg(
         long,
         env = "CI_EPHEMERAL_PROVISIONER_SLOTS",

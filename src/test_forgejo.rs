@@ -14,12 +14,13 @@ pub mod forgejo_rules;
 #[path = "../tests/support/forgejo_model.rs"]
 pub mod forgejo_model;
 
-use crate::core::model::{Deletable, Job, Runner, RunnerStatus};
+use crate::core::forgejo::{Job, Runner, RunnerStatus};
 use crate::core::ports::{
     ApiError, Clock, Deleted, Forgejo, LaunchRequest, Launcher, NewRunner, ProcessCheck,
     RunnerPage, Sleep, StepError,
 };
 use crate::core::secret::Secret;
+use crate::core::sweep::gate::Deletable;
 use crate::core::time::Timestamp;
 use forgejo_model::{RunnerRow, Scope};
 

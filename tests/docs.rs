@@ -1197,3 +1197,59 @@ fn the_example_modules_inputs_table_lists_every_variable() {
         "examples/hetzner/README.md's Inputs table and variables.tf disagree"
     );
 }
+
+// --- The slot limit -----------------------------------------------------------------------------
+
+/// Where the slot limit is written outside the code, as `{max}` in each file's text (compared
+/// with runs of whitespace made one space): the role's preflight and instance list, its argument
+/// specification, the READMEs, and `run --help`.
+const SLOT_LIMIT_TEXTS: &[(&str, &str)] = &[
+    ("role/tasks/preflight.yml", "item.slots | int <= {max}"),
+    (
+        "role/tasks/preflight.yml",
+        "slots is a whole number from 1 to {max};",
+    ),
+    ("role/vars/main.yml", "[p.slots | int, {max}] | min"),
+    (
+        "role/meta/argument_specs.yml",
+        "Cycles of the pool that may run at once, 1 to {max},",
+    ),
+    ("role/README.md", "1 to {max}"),
+    ("README.md", "1 to {max}"),
+    ("run --help", "How many slots the pool has, 1 to {max}"),
+];
+
+fn one_spaced(text: &str) -> String {
+    text.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+/// The places of [`SLOT_LIMIT_TEXTS`] that do not say `max`.
+fn slot_limit_mismatches(max: u32) -> Vec<String> {
+    let run_help = one_spaced(&help(&["run", "--help"]).expect("`run --help` fails"));
+    SLOT_LIMIT_TEXTS
+        .iter()
+        .filter(|(place, text)| {
+            let text = text.replace("{max}", &max.to_string());
+            let have = match *place {
+                "run --help" => run_help.clone(),
+                file => one_spaced(&read(&root().join(file))),
+            };
+            !have.contains(&one_spaced(&text))
+        })
+        .map(|(place, text)| format!("{place}: {text}"))
+        .collect()
+}
+
+// Mutation caught: the role's preflight allowing `slots` up to 65 while MAX_SLOTS is 64.
+#[test]
+fn the_slot_limit_is_max_slots_wherever_it_is_written() {
+    let max = ci_ephemeral_provisioner::core::slots::MAX_SLOTS;
+    let bad = slot_limit_mismatches(max);
+    assert!(
+        bad.is_empty(),
+        "core::slots::MAX_SLOTS is {max}; say so (or change it) in:\n{}",
+        bad.join("\n")
+    );
+    // The check bites: against another limit, every place differs.
+    assert_eq!(slot_limit_mismatches(max + 1).len(), SLOT_LIMIT_TEXTS.len());
+}

@@ -364,7 +364,7 @@ fn row(id: i64, name: &str, status: &str) -> serde_json::Value {
 }
 
 // Mutation caught: may_delete without the offline check.
-// Mutation caught: core::listing::select ignores conflicting rows.
+// Mutation caught: core::sweep::listing::select ignores conflicting rows.
 // Mutation caught: no response body size cap (ureq's 10 MB default).
 // Mutation caught: body read errors reported raw (timeout: global).
 #[test]

@@ -261,12 +261,12 @@ fn only_delete_runner_sends_a_delete_and_it_takes_the_gates_proof() {
         gated_in_shell.is_empty(),
         "may_delete outside src/core: {gated_in_shell:?}"
     );
-    let model = code(&root().join("src/core/model.rs"));
+    let gate = code(&root().join("src/core/sweep/gate.rs"));
     assert!(
-        model.contains("pub struct Deletable {\n    id: i64,\n}"),
-        "{model}"
+        gate.contains("pub struct Deletable {\n    id: i64,\n}"),
+        "{gate}"
     );
-    assert_eq!(model.matches("Deletable { id").count(), 1, "{model}");
+    assert_eq!(gate.matches("Deletable { id").count(), 1, "{gate}");
 }
 
 /// The files under `src` outside its `core/` whose code (tests aside) names `name` (as a word:
@@ -286,7 +286,7 @@ fn users_outside_core(src: &Path, name: &'static str) -> Vec<String> {
 #[test]
 fn only_the_sweep_command_licenses_a_sweep_from_cycle_json() {
     // A `SweepLicence` cannot be built by hand (private fields: the compile_fail doctest on
-    // `core::licence`), and the planner's `after_destroy` is private to the core. The other
+    // `core::sweep::licence`), and the planner's `after_destroy` is private to the core. The other
     // way to one, `without_cycle`, states that cycle.json holds no cycle: only the `sweep`
     // command's wiring may say so, from the file it read under the lock.
     assert_eq!(
@@ -294,7 +294,7 @@ fn only_the_sweep_command_licenses_a_sweep_from_cycle_json() {
         ["commands/wiring.rs"],
         "a licence made elsewhere sweeps without having read cycle.json"
     );
-    let licence = code(&root().join("src/core/licence.rs"));
+    let licence = code(&root().join("src/core/sweep/licence.rs"));
     assert!(
         licence.contains("pub struct SweepLicence {\n    evidence: String,\n    destroyed_cycle_id: Option<String>,\n}"),
         "{licence}"
@@ -310,16 +310,16 @@ fn only_the_sweep_command_licenses_a_sweep_from_cycle_json() {
 fn the_licence_check_catches_a_planted_caller() {
     let dir = tempfile::tempdir().unwrap();
     let src = dir.path();
-    fs::create_dir_all(src.join("core")).unwrap();
+    fs::create_dir_all(src.join("core/sweep")).unwrap();
     fs::create_dir_all(src.join("driver")).unwrap();
     fs::write(
-        src.join("core/licence.rs"),
+        src.join("core/sweep/licence.rs"),
         "pub(crate) fn without_cycle() {}\n",
     )
     .unwrap();
     fs::write(
         src.join("driver/cycle.rs"),
-        "use crate::core::licence::without_cycle as assume_no_cycle;\n\
+        "use crate::core::sweep::licence::without_cycle as assume_no_cycle;\n\
          fn f() { let _l = assume_no_cycle(); }\n\
          // without_cycle in a comment is no use of it\n",
     )
@@ -396,4 +396,116 @@ fn the_commands_mod_only_lists_its_rooms() {
         .map(|(n, _)| *n)
         .collect();
     assert_eq!(found, [4, 5, 6]);
+}
+
+/// Most lines a function outside tests may span, from its `fn` line to its closing brace: a
+/// longer one is split into named steps.
+const MAX_FN_LINES: usize = 80;
+
+/// Functions over [`MAX_FN_LINES`] that are yet to be split, each with why it may stay.
+const LONG_FN_ALLOWED: &[(&str, &str)] = &[];
+
+/// The functions of `code` (as [`code`] gives it) longer than `max` lines: (name, lines). A
+/// function ends at the first line after its signature that is its `fn` line's indentation and
+/// a `}` (rustfmt's layout); one under `#[cfg(test)]` is test code and not counted.
+fn long_functions(code: &str, max: usize) -> Vec<(String, usize)> {
+    let lines: Vec<&str> = code.lines().collect();
+    let mut found = Vec::new();
+    for (n, line) in lines.iter().enumerate() {
+        let trimmed = line.trim_start();
+        let indent = &line[..line.len() - trimmed.len()];
+        let Some(i) = trimmed.find("fn ") else {
+            continue;
+        };
+        let head = &trimmed[..i];
+        let qualifiers = head
+            .split_whitespace()
+            .all(|w| w.starts_with("pub") || ["const", "async", "unsafe", "extern"].contains(&w));
+        let name: String = trimmed[i + 3..]
+            .chars()
+            .take_while(|c| c.is_alphanumeric() || *c == '_')
+            .collect();
+        if !qualifiers || name.is_empty() || line.trim_end().ends_with('}') {
+            continue;
+        }
+        let under_test = lines[..n]
+            .iter()
+            .rev()
+            .take_while(|l| l.trim_start().starts_with("#["))
+            .any(|l| l.trim() == "#[cfg(test)]");
+        let Some(sig_end) = (n..lines.len()).find(|k| {
+            let l = lines[*k].trim_end();
+            l.ends_with('{') || l.ends_with(';')
+        }) else {
+            continue;
+        };
+        if under_test || lines[sig_end].trim_end().ends_with(';') {
+            continue;
+        }
+        let close = format!("{indent}}}");
+        let end = (sig_end + 1..lines.len())
+            .find(|k| lines[*k].trim_end() == close)
+            .unwrap_or(lines.len() - 1);
+        if end - n + 1 > max {
+            found.push((name, end - n + 1));
+        }
+    }
+    found
+}
+
+// Mutation caught: a 243-line `decide_running` (any fn outside tests over 80 lines in src/).
+#[test]
+fn no_function_outside_tests_is_over_80_lines() {
+    let mut files = Vec::new();
+    rust_files(&root().join("src"), &mut files);
+    let mut long = Vec::new();
+    for f in &files {
+        let rel = f.strip_prefix(root()).unwrap().display().to_string();
+        // The fake Forgejo of the unit tests (`#[cfg(test)] mod test_forgejo` in lib.rs).
+        if rel == "src/test_forgejo.rs" {
+            continue;
+        }
+        for (name, n) in long_functions(&code(f), MAX_FN_LINES) {
+            long.push((format!("{rel}: {name}"), n));
+        }
+    }
+    let unexpected: Vec<String> = long
+        .iter()
+        .filter(|(at, _)| !LONG_FN_ALLOWED.iter().any(|(a, _)| a == at))
+        .map(|(at, n)| format!("{at} ({n} lines)"))
+        .collect();
+    assert!(
+        unexpected.is_empty(),
+        "functions over {MAX_FN_LINES} lines: split each into named steps (pure functions where \
+         it decides):\n{}",
+        unexpected.join("\n")
+    );
+    // An allowance for a function that is no longer long is removed with it.
+    let stale: Vec<&str> = LONG_FN_ALLOWED
+        .iter()
+        .map(|(a, _)| *a)
+        .filter(|a| !long.iter().any(|(at, _)| at == a))
+        .collect();
+    assert!(stale.is_empty(), "remove from LONG_FN_ALLOWED: {stale:?}");
+}
+
+#[test]
+fn the_length_check_catches_a_planted_long_function() {
+    let body = "    let x = 1;\n".repeat(80);
+    let planted = format!(
+        "pub(crate) fn long(\n    a: u8,\n) -> u8 {{\n{body}    a\n}}\n\n\
+         fn short() -> u8 {{\n    1\n}}\n\n\
+         impl X {{\n    pub fn nested(&self) {{\n{body}    }}\n\n    fn one(&self) {{}}\n}}\n\n\
+         trait T {{\n    fn declared(\n        &self,\n    );\n}}\n\n\
+         #[cfg(test)]\nfn helper() {{\n{body}}}\n"
+    );
+    assert_eq!(
+        long_functions(&planted, MAX_FN_LINES),
+        [("long".to_string(), 85), ("nested".to_string(), 82)]
+    );
+    assert!(
+        long_functions(&planted, 85)
+            .iter()
+            .all(|(n, _)| n != "long")
+    );
 }

@@ -9,24 +9,18 @@ use std::time::Duration;
 
 use ci_ephemeral_provisioner::adapters::files::FileStore;
 use ci_ephemeral_provisioner::adapters::files::read_state_file;
+use ci_ephemeral_provisioner::core::forgejo::Job;
+use ci_ephemeral_provisioner::core::forgejo::Runner;
+use ci_ephemeral_provisioner::core::forgejo::RunnerStatus;
+use ci_ephemeral_provisioner::core::forgejo::parse_jobs;
+use ci_ephemeral_provisioner::core::forgejo::parse_runner_page;
 use ci_ephemeral_provisioner::core::labels::{Labels, Rule};
-use ci_ephemeral_provisioner::core::listing::Listing;
-use ci_ephemeral_provisioner::core::listing::PAGE_LIMIT;
-use ci_ephemeral_provisioner::core::listing::select;
-use ci_ephemeral_provisioner::core::model::Deletable;
-use ci_ephemeral_provisioner::core::model::Job;
-use ci_ephemeral_provisioner::core::model::Runner;
-use ci_ephemeral_provisioner::core::model::RunnerStatus;
-use ci_ephemeral_provisioner::core::model::may_delete;
-use ci_ephemeral_provisioner::core::model::parse_jobs;
-use ci_ephemeral_provisioner::core::model::parse_runner_page;
 use ci_ephemeral_provisioner::core::ports::ApiError;
 use ci_ephemeral_provisioner::core::ports::Deleted;
 use ci_ephemeral_provisioner::core::ports::Forgejo;
 use ci_ephemeral_provisioner::core::ports::NewRunner;
 use ci_ephemeral_provisioner::core::ports::RunnerPage;
 use ci_ephemeral_provisioner::core::ports::StateStore;
-use ci_ephemeral_provisioner::core::slots::SweepGuard;
 use ci_ephemeral_provisioner::core::state::Boundary;
 use ci_ephemeral_provisioner::core::state::CycleState;
 use ci_ephemeral_provisioner::core::state::Launch;
@@ -36,6 +30,12 @@ use ci_ephemeral_provisioner::core::state::PreviousRunner;
 use ci_ephemeral_provisioner::core::state::ProcessState;
 use ci_ephemeral_provisioner::core::state::Registration;
 use ci_ephemeral_provisioner::core::state::parse_state;
+use ci_ephemeral_provisioner::core::sweep::gate::Deletable;
+use ci_ephemeral_provisioner::core::sweep::gate::may_delete;
+use ci_ephemeral_provisioner::core::sweep::listing::Listing;
+use ci_ephemeral_provisioner::core::sweep::listing::PAGE_LIMIT;
+use ci_ephemeral_provisioner::core::sweep::listing::select;
+use ci_ephemeral_provisioner::core::sweep::spare::SweepGuard;
 use ci_ephemeral_provisioner::core::time::Timestamp;
 use ci_ephemeral_provisioner::driver::sweep::list_all;
 use proptest::prelude::*;
@@ -457,7 +457,7 @@ proptest! {
 
     /// Whatever the listing holds, the sweep selects only rows the gate admits, never a
     /// conflicting one, at most `cap`.
-    // Mutation caught: core::listing::select ignores conflicting rows.
+    // Mutation caught: core::sweep::listing::select ignores conflicting rows.
     #[test]
     fn sweep_selects_only_what_the_gate_admits(
         rows in prop::collection::vec(any_runner(), 0..80),
@@ -505,7 +505,7 @@ proptest! {
                 "{}", e
             ),
             Ok(listing) => {
-                prop_assert!(f.asked as u32 <= ci_ephemeral_provisioner::core::listing::MAX_PAGES);
+                prop_assert!(f.asked as u32 <= ci_ephemeral_provisioner::core::sweep::listing::MAX_PAGES);
                 // Complete means: exactly as many distinct rows as the count every page gave.
                 if listing.complete && let Some(t) = listing.total {
                     prop_assert_eq!(listing.rows.len() as u64, t);

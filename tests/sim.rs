@@ -29,7 +29,7 @@ mod world;
 use std::time::Instant;
 
 /// The product's parsed job, for the model's `JobRow::listed`.
-use ci_ephemeral_provisioner::core::model::Job;
+use ci_ephemeral_provisioner::core::forgejo::Job;
 use driver::{quiet_kills, run_seed};
 use world::Stats;
 

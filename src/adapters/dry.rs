@@ -9,15 +9,16 @@ use std::time::Duration;
 use anyhow::{Context, Result, anyhow};
 use serde_json::{Value, json};
 
+use crate::core::claims::Others;
+use crate::core::forgejo::{Job, Runner, RunnerStatus, job_matches};
 use crate::core::holds::{Holds, HoldsError};
-use crate::core::model::{Deletable, Job, Runner, RunnerStatus, job_matches};
 use crate::core::ports::{
     ApiError, Clock, Deleted, Forgejo, LaunchRequest, Launcher, NewRunner, Outputs, ProcessCheck,
     RunnerPage, Sleep, StateStore, StepError, Tofu,
 };
 use crate::core::secret::Secret;
-use crate::core::slots::Others;
 use crate::core::state::{CycleState, parse_state};
+use crate::core::sweep::gate::Deletable;
 use crate::core::time::Timestamp;
 
 /// The plan: every side effect the cycle would have performed, in order.
@@ -40,7 +41,7 @@ struct QuickFixture {
     #[serde(default)]
     cycle: Option<Value>,
     #[serde(default)]
-    runners: Option<Vec<crate::core::model::FixtureRunner>>,
+    runners: Option<Vec<crate::core::forgejo::FixtureRunner>>,
     #[serde(default)]
     jobs: Option<Vec<Value>>,
     #[serde(default)]

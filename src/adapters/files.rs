@@ -9,13 +9,14 @@ use std::{fs, io};
 use anyhow::{Context, Result, anyhow};
 
 use crate::core::backoff::{BACKOFF_FILE, Backoff, Change, CycleOutcome, parse_backoff};
+use crate::core::claims::Others;
 use crate::core::holds::{HOLDS_FILE, Holds, HoldsError, parse_holds};
 use crate::core::metrics::{COUNTERS_FILE, COUNTERS_VERSION, Counters};
 use crate::core::ports::{
     BackoffGate, Claim, Start, StateStore, record_outcome_in, save_starting_in,
     save_starting_warm_in,
 };
-use crate::core::slots::{Others, parse_slot_dir_name, slot_dir_name};
+use crate::core::slots::{parse_slot_dir_name, slot_dir_name};
 use crate::core::state::{CycleState, MAX_STATE_BYTES, STATE_FILE, parse_state};
 
 pub(crate) struct Lock {
@@ -95,7 +96,7 @@ pub(crate) fn inspect_state_dir(dir: &Path) -> Result<StateDir, StateDirError> {
 }
 
 /// One slot of a pool: the pool's state directory (`--state-dir`) and the slot's number. Slot 1
-/// keeps its files in the pool's directory itself (as a pool without slots always did), slot
+/// keeps its files in the pool's directory itself (so a pool of one slot has no `slot-K/`), slot
 /// K ≥ 2 in `slot-K/` inside it; the pool's claims lock is in the pool's directory.
 #[derive(Clone, Debug)]
 pub struct SlotDir {
@@ -105,7 +106,7 @@ pub struct SlotDir {
     pub n: u32,
 }
 
-/// The lock the slots of a pool take, briefly, to claim a job (`core::slots`).
+/// The lock the slots of a pool take, briefly, to claim a job (`core::claims`).
 pub const CLAIMS_LOCK_FILE: &str = "claims.lock";
 
 /// How long a claim waits for the claims lock before it fails.

@@ -7,7 +7,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
-use crate::core::model::{Deletable, Job, Runner, parse_jobs, parse_runner_page};
+use crate::core::forgejo::{Job, Runner, parse_jobs, parse_runner_page};
+use crate::core::sweep::gate::Deletable;
 
 use crate::core::ports::{ApiError, Deleted, Forgejo, NewRunner, RunnerPage};
 
@@ -450,7 +451,7 @@ impl Forgejo for HttpForgejo {
         // hand us jobs we cannot run.
         Ok(jobs
             .into_iter()
-            .filter(|j| crate::core::model::job_matches(j, &self.label_names))
+            .filter(|j| crate::core::forgejo::job_matches(j, &self.label_names))
             .collect())
     }
 

@@ -146,7 +146,7 @@ pub(crate) fn sweep_min_age(
     launch_timeout: Duration,
     common: &ForgejoArgs,
 ) -> Duration {
-    crate::core::slots::sweep_min_age(registration_grace, launch_timeout, intent_settle(common))
+    crate::core::sweep::spare::sweep_min_age(registration_grace, launch_timeout, intent_settle(common))
 }
 
 pub(crate) fn policy(a: &RunArgs, labels: &Labels) -> Policy {
@@ -282,7 +282,8 @@ pub(crate) fn metrics_target(common: &ForgejoArgs) -> Option<MetricsTarget<'_>> 
 #[cfg(test)]
 mod name_tests {
     use super::MAX_PREFIX_BYTES;
-    use crate::core::slots::{MAX_SLOTS, registered_at, registration_name};
+    use crate::core::slots::MAX_SLOTS;
+    use crate::core::sweep::spare::{registered_at, registration_name};
     use crate::core::time::Timestamp;
     use crate::test_forgejo::forgejo_rules::{RUNNER_NAME_MAX_BYTES, stored_runner_name};
 

@@ -25,14 +25,14 @@ use crate::commands::config::{forgejo_target, metrics_target, read_token, slot_d
 use crate::commands::exit::{EXIT_FAILED, EXIT_OK, Fatal, failed, usage};
 use crate::commands::record::{announce_run, events_file, finish, print_plan};
 use crate::core::backoff::Backoff;
+use crate::core::claims::Others;
 use crate::core::holds::{HOLDS_FILE, Holds};
-use crate::core::licence::{DestroyRecord, SweepLicence, without_cycle};
 use crate::core::ports::{Clock, Forgejo, Launcher, StateStore, Tofu};
 use crate::core::report::Report;
 use crate::core::secret::Secret;
-use crate::core::slots::Others;
 use crate::core::state::{CycleState, STATE_FILE};
 use crate::core::time::Timestamp;
+use crate::core::sweep::licence::{DestroyRecord, SweepLicence, without_cycle};
 use crate::driver::cycle::{End, World};
 
 /// Where Forgejo is said to be in a fixture dry-run's plan and report.

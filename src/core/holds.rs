@@ -11,7 +11,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, anyhow};
 use serde::{Deserialize, Serialize};
 
-use crate::core::model::Job;
+use crate::core::forgejo::Job;
 use crate::core::time::Timestamp;
 
 pub const HOLDS_FILE: &str = "held-jobs.json";
@@ -53,8 +53,8 @@ pub struct Seen {
 pub struct Holds {
     pub version: u32,
     pub jobs: Vec<Hold>,
-    /// Jobs of our labels this slot has seen waiting, while they wait (`others_shares` in
-    /// files of earlier versions, which kept only other hosts' shares).
+    /// Jobs of our labels this slot has seen waiting, while they wait. Read also from
+    /// `others_shares`, a list of other hosts' shares only.
     #[serde(
         default,
         skip_serializing_if = "Vec::is_empty",

@@ -8,10 +8,10 @@ use std::fmt::Write as _;
 use serde::{Deserialize, Serialize};
 
 use crate::core::backoff::Backoff;
-pub use crate::core::licence::DestroyRecord;
-use crate::core::planner::DeleteReason;
 use crate::core::report::Report;
 use crate::core::state::CycleState;
+use crate::core::sweep::gate::DeleteReason;
+pub use crate::core::sweep::licence::DestroyRecord;
 use crate::core::time::Timestamp;
 
 pub const COUNTERS_FILE: &str = "counters.json";
@@ -19,19 +19,6 @@ pub const COUNTERS_FILE: &str = "counters.json";
 pub(crate) const COUNTERS_VERSION: u32 = 1;
 
 pub const PREFIX: &str = "ci_ephemeral_provisioner";
-
-const DELETE_REASONS: [DeleteReason; 10] = [
-    DeleteReason::Unconsumed,
-    DeleteReason::NeverConnected,
-    DeleteReason::LaunchFailed,
-    DeleteReason::LaunchCutOff,
-    DeleteReason::Teardown,
-    DeleteReason::Stranded,
-    DeleteReason::PickupTimeout,
-    DeleteReason::WrongLabels,
-    DeleteReason::LostRegistration,
-    DeleteReason::Sweep,
-];
 
 /// Everything the metrics and `status --check` need from past runs.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -286,6 +273,15 @@ pub fn render(
     labels: &[(&'static str, String)],
 ) -> String {
     let mut o = Out(String::new(), labels.to_vec());
+    render_runs(&mut o, c, running);
+    render_cycle(&mut o, cycle, backoff);
+    render_deletions(&mut o, c);
+    render_pickups(&mut o, c);
+    o.0
+}
+
+/// The binary, the last run and the run in progress, and the runs by command and exit status.
+fn render_runs(o: &mut Out, c: &Counters, running: Option<Timestamp>) {
     o.family(
         "build_info",
         "gauge",
@@ -348,6 +344,10 @@ pub fn render(
             );
         }
     }
+}
+
+/// The cycle in progress and the pool's failure backoff.
+fn render_cycle(o: &mut Out, cycle: &CycleView<'_>, backoff: Option<&Backoff>) {
     let (active, started, jobs) = match cycle {
         CycleView::None => (0, None, 0),
         CycleView::Active(s) => (1, Some(s.started_at), s.jobs_started),
@@ -388,12 +388,18 @@ pub fn render(
             .map(secs)
             .unwrap_or_else(|| "0".into()),
     );
+}
+
+/// Registrations deleted and jobs held, by reason (every reason has a sample), and the destroys
+/// and sweeps that failed.
+fn render_deletions(o: &mut Out, c: &Counters) {
     o.family(
         "registrations_deleted_total",
         "counter",
         "Runner registrations deleted (Forgejo answered 204), by reason.",
     );
-    let mut reasons: BTreeMap<&str, u64> = DELETE_REASONS.iter().map(|r| (r.as_str(), 0)).collect();
+    let mut reasons: BTreeMap<&str, u64> =
+        DeleteReason::ALL.iter().map(|r| (r.as_str(), 0)).collect();
     for (r, n) in &c.deleted {
         reasons.insert(r, *n);
     }
@@ -445,6 +451,10 @@ pub fn render(
         "Deletable registrations the last sweep left for the next because of --sweep-max-deletions.",
         c.sweep_left_over_cap,
     );
+}
+
+/// The histogram of the pickup times.
+fn render_pickups(o: &mut Out, c: &Counters) {
     let p = "job_pickup_seconds";
     o.family(
         p,
@@ -460,7 +470,6 @@ pub fn render(
         format!("{}.{:03}", c.pickups.sum_ms / 1000, c.pickups.sum_ms % 1000),
     );
     o.sample(&format!("{p}_count"), &[], c.pickups.count);
-    o.0
 }
 
 #[cfg(test)]

@@ -4,13 +4,12 @@
 //! lines go is `adapters::logging`'s choice.
 
 pub mod backoff;
+pub mod claims;
 pub mod escape;
+pub mod forgejo;
 pub mod holds;
 pub mod labels;
-pub mod licence;
-pub mod listing;
 pub mod metrics;
-pub mod model;
 pub mod planner;
 pub mod ports;
 pub mod report;
@@ -19,5 +18,6 @@ pub mod secret;
 pub mod slots;
 pub mod state;
 pub mod status;
+pub mod sweep;
 pub mod time;
 pub mod warm;

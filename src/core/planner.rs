@@ -7,15 +7,14 @@ use std::time::Duration;
 use serde::Serialize;
 
 use crate::core::backoff::FailureReason;
+use crate::core::claims::Claimed;
+use crate::core::forgejo::{Job, Runner, RunnerStatus, job_matches, waiting_jobs};
 use crate::core::holds::{Holds, Share};
-use crate::core::licence::SweepLicence;
-use crate::core::model::{
-    Deletable, Job, Runner, RunnerStatus, job_matches, may_delete, waiting_jobs,
-};
-use crate::core::slots::Claimed;
 use crate::core::state::{
     Boundary, CycleState, Launch, NotServed, Phase, ProcessState, Registration,
 };
+use crate::core::sweep::gate::{Deletable, DeleteReason, may_delete};
+use crate::core::sweep::licence::SweepLicence;
 use crate::core::time::{Timestamp, format_duration};
 use crate::core::warm::{WarmElsewhere, WarmPolicy, wants_another};
 
@@ -57,7 +56,7 @@ pub struct Policy {
     /// Whose jobs may follow each other on one VM (`--reuse-within`).
     pub reuse_within: ReuseWithin,
     /// How young a registration (by the time in its name) the sweep spares
-    /// (`core::slots::sweep_min_age`).
+    /// (`core::sweep::spare::sweep_min_age`).
     pub sweep_min_age: Duration,
     /// This host's share of the jobs (`--share`), and how long another share's job waits before
     /// this host serves it too (`--take-over-after`).
@@ -110,7 +109,7 @@ pub struct Observation {
     pub runners: BTreeMap<i64, Option<Runner>>,
     /// Why the launch command cannot run now (it went away mid-cycle), when it cannot.
     pub launch_problem: Option<String>,
-    /// Job attempts the pool's other slots claim or hold (`core::slots`): never registered for
+    /// Job attempts the pool's other slots claim or hold (`core::claims`): never registered for
     /// here.
     pub claimed_elsewhere: Claimed,
     /// The unused warm VMs of the pool's other slots (`core::warm`).
@@ -140,53 +139,6 @@ pub struct RunContext {
 /// Observation rounds in a row with a failed request after which a run that would only wait
 /// gives up (the next run resumes).
 pub const MAX_OBSERVATION_FAILURES: u32 = 3;
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum DeleteReason {
-    /// Its runner connected, then went offline for longer than the registration grace without
-    /// running its job: it never consumed itself.
-    Unconsumed,
-    /// The launch command exited 0, yet the runner never connected: still `offline` (never
-    /// seen `idle` or `active`) past the registration grace. A failed start.
-    NeverConnected,
-    /// The launch command failed, so the registration can never be used.
-    LaunchFailed,
-    /// The launch was cut off (crash or stop) before it reported back; the token is gone.
-    LaunchCutOff,
-    /// Left over when the VM was torn down.
-    Teardown,
-    /// Its runner sat idle after its job ended or went away (stranded); deleted once the
-    /// teardown took it offline.
-    Stranded,
-    /// Its runner sat idle for `--job-pickup-timeout` while its job waited (Forgejo did not
-    /// give it the job); deleted once the teardown took it offline.
-    PickupTimeout,
-    /// Its runner declared labels that do not cover its job's `runs_on`; deleted once the
-    /// teardown took it offline.
-    WrongLabels,
-    /// A POST whose answer was lost, found again by its exact name.
-    LostRegistration,
-    /// Offline registration with our prefix, found by the sweep after a successful destroy.
-    Sweep,
-}
-
-impl DeleteReason {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            DeleteReason::Unconsumed => "unconsumed",
-            DeleteReason::NeverConnected => "never_connected",
-            DeleteReason::LaunchFailed => "launch_failed",
-            DeleteReason::LaunchCutOff => "launch_cut_off",
-            DeleteReason::Teardown => "teardown",
-            DeleteReason::Stranded => "stranded",
-            DeleteReason::PickupTimeout => "pickup_timeout",
-            DeleteReason::WrongLabels => "wrong_labels",
-            DeleteReason::LostRegistration => "lost_registration",
-            DeleteReason::Sweep => "sweep",
-        }
-    }
-}
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case", tag = "reason")]

@@ -9,11 +9,12 @@ use anyhow::Result;
 use serde_json::Value;
 
 use crate::core::backoff::{Backoff, BackoffPolicy, Change, Closed, CycleOutcome, Gate};
+use crate::core::claims::Others;
+use crate::core::forgejo::{Job, Runner};
 use crate::core::holds::{Holds, HoldsError};
-use crate::core::model::{Deletable, Job, Runner};
 use crate::core::secret::Secret;
-use crate::core::slots::Others;
 use crate::core::state::CycleState;
+use crate::core::sweep::gate::Deletable;
 use crate::core::time::Timestamp;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -179,7 +180,7 @@ pub trait StateStore {
     /// The held jobs (`held-jobs.json`); none when there is no file.
     fn load_holds(&mut self) -> Result<Holds, HoldsError>;
     fn save_holds(&mut self, holds: &Holds) -> Result<()>;
-    /// What the pool's other slots hold (`core::slots`). A store of a slot that is alone holds
+    /// What the pool's other slots hold (`core::claims`). A store of a slot that is alone holds
     /// nothing beside it.
     fn others(&mut self) -> Result<Others> {
         Ok(Others::default())

@@ -1,8 +1,9 @@
 //! The lost POST: a registration whose POST got no answer is looked for by its exact name in
 //! the runner list. What the listing proves, and so what to do, is decided here.
 
-use crate::core::listing::Listing;
-use crate::core::model::{Deletable, Runner, may_delete};
+use crate::core::forgejo::Runner;
+use crate::core::sweep::gate::{Deletable, may_delete};
+use crate::core::sweep::listing::Listing;
 
 /// The rows a lookup keeps whole: those of that name, and those without a readable name (any
 /// of them could be it).
@@ -70,7 +71,7 @@ pub fn resolve_lost_post(listing: &Listing, name: &str, prefix: &str) -> LostPos
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::core::model::RunnerStatus;
+    use crate::core::forgejo::RunnerStatus;
 
     fn row(id: i64, name: Option<&str>, status: RunnerStatus) -> Runner {
         Runner {

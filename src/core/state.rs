@@ -49,7 +49,7 @@ pub enum Launch {
 /// One ephemeral registration this cycle created (or intends to create).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Registration {
-    /// `<prefix><cycle id>-<n>-<time>` (`core::slots::registration_name`; older names lack the
+    /// `<prefix><cycle id>-<n>-<time>` (`core::sweep::spare::registration_name`; older names lack the
     /// time): unique to this registration, so a POST whose answer was lost can be found again by
     /// exact name.
     pub name: String,
@@ -69,7 +69,7 @@ pub struct Registration {
     pub connected: bool,
     /// Forgejo has reported the runner `active`: it took a job (an ephemeral runner's only one),
     /// not necessarily the one it was registered for, so it claims no job from then on
-    /// (`core::slots`): its job, if still waiting, is any slot's to serve.
+    /// (`core::claims`): its job, if still waiting, is any slot's to serve.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub busy: bool,
     /// Set when the VM was torn down because this runner sat idle while its job waited.
@@ -158,7 +158,7 @@ impl Registration {
     }
 
     /// The pickup time of its job at `now`, in milliseconds: since the pool first saw the job
-    /// waiting. `None` for a registration of an earlier version, which did not record it.
+    /// waiting. `None` when the registration does not record when the job was first seen.
     pub fn pickup_ms(&self, now: Timestamp) -> Option<u64> {
         self.job_first_seen
             .map(|t| u64::try_from(now.since(t).as_millis()).unwrap_or(u64::MAX))
@@ -207,12 +207,11 @@ pub struct CycleState {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub previous: Vec<PreviousRunner>,
     /// The job this cycle was started for, until its first registration: the pool's other slots
-    /// leave it to this one (`core::slots`). Written with the new cycle, under the claims lock.
+    /// leave it to this one (`core::claims`). Written with the new cycle, under the claims lock.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub claim: Option<i64>,
     /// The handle of the attempt of `claim` (a rerun is a new attempt with a new handle): the
-    /// claim is on that attempt only. Missing in a cycle.json of an earlier version: the claim
-    /// then covers every attempt of the job.
+    /// claim is on that attempt only. Without it the claim covers every attempt of the job.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub claim_handle: Option<String>,
     /// A runner of this cycle took a job: the cycle resets the pool's failure backoff.

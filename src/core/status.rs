@@ -134,17 +134,41 @@ fn ago(secs: &Value) -> String {
 /// Pure: the human-readable status, one line per item (control characters escaped).
 pub fn text(doc: &Value) -> String {
     let mut o: Vec<String> = Vec::new();
-    let s = |v: &Value| v.as_str().unwrap_or("?").to_string();
-    o.push(format!("state directory: {}", s(&doc["state_dir"])));
+    health_lines(&mut o, doc);
+    cycle_lines(&mut o, doc);
+    job_lines(&mut o, doc);
+    backoff_lines(&mut o, doc);
+    last_run_lines(&mut o, doc);
+    event_lines(&mut o, doc);
+    // Names, statuses and errors come from Forgejo (and tofu): every line is one line, with
+    // their control characters escaped, so none can forge a line or drive the terminal.
+    o.iter()
+        .map(|l| crate::core::escape::escape_controls(l))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// A string field as it is, `?` when it is missing or not a string.
+fn str_of(v: &Value) -> String {
+    v.as_str().unwrap_or("?").to_string()
+}
+
+/// The state directory and the warnings.
+fn health_lines(o: &mut Vec<String>, doc: &Value) {
+    o.push(format!("state directory: {}", str_of(&doc["state_dir"])));
     let warnings = doc["warnings"].as_array().cloned().unwrap_or_default();
     if warnings.is_empty() {
         o.push("health: ok".into());
     } else {
         o.push(format!("health: {} WARNING(S)", warnings.len()));
         for w in &warnings {
-            o.push(format!("  WARNING: {}", s(w)));
+            o.push(format!("  WARNING: {}", str_of(w)));
         }
     }
+}
+
+/// The cycle in progress: its phase, registrations, VM outputs and last error.
+fn cycle_lines(o: &mut Vec<String>, doc: &Value) {
     let c = &doc["cycle"];
     if let Some(e) = doc["cycle_error"].as_str() {
         o.push(format!("cycle: UNREADABLE: {e}"));
@@ -153,9 +177,9 @@ pub fn text(doc: &Value) -> String {
     } else {
         o.push(format!(
             "cycle: {} phase {}, started {} ({}), {} job(s) started{}",
-            s(&c["cycle_id"]),
-            s(&c["phase"]),
-            s(&c["started_at"]),
+            str_of(&c["cycle_id"]),
+            str_of(&c["phase"]),
+            str_of(&c["started_at"]),
             ago(&doc["cycle_age_seconds"]),
             c["jobs_started"],
             if c["warm"] == true {
@@ -167,14 +191,14 @@ pub fn text(doc: &Value) -> String {
         for r in c["registrations"].as_array().into_iter().flatten() {
             o.push(format!(
                 "  registration {} id {} job {} launch {}",
-                s(&r["name"]),
+                str_of(&r["name"]),
                 if r["id"].is_null() {
                     "unknown (POST unanswered)".into()
                 } else {
                     r["id"].to_string()
                 },
                 r["job_id"],
-                s(&r["launch"])
+                str_of(&r["launch"])
             ));
         }
         if let Some(outputs) = c["outputs"].as_object().filter(|o| !o.is_empty()) {
@@ -196,11 +220,15 @@ pub fn text(doc: &Value) -> String {
             o.push(format!("  last error: {e}"));
         }
     }
+}
+
+/// The held jobs and the pickup times (this slot's and the pool's).
+fn job_lines(o: &mut Vec<String>, doc: &Value) {
     for h in doc["held_jobs"].as_array().into_iter().flatten() {
         o.push(format!(
             "held job {}: listed as waiting, but not given to our runner within --job-pickup-timeout; no runner for it before {} (hold {})",
             h["job_id"],
-            s(&h["until"]),
+            str_of(&h["until"]),
             h["times"]
         ));
     }
@@ -213,14 +241,18 @@ pub fn text(doc: &Value) -> String {
             doc["pool_pickup"]["slots"]
         ));
     }
+}
+
+/// The failure backoff, when in force or counting.
+fn backoff_lines(o: &mut Vec<String>, doc: &Value) {
     let b = &doc["backoff"];
     if !doc["backing_off"].is_null() {
         o.push(format!(
             "failure backoff: backing off since {} until {}, after {} failed cycle(s) in a row (the last: {})",
-            s(&doc["backing_off"]["since"]),
-            s(&doc["backing_off"]["until"]),
+            str_of(&doc["backing_off"]["since"]),
+            str_of(&doc["backing_off"]["until"]),
             doc["backing_off"]["failures"],
-            s(&doc["backing_off"]["reason"])
+            str_of(&doc["backing_off"]["reason"])
         ));
     } else if b["consecutive_failed_cycles"]
         .as_u64()
@@ -229,9 +261,13 @@ pub fn text(doc: &Value) -> String {
         o.push(format!(
             "failure backoff: not in force; {} failed cycle(s) in a row (the last: {})",
             b["consecutive_failed_cycles"],
-            s(&b["last_reason"])
+            str_of(&b["last_reason"])
         ));
     }
+}
+
+/// The last run, its first failures, and the last success.
+fn last_run_lines(o: &mut Vec<String>, doc: &Value) {
     let r = &doc["last_run"];
     if let Some(e) = doc["last_run_error"].as_str() {
         o.push(format!("last run: UNREADABLE: {e}"));
@@ -240,11 +276,11 @@ pub fn text(doc: &Value) -> String {
     } else {
         o.push(format!(
             "last run: {} {} at {} ({}): {} (exit {})",
-            s(&r["command"]),
+            str_of(&r["command"]),
             r["cycle_id"].as_str().unwrap_or("(no cycle)"),
-            s(&r["finished_at"]),
+            str_of(&r["finished_at"]),
             ago(&doc["last_run_age_seconds"]),
-            s(&r["outcome"]),
+            str_of(&r["outcome"]),
             r["exit_code"]
         ));
         if let Some(line) = r["summary"]
@@ -255,7 +291,7 @@ pub fn text(doc: &Value) -> String {
         }
         let failures = r["failures"].as_array().cloned().unwrap_or_default();
         for f in failures.iter().take(3) {
-            o.push(format!("  error: {}", s(f)));
+            o.push(format!("  error: {}", str_of(f)));
         }
         if failures.len() > 3 {
             o.push(format!("  … {} more in last-run.json", failures.len() - 3));
@@ -268,6 +304,10 @@ pub fn text(doc: &Value) -> String {
         )),
         None => o.push("last success: none recorded".into()),
     }
+}
+
+/// The audit trail's recent events, and what could not be read of it.
+fn event_lines(o: &mut Vec<String>, doc: &Value) {
     if let Some(e) = doc["events_error"].as_str() {
         o.push(format!("events: UNREADABLE: {e}"));
     }
@@ -285,12 +325,6 @@ pub fn text(doc: &Value) -> String {
             o.push(format!("  {}", event_text(e)));
         }
     }
-    // Names, statuses and errors come from Forgejo (and tofu): every line is one line, with
-    // their control characters escaped, so none can forge a line or drive the terminal.
-    o.iter()
-        .map(|l| crate::core::escape::escape_controls(l))
-        .collect::<Vec<_>>()
-        .join("\n")
 }
 
 /// `the last 12 job(s): p50 3.20s, p95 41.00s` from a `PickupSummary` as JSON.

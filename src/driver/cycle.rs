@@ -5,17 +5,17 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use crate::core::backoff::{BackoffPolicy, Change};
+use crate::core::forgejo::{Job, job_matches, waiting_jobs};
 use crate::core::holds::{Holds, HoldsError};
-use crate::core::licence::SweepLicence;
-use crate::core::model::{Job, job_matches, waiting_jobs};
-use crate::core::planner::{
-    self, DeleteReason, Observation, Policy, RunContext, Step, TeardownReason,
-};
+use crate::core::planner;
+use crate::core::planner::{Observation, Policy, RunContext, Step, TeardownReason};
 use crate::core::ports::{
     BackoffGate, Claim, Clock, Forgejo, LaunchRequest, Launcher, Outputs, Sleep, StateStore, Tofu,
 };
 use crate::core::report::{Outcome, Report, Stopwatch};
 use crate::core::state::{CycleState, NotServed, Phase, PreviousRunner};
+use crate::core::sweep::gate::DeleteReason;
+use crate::core::sweep::licence::SweepLicence;
 use crate::core::time::{Timestamp, format_duration};
 use crate::driver::sweep;
 

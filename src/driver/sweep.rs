@@ -3,15 +3,17 @@
 
 use anyhow::{anyhow, bail};
 
-use crate::core::licence::SweepLicence;
-use crate::core::listing::{
-    LIST_PASSES, Listing, MAX_PAGES, PAGE_LIMIT, Seen, Selection, select, sweep_failures,
-};
-use crate::core::model::{Deletable, Runner, is_ours};
-use crate::core::planner::DeleteReason;
+use crate::core::claims::Others;
+use crate::core::forgejo::Runner;
 use crate::core::ports::{Deleted, Forgejo};
 use crate::core::report::{Report, SweepReport, SweptRunner};
-use crate::core::slots::{Others, Spared, SweepGuard};
+use crate::core::sweep::gate::DeleteReason;
+use crate::core::sweep::gate::{Deletable, is_ours};
+use crate::core::sweep::licence::SweepLicence;
+use crate::core::sweep::listing::{
+    LIST_PASSES, Listing, MAX_PAGES, PAGE_LIMIT, Seen, Selection, select, sweep_failures,
+};
+use crate::core::sweep::spare::{Spared, SweepGuard};
 
 pub fn list_all(
     forgejo: &mut dyn Forgejo,
@@ -141,7 +143,7 @@ pub type DeleteResult = Result<Deleted, String>;
 /// Runs the licensed sweep into `report`: each DELETE in its audit trail (its intent just before
 /// it is sent, its answer as soon as Forgejo gave it), each failure a failure of the run, the
 /// counts in `report.sweep`. True when nothing failed. No sweep runs without its licence: the
-/// proof that no VM of ours can exist (`core::licence`).
+/// proof that no VM of ours can exist (`core::sweep::licence`).
 pub fn sweep_into(
     report: &mut Report,
     forgejo: &mut dyn Forgejo,
@@ -308,8 +310,8 @@ mod tests {
     //! The sweep against the tests' model of Forgejo (what Forgejo does) and against a scripted
     //! adversary (what it does not).
     use super::*;
-    use crate::core::model::Job;
-    use crate::core::model::RunnerStatus;
+    use crate::core::forgejo::Job;
+    use crate::core::forgejo::RunnerStatus;
     use crate::core::ports::ApiError;
     use crate::core::ports::NewRunner;
     use crate::core::ports::RunnerPage;
@@ -521,7 +523,7 @@ mod tests {
     }
 
     fn licence() -> SweepLicence {
-        crate::core::licence::without_cycle(None, "cycle.json", None).unwrap()
+        crate::core::sweep::licence::without_cycle(None, "cycle.json", None).unwrap()
     }
 
     /// A guard that spares nothing: no other slot, and no name too young.

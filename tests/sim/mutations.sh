@@ -90,7 +90,7 @@ restore() {
 }
 
 # Caught: runner 12 deleted while `active` (teardown; this run last read it `active`); seed 0.
-mutate "gate-ignores-status" src/core/model.rs \
+mutate "gate-ignores-status" src/core/sweep/gate.rs \
     '    (is_ours(runner.name.as_deref(), prefix) && runner.status == RunnerStatus::Offline)' \
     '    is_ours(runner.name.as_deref(), prefix)'
 
@@ -98,7 +98,7 @@ mutate "gate-ignores-status" src/core/model.rs \
 # gate's own prefix check is a second guard: both must go for a person's runner to be deleted.
 # One `is_ours` serves both.
 # Caught: runner 3 (`build-01`, persistent) deleted without our prefix (sweep); seed 0.
-mutate "gate-and-sweep-ignore-prefix" src/core/model.rs \
+mutate "gate-and-sweep-ignore-prefix" src/core/sweep/gate.rs \
     '    !prefix.is_empty() && name.is_some_and(|n| n.starts_with(prefix))' \
     '    name.is_some()'
 
@@ -156,7 +156,7 @@ mutate "never-connected-not-a-failure" src/driver/cycle/registrations.rs \
             "runner {id} ({name}) never connected'
 
 # Caught: a wait next to a runner that declared no labels, 20 s after it declared them; seed 8.
-mutate "no-labels-match-any-job" src/core/model.rs \
+mutate "no-labels-match-any-job" src/core/forgejo.rs \
     '    !names.is_empty()
         && !job.runs_on.is_empty()' \
     '    names.is_empty()
@@ -209,7 +209,7 @@ mutate "no-backoff-gate" src/core/backoff.rs \
     ''
 
 # Caught: slot 1's sweep deleted runner 28 while slot 2's cycle.json held it; seed 9.
-mutate "sweep-ignores-held" src/core/slots.rs \
+mutate "sweep-ignores-held" src/core/sweep/spare.rs \
     '        if self.held.contains(name) {
             return Some(Spared::HeldByAnotherSlot);
         }
@@ -217,7 +217,7 @@ mutate "sweep-ignores-held" src/core/slots.rs \
     ''
 
 # Caught: not at rest: offline registrations with the prefix left; seed 0.
-mutate "sweep-spares-every-name" src/core/slots.rs \
+mutate "sweep-spares-every-name" src/core/sweep/spare.rs \
     '        if self.held.contains(name) {' \
     '        if !name.is_empty() {'
 

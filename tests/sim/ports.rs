@@ -8,13 +8,13 @@ use std::time::Duration;
 
 use anyhow::bail;
 use ci_ephemeral_provisioner::core::backoff::{Backoff, Change, CycleOutcome, Gate};
+use ci_ephemeral_provisioner::core::claims::Others;
+use ci_ephemeral_provisioner::core::forgejo::Job;
+use ci_ephemeral_provisioner::core::forgejo::Runner;
+use ci_ephemeral_provisioner::core::forgejo::RunnerStatus;
 use ci_ephemeral_provisioner::core::holds::Holds;
 use ci_ephemeral_provisioner::core::holds::HoldsError;
 use ci_ephemeral_provisioner::core::holds::parse_holds;
-use ci_ephemeral_provisioner::core::model::Deletable;
-use ci_ephemeral_provisioner::core::model::Job;
-use ci_ephemeral_provisioner::core::model::Runner;
-use ci_ephemeral_provisioner::core::model::RunnerStatus;
 use ci_ephemeral_provisioner::core::ports::ApiError;
 use ci_ephemeral_provisioner::core::ports::BackoffGate;
 use ci_ephemeral_provisioner::core::ports::Claim;
@@ -36,9 +36,9 @@ use ci_ephemeral_provisioner::core::ports::Tofu;
 use ci_ephemeral_provisioner::core::ports::record_outcome_in;
 use ci_ephemeral_provisioner::core::ports::save_starting_warm_in;
 use ci_ephemeral_provisioner::core::secret::Secret;
-use ci_ephemeral_provisioner::core::slots::Others;
 use ci_ephemeral_provisioner::core::state::CycleState;
 use ci_ephemeral_provisioner::core::state::Phase;
+use ci_ephemeral_provisioner::core::sweep::gate::Deletable;
 use ci_ephemeral_provisioner::core::time::Timestamp;
 
 use super::world::{ApiFault, HTTP_TIMEOUT_MS, Sim, Started};

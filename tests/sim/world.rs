@@ -12,12 +12,12 @@
 use std::collections::{BTreeMap, VecDeque};
 
 use ci_ephemeral_provisioner::core::backoff::{Backoff, BackoffPolicy};
+use ci_ephemeral_provisioner::core::forgejo::Job;
+use ci_ephemeral_provisioner::core::forgejo::Runner;
+use ci_ephemeral_provisioner::core::forgejo::RunnerStatus;
 use ci_ephemeral_provisioner::core::holds::Holds;
 use ci_ephemeral_provisioner::core::holds::Share;
 use ci_ephemeral_provisioner::core::holds::parse_holds;
-use ci_ephemeral_provisioner::core::model::Job;
-use ci_ephemeral_provisioner::core::model::Runner;
-use ci_ephemeral_provisioner::core::model::RunnerStatus;
 use ci_ephemeral_provisioner::core::planner::MAX_START_FAILURES;
 use ci_ephemeral_provisioner::core::planner::TeardownReason;
 use ci_ephemeral_provisioner::core::state::CycleState;

@@ -5,4 +5,4 @@ pub mod forgejo_rules;
 pub mod harness;
 
 /// The product's parsed job, for the model's `JobRow::listed`.
-use ci_ephemeral_provisioner::core::model::Job;
+use ci_ephemeral_provisioner::core::forgejo::Job;

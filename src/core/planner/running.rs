@@ -1,8 +1,13 @@
 //! The decision while the VM runs: the current registrations first, then whether the next job may
 //! follow on this VM (its trust boundary, the earlier runner gone) or the VM must go.
 
+use std::ops::ControlFlow::{self, Break, Continue};
+
 use super::*;
 use crate::core::warm::{WarmEnd, is_unused_warm, warm_end};
+
+/// What one registration asks for: a step (`Break`), or to be waited on, and why (`Continue`).
+type Wants = ControlFlow<Step, String>;
 
 pub(super) fn decide_running(
     state: &CycleState,
@@ -11,132 +16,14 @@ pub(super) fn decide_running(
     policy: &Policy,
     now: Timestamp,
 ) -> Step {
-    let age = now.since(state.started_at);
-    if age >= policy.hard_deadline {
-        return Step::Teardown {
-            reason: TeardownReason::HardDeadline,
-        };
+    if let Some(step) = past_its_limits(state, ctx, policy, now) {
+        return step;
     }
-    if let Some(name) = state.registrations.iter().find_map(|r| {
-        ctx.cleanup_failures
-            .get(&r.name)
-            .is_some_and(|n| *n >= MAX_CLEANUP_FAILURES)
-            .then(|| r.name.clone())
-    }) {
-        return Step::Teardown {
-            reason: TeardownReason::CleanupFailing { name },
-        };
-    }
-    let grace = policy.registration_grace;
     let mut waiting_on: Vec<String> = Vec::new();
     for reg in &state.registrations {
-        let Some(id) = reg.id else {
-            if now.since(reg.requested_at) < policy.intent_settle {
-                waiting_on.push(format!(
-                    "{} (POST unanswered; looked up by name once it has settled)",
-                    reg.name
-                ));
-                continue;
-            }
-            if !ctx.failed_intents.contains(&reg.name) {
-                return Step::ResolveIntent {
-                    name: reg.name.clone(),
-                };
-            }
-            waiting_on.push(format!("{} (lookup failed, retrying)", reg.name));
-            continue;
-        };
-        let runner = match obs.runners.get(&id) {
-            None => {
-                waiting_on.push(format!("{} (status unknown: request failed)", who(reg, id)));
-                continue;
-            }
-            Some(None) => return Step::Forget { id },
-            Some(Some(r)) => r,
-        };
-        if ctx.failed_deletes.contains(&id) {
-            waiting_on.push(format!("{} (delete failed, retrying)", who(reg, id)));
-            continue;
-        }
-        if reg.launch != Launch::Done {
-            if let Some(target) = may_delete(runner, cycle_prefix(state, policy)) {
-                let reason = if reg.launch == Launch::Failed {
-                    DeleteReason::LaunchFailed
-                } else {
-                    DeleteReason::LaunchCutOff
-                };
-                return Step::Delete { target, reason };
-            }
-            match runner.status {
-                RunnerStatus::Idle | RunnerStatus::Active => return Step::AdoptLaunch { id },
-                _ => {
-                    waiting_on.push(format!(
-                        "{} (status {})",
-                        who(reg, id),
-                        runner.status.as_str()
-                    ));
-                    continue;
-                }
-            }
-        }
-        // Seen up, or it declared itself (Forgejo shows what it declared) and went away since.
-        let up = matches!(runner.status, RunnerStatus::Idle | RunnerStatus::Active);
-        if !reg.connected && (up || runner.labels.is_some()) {
-            return Step::MarkConnected { id };
-        }
-        if runner.status == RunnerStatus::Active && !reg.busy {
-            return Step::MarkBusy { id };
-        }
-        match &runner.status {
-            RunnerStatus::Active => waiting_on.push(format!("{} (active)", who(reg, id))),
-            RunnerStatus::Idle => {
-                let job = obs.jobs.as_ref().map(|jobs| {
-                    jobs.iter()
-                        .find(|j| j.handle == reg.job_handle && j.is_live())
-                });
-                match (job, reg.job_gone_since) {
-                    (None, _) => waiting_on.push(format!("{} (idle; jobs unknown)", who(reg, id))),
-                    (Some(Some(_)), Some(_)) => return Step::ClearJobGone { id },
-                    (Some(Some(job)), None) => {
-                        if let Some(step) = unserved(reg, id, runner, job, policy, now) {
-                            return step;
-                        }
-                        waiting_on.push(format!("{} (idle, its job waits)", who(reg, id)))
-                    }
-                    (Some(None), None) => return Step::MarkJobGone { id },
-                    (Some(None), Some(since)) => {
-                        if now.since(since) >= grace {
-                            return Step::Teardown {
-                                reason: TeardownReason::Stranded { runner_id: id },
-                            };
-                        }
-                        waiting_on.push(format!("{} (idle, its job is gone)", who(reg, id)));
-                    }
-                }
-            }
-            RunnerStatus::Offline => {
-                let offline_for = now.since(reg.grace_start());
-                if offline_for >= grace
-                    && let Some(target) = may_delete(runner, cycle_prefix(state, policy))
-                {
-                    let reason = if reg.connected {
-                        DeleteReason::Unconsumed
-                    } else {
-                        DeleteReason::NeverConnected
-                    };
-                    return Step::Delete { target, reason };
-                }
-                waiting_on.push(format!(
-                    "{} (offline; starting, within the {} grace)",
-                    who(reg, id),
-                    format_duration(grace)
-                ));
-            }
-            other => waiting_on.push(format!(
-                "{} (unknown status {}; never deleted on doubt)",
-                who(reg, id),
-                other.as_str()
-            )),
+        match registration(reg, state, obs, ctx, policy, now) {
+            Break(step) => return step,
+            Continue(why) => waiting_on.push(why),
         }
     }
     if !waiting_on.is_empty() {
@@ -144,73 +31,198 @@ pub(super) fn decide_running(
             why: format!("waiting for {}", waiting_on.join(", ")),
         };
     }
+    decide_free(state, obs, ctx, policy, now)
+}
 
-    // The VM is free.
-    if state.start_failures >= MAX_START_FAILURES {
-        return Step::Teardown {
-            reason: TeardownReason::BrokenVm,
-        };
+/// The teardowns that come before any registration: the hard deadline, and a registration that
+/// could not be cleaned up `MAX_CLEANUP_FAILURES` times.
+fn past_its_limits(
+    state: &CycleState,
+    ctx: &RunContext,
+    policy: &Policy,
+    now: Timestamp,
+) -> Option<Step> {
+    if now.since(state.started_at) >= policy.hard_deadline {
+        return Some(Step::Teardown {
+            reason: TeardownReason::HardDeadline,
+        });
     }
-    if state.jobs_started >= policy.max_jobs_per_vm {
-        return Step::Teardown {
-            reason: TeardownReason::JobCap,
-        };
+    let name = state.registrations.iter().find_map(|r| {
+        ctx.cleanup_failures
+            .get(&r.name)
+            .is_some_and(|n| *n >= MAX_CLEANUP_FAILURES)
+            .then(|| r.name.clone())
+    })?;
+    Some(Step::Teardown {
+        reason: TeardownReason::CleanupFailing { name },
+    })
+}
+
+/// The step one registration asks for, or why it is waited on.
+fn registration(
+    reg: &Registration,
+    state: &CycleState,
+    obs: &Observation,
+    ctx: &RunContext,
+    policy: &Policy,
+    now: Timestamp,
+) -> Wants {
+    let Some(id) = reg.id else {
+        return unanswered_post(reg, ctx, policy, now);
+    };
+    let runner = match obs.runners.get(&id) {
+        None => return Continue(format!("{} (status unknown: request failed)", who(reg, id))),
+        Some(None) => return Break(Step::Forget { id }),
+        Some(Some(r)) => r,
+    };
+    if ctx.failed_deletes.contains(&id) {
+        return Continue(format!("{} (delete failed, retrying)", who(reg, id)));
     }
-    if age >= policy.max_cycle_duration {
-        return Step::Teardown {
-            reason: TeardownReason::MaxCycleDuration,
-        };
+    if reg.launch != Launch::Done {
+        return unlaunched(reg, id, runner, state, policy);
     }
-    // A runner process that may still run: nothing else starts on this VM.
-    if let Some((runner_id, why)) = state.previous.iter().find_map(|p| match &p.process {
-        ProcessState::NotGone(why) => Some((p.id, why.clone())),
-        _ => None,
-    }) {
-        return Step::Teardown {
-            reason: TeardownReason::PreviousRunnerNotGone { runner_id, why },
-        };
+    // Seen up, or it declared itself (Forgejo shows what it declared) and went away since.
+    let up = matches!(runner.status, RunnerStatus::Idle | RunnerStatus::Active);
+    if !reg.connected && (up || runner.labels.is_some()) {
+        return Break(Step::MarkConnected { id });
     }
-    if let Some(jobs) = obs.jobs.as_deref() {
-        let servable = servable_jobs(jobs, obs, policy, ctx, now);
-        match servable.iter().find(|j| may_follow(state, policy, j)) {
-            Some(job) => {
-                // No runner can start, and no earlier one be checked: the VM goes (a cycle
-                // must never outlive its configuration).
-                if let Some(problem) = &obs.launch_problem {
-                    return Step::Teardown {
-                        reason: TeardownReason::LaunchUnusable {
-                            problem: problem.clone(),
-                        },
-                    };
-                }
-                // A vanished registration is not an exited runner.
-                if let Some(p) = state
-                    .previous
-                    .iter()
-                    .find(|p| p.process == ProcessState::Unchecked)
-                {
-                    return Step::CheckPrevious { id: p.id };
-                }
-                return Step::Register {
-                    job_id: job.id,
-                    job_handle: job.handle.clone(),
-                    boundary: Boundary {
-                        repo_id: job.repo_id,
-                        owner_id: job.owner_id,
-                    },
-                };
+    if runner.status == RunnerStatus::Active && !reg.busy {
+        return Break(Step::MarkBusy { id });
+    }
+    match &runner.status {
+        RunnerStatus::Active => Continue(format!("{} (active)", who(reg, id))),
+        RunnerStatus::Idle => idle(reg, id, runner, obs, policy, now),
+        RunnerStatus::Offline => offline(reg, id, runner, state, policy, now),
+        other => Continue(format!(
+            "{} (unknown status {}; never deleted on doubt)",
+            who(reg, id),
+            other.as_str()
+        )),
+    }
+}
+
+/// A registration whose POST has no answer (no id): looked up by its name once the POST has
+/// settled, unless this run's lookup failed.
+fn unanswered_post(reg: &Registration, ctx: &RunContext, policy: &Policy, now: Timestamp) -> Wants {
+    if now.since(reg.requested_at) < policy.intent_settle {
+        return Continue(format!(
+            "{} (POST unanswered; looked up by name once it has settled)",
+            reg.name
+        ));
+    }
+    if !ctx.failed_intents.contains(&reg.name) {
+        return Break(Step::ResolveIntent {
+            name: reg.name.clone(),
+        });
+    }
+    Continue(format!("{} (lookup failed, retrying)", reg.name))
+}
+
+/// A registration whose launch did not finish: deleted while offline (the launch failed or was
+/// cut off), adopted once its runner shows up.
+fn unlaunched(
+    reg: &Registration,
+    id: i64,
+    runner: &Runner,
+    state: &CycleState,
+    policy: &Policy,
+) -> Wants {
+    if let Some(target) = may_delete(runner, cycle_prefix(state, policy)) {
+        let reason = if reg.launch == Launch::Failed {
+            DeleteReason::LaunchFailed
+        } else {
+            DeleteReason::LaunchCutOff
+        };
+        return Break(Step::Delete { target, reason });
+    }
+    match runner.status {
+        RunnerStatus::Idle | RunnerStatus::Active => Break(Step::AdoptLaunch { id }),
+        _ => Continue(format!(
+            "{} (status {})",
+            who(reg, id),
+            runner.status.as_str()
+        )),
+    }
+}
+
+/// An idle runner: its job still waits (served, or not: `unserved`), or is gone (stranded once
+/// the grace has passed).
+fn idle(
+    reg: &Registration,
+    id: i64,
+    runner: &Runner,
+    obs: &Observation,
+    policy: &Policy,
+    now: Timestamp,
+) -> Wants {
+    let job = obs.jobs.as_ref().map(|jobs| {
+        jobs.iter()
+            .find(|j| j.handle == reg.job_handle && j.is_live())
+    });
+    match (job, reg.job_gone_since) {
+        (None, _) => Continue(format!("{} (idle; jobs unknown)", who(reg, id))),
+        (Some(Some(_)), Some(_)) => Break(Step::ClearJobGone { id }),
+        (Some(Some(job)), None) => match unserved(reg, id, runner, job, policy, now) {
+            Some(step) => Break(step),
+            None => Continue(format!("{} (idle, its job waits)", who(reg, id))),
+        },
+        (Some(None), None) => Break(Step::MarkJobGone { id }),
+        (Some(None), Some(since)) => {
+            if now.since(since) >= policy.registration_grace {
+                return Break(Step::Teardown {
+                    reason: TeardownReason::Stranded { runner_id: id },
+                });
             }
-            None => {
-                if let Some(job) = servable.first() {
-                    return Step::Teardown {
-                        reason: TeardownReason::OutsideBoundary {
-                            job_id: job.id,
-                            reuse_within: policy.reuse_within,
-                        },
-                    };
-                }
-            }
+            Continue(format!("{} (idle, its job is gone)", who(reg, id)))
         }
+    }
+}
+
+/// An offline runner: deleted once the registration grace has passed (unconsumed when it
+/// connected, else never connected), else still starting.
+fn offline(
+    reg: &Registration,
+    id: i64,
+    runner: &Runner,
+    state: &CycleState,
+    policy: &Policy,
+    now: Timestamp,
+) -> Wants {
+    let grace = policy.registration_grace;
+    let offline_for = now.since(reg.grace_start());
+    if offline_for >= grace
+        && let Some(target) = may_delete(runner, cycle_prefix(state, policy))
+    {
+        let reason = if reg.connected {
+            DeleteReason::Unconsumed
+        } else {
+            DeleteReason::NeverConnected
+        };
+        return Break(Step::Delete { target, reason });
+    }
+    Continue(format!(
+        "{} (offline; starting, within the {} grace)",
+        who(reg, id),
+        format_duration(grace)
+    ))
+}
+
+/// The VM is free (no registration waited on): torn down when spent, else the next job's runner,
+/// else a wait (a warm VM's, or until the idle timeout).
+fn decide_free(
+    state: &CycleState,
+    obs: &Observation,
+    ctx: &RunContext,
+    policy: &Policy,
+    now: Timestamp,
+) -> Step {
+    if let Some(reason) = spent(state, policy, now) {
+        return Step::Teardown { reason };
+    }
+    if let Some(jobs) = obs.jobs.as_deref()
+        && let Some(step) = next_job(jobs, state, obs, ctx, policy, now)
+    {
+        return step;
     }
     // An unused warm VM waits for the pool's next job until it is too old or not wanted; the
     // idle timeout starts with its first runner.
@@ -248,9 +260,77 @@ pub(super) fn decide_running(
     }
 }
 
+/// Why a free VM takes no further job: broken, at its job cap, too old, or an earlier runner's
+/// process may still run on it.
+fn spent(state: &CycleState, policy: &Policy, now: Timestamp) -> Option<TeardownReason> {
+    if state.start_failures >= MAX_START_FAILURES {
+        return Some(TeardownReason::BrokenVm);
+    }
+    if state.jobs_started >= policy.max_jobs_per_vm {
+        return Some(TeardownReason::JobCap);
+    }
+    if now.since(state.started_at) >= policy.max_cycle_duration {
+        return Some(TeardownReason::MaxCycleDuration);
+    }
+    // A runner process that may still run: nothing else starts on this VM.
+    state.previous.iter().find_map(|p| match &p.process {
+        ProcessState::NotGone(why) => Some(TeardownReason::PreviousRunnerNotGone {
+            runner_id: p.id,
+            why: why.clone(),
+        }),
+        _ => None,
+    })
+}
+
+/// The step for the oldest servable job: its runner (once the launch command is usable and the
+/// earlier runner checked), or a teardown when only jobs outside the VM's boundary wait.
+fn next_job(
+    jobs: &[Job],
+    state: &CycleState,
+    obs: &Observation,
+    ctx: &RunContext,
+    policy: &Policy,
+    now: Timestamp,
+) -> Option<Step> {
+    let servable = servable_jobs(jobs, obs, policy, ctx, now);
+    let Some(job) = servable.iter().find(|j| may_follow(state, policy, j)) else {
+        return servable.first().map(|job| Step::Teardown {
+            reason: TeardownReason::OutsideBoundary {
+                job_id: job.id,
+                reuse_within: policy.reuse_within,
+            },
+        });
+    };
+    // No runner can start, and no earlier one be checked: the VM goes (a cycle must never
+    // outlive its configuration).
+    if let Some(problem) = &obs.launch_problem {
+        return Some(Step::Teardown {
+            reason: TeardownReason::LaunchUnusable {
+                problem: problem.clone(),
+            },
+        });
+    }
+    // A vanished registration is not an exited runner.
+    if let Some(p) = state
+        .previous
+        .iter()
+        .find(|p| p.process == ProcessState::Unchecked)
+    {
+        return Some(Step::CheckPrevious { id: p.id });
+    }
+    Some(Step::Register {
+        job_id: job.id,
+        job_handle: job.handle.clone(),
+        boundary: Boundary {
+            repo_id: job.repo_id,
+            owner_id: job.owner_id,
+        },
+    })
+}
+
 /// Whether `job` may run on this cycle's VM: any job on a VM that ran none yet, else one inside
 /// the boundary its first job set (`--reuse-within`). A cycle without a recorded boundary that
-/// ran a job (written before boundaries were) takes no other, except with `pool`.
+/// ran a job takes no other, except with `pool`.
 fn may_follow(state: &CycleState, policy: &Policy, job: &Job) -> bool {
     match &state.boundary {
         Some(b) => policy.reuse_within.admits(b, job),

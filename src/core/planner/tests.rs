@@ -87,8 +87,8 @@ fn start(job_id: i64) -> Step {
 }
 
 /// Other slots claim the attempts `handle(id)` of these jobs.
-fn claimed(ids: &[i64]) -> crate::core::slots::Claimed {
-    crate::core::slots::Claimed {
+fn claimed(ids: &[i64]) -> crate::core::claims::Claimed {
+    crate::core::claims::Claimed {
         handles: ids.iter().map(|id| handle(*id)).collect(),
         jobs: Default::default(),
     }

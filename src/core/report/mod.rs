@@ -11,8 +11,8 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 
-use crate::core::licence::SweepLicence;
 use crate::core::ports::{AuditSink, Deleted};
+use crate::core::sweep::licence::SweepLicence;
 use crate::core::time::Timestamp;
 use audit::{AuditTrail, audit_record};
 use clock::ReportClock;
@@ -83,7 +83,7 @@ pub struct SweepReport {
     /// Registrations with our prefix whose status was missing or unknown: never deleted.
     pub skipped_doubtful: Vec<SweptRunner>,
     /// Offline registrations with our prefix whose name shows they were created less than the
-    /// minimum age ago (`core::slots::sweep_min_age`): their owner may still be starting them.
+    /// minimum age ago (`core::sweep::spare::sweep_min_age`): their owner may still be starting them.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub spared_young: Vec<SweptRunner>,
     /// Offline registrations with our prefix that another slot of this pool holds.

@@ -4,13 +4,15 @@
 
 use super::{Driver, End, SaveFailed, runner_request};
 use crate::core::backoff::FailureReason;
-use crate::core::model::{Deletable, Runner};
-use crate::core::planner::{self, DeleteReason};
+use crate::core::forgejo::Runner;
+use crate::core::planner;
 use crate::core::ports::{Claim, Deleted, LaunchRequest, NewRunner, ProcessCheck};
 use crate::core::report::{ALREADY_GONE, DELETED, PLANNED, Stopwatch};
 use crate::core::resolve::{FoundRow, LostPost, could_be, resolve_lost_post};
-use crate::core::slots::registration_name;
 use crate::core::state::{Boundary, Launch, Phase, PreviousRunner, ProcessState, Registration};
+use crate::core::sweep::gate::Deletable;
+use crate::core::sweep::gate::DeleteReason;
+use crate::core::sweep::spare::registration_name;
 use crate::core::time::{Timestamp, format_duration};
 use crate::driver::sweep;
 

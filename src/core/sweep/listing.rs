@@ -3,9 +3,10 @@
 
 use std::collections::{BTreeMap, HashSet};
 
-use crate::core::model::{Deletable, Runner, RunnerStatus, is_ours, may_delete};
+use crate::core::forgejo::{Runner, RunnerStatus};
 use crate::core::report::SweepReport;
-use crate::core::slots::{Spared, SweepGuard};
+use crate::core::sweep::gate::{Deletable, is_ours, may_delete};
+use crate::core::sweep::spare::{Spared, SweepGuard};
 
 /// Forgejo clamps `limit` to `[api].MAX_RESPONSE_ITEMS` (default 50).
 pub const PAGE_LIMIT: u32 = 50;

@@ -1,4 +1,5 @@
-//! What Forgejo tells us about runners and jobs, parsed defensively, and the one deletion gate.
+//! Forgejo's domain: what it tells us about runners and jobs, parsed defensively, and its rule
+//! for which job runs on which runner. What may be deleted is `core::sweep::gate`'s.
 
 use anyhow::anyhow;
 use serde::Serialize;
@@ -104,47 +105,6 @@ fn declared_labels(v: &Value) -> Option<Vec<String>> {
             .collect(),
         _ => None,
     }
-}
-
-/// Whether a registration's name carries our prefix (an empty prefix claims nothing).
-pub fn is_ours(name: Option<&str>, prefix: &str) -> bool {
-    !prefix.is_empty() && name.is_some_and(|n| n.starts_with(prefix))
-}
-
-/// A registration that passed THE deletion gate, [`may_delete`]: the only thing
-/// `Forgejo::delete_runner` accepts. Its field is private and `may_delete` is its only
-/// constructor, so no code can send a DELETE for a registration the gate has not passed:
-///
-/// (Mutation caught by this doctest: a `Deletable` made without `may_delete`.)
-///
-/// ```compile_fail,E0451
-/// let bypass = ci_ephemeral_provisioner::core::model::Deletable { id: 7 };
-/// ```
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Deletable {
-    id: i64,
-}
-
-impl Deletable {
-    pub fn id(&self) -> i64 {
-        self.id
-    }
-}
-
-/// THE deletion gate. A registration may be deleted only when its name carries our prefix and
-/// Forgejo says it is exactly `offline`; then, and only then, it is [`Deletable`].
-///
-/// ```
-/// use ci_ephemeral_provisioner::core::model::{Deletable, Runner, RunnerStatus, may_delete};
-/// let mut r = Runner { id: 7, name: Some("ephemeral-c1-1".into()), status: RunnerStatus::Offline, labels: None };
-/// let d: Option<Deletable> = may_delete(&r, "ephemeral-");
-/// assert_eq!(d.map(|d| d.id()), Some(7));
-/// r.status = RunnerStatus::Idle;
-/// assert!(may_delete(&r, "ephemeral-").is_none());
-/// ```
-pub fn may_delete(runner: &Runner, prefix: &str) -> Option<Deletable> {
-    (is_ours(runner.name.as_deref(), prefix) && runner.status == RunnerStatus::Offline)
-        .then_some(Deletable { id: runner.id })
 }
 
 /// A job from `GET …/actions/runners/jobs`.

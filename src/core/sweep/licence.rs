@@ -10,7 +10,7 @@
 //!
 //! ```compile_fail,E0451
 //! // No licence out of thin air: its fields are private.
-//! let forged = ci_ephemeral_provisioner::core::licence::SweepLicence {
+//! let forged = ci_ephemeral_provisioner::core::sweep::licence::SweepLicence {
 //!     evidence: String::new(),
 //!     destroyed_cycle_id: None,
 //! };
@@ -18,7 +18,7 @@
 //!
 //! ```compile_fail,E0624
 //! // Nor from a cycle outside the core: only the planner says that this run's destroy succeeded.
-//! use ci_ephemeral_provisioner::core::{licence::SweepLicence, state::CycleState, time::Timestamp};
+//! use ci_ephemeral_provisioner::core::{sweep::licence::SweepLicence, state::CycleState, time::Timestamp};
 //! let state = CycleState::new("c1".into(), Timestamp(0));
 //! let forged = SweepLicence::after_destroy(&state);
 //! ```
