@@ -146,7 +146,11 @@ pub(crate) fn sweep_min_age(
     launch_timeout: Duration,
     common: &ForgejoArgs,
 ) -> Duration {
-    crate::core::sweep::spare::sweep_min_age(registration_grace, launch_timeout, intent_settle(common))
+    crate::core::sweep::spare::sweep_min_age(
+        registration_grace,
+        launch_timeout,
+        intent_settle(common),
+    )
 }
 
 pub(crate) fn policy(a: &RunArgs, labels: &Labels) -> Policy {

@@ -31,8 +31,8 @@ use crate::core::ports::{Clock, Forgejo, Launcher, StateStore, Tofu};
 use crate::core::report::Report;
 use crate::core::secret::Secret;
 use crate::core::state::{CycleState, STATE_FILE};
-use crate::core::time::Timestamp;
 use crate::core::sweep::licence::{DestroyRecord, SweepLicence, without_cycle};
+use crate::core::time::Timestamp;
 use crate::driver::cycle::{End, World};
 
 /// Where Forgejo is said to be in a fixture dry-run's plan and report.
