@@ -1,7 +1,8 @@
 //! How the tests are built: one model of Forgejo, the dev-only crate `forgejo-model/`, that
 //! every user takes as a dependency (no `#[path]` from `src/` or `benches/` includes a file of
 //! it or of `tests/`), that knows nothing of the product, and three test crates in all: this one,
-//! the simulation and the role's end-to-end test.
+//! the simulation and the role's end-to-end test; and the suites of this one, sharing a process,
+//! leave its environment and working directory alone.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -177,4 +178,44 @@ fn the_crate_count_sees_a_planted_test_file() {
     fs::write(dir.path().join("cycle.rs"), "").unwrap();
     fs::write(dir.path().join("notes.md"), "").unwrap();
     assert_eq!(test_crates(dir.path()), ["cycle", "it", "sim"]);
+}
+
+/// The calls in `code` that change what every thread of the process sees.
+fn process_wide_changes(code: &str) -> Vec<&'static str> {
+    ["set_var(", "remove_var(", "set_current_dir("]
+        .into_iter()
+        .filter(|call| code.contains(call))
+        .collect()
+}
+
+/// The suites of this crate share one process and run on its threads: none changes the
+/// environment or the working directory (a command it runs gets its own, by `Command::env`).
+#[test]
+fn no_suite_changes_process_wide_state() {
+    let mut files = Vec::new();
+    rust_files(&root().join("tests/it"), &mut files);
+    let this = root().join("tests/it/crates.rs");
+    let found: Vec<String> = files
+        .iter()
+        .filter(|f| **f != this)
+        .flat_map(|f| {
+            let text = fs::read_to_string(f).unwrap();
+            process_wide_changes(&text)
+                .into_iter()
+                .map(move |call| format!("{}: {call}", f.display()))
+        })
+        .collect();
+    assert!(
+        found.is_empty(),
+        "a suite changes the process's environment or working directory, which every other \
+         suite's thread sees; pass it to the command instead (Command::env, current_dir):\n  {}",
+        found.join("\n  ")
+    );
+}
+
+#[test]
+fn the_process_check_sees_a_planted_set_var() {
+    let code = "fn t() { unsafe { std::env::set_var(\"RUST_LOG\", \"trace\") }; }";
+    assert_eq!(process_wide_changes(code), ["set_var("]);
+    assert!(process_wide_changes("c.env(\"RUST_LOG\", \"trace\");").is_empty());
 }
