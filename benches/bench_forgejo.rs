@@ -1,11 +1,11 @@
-//! A lean fake Forgejo for the benchmarks in `benches/run`: std only, so it builds with one
-//! `rustc -O` call. Its rows and rules are the tests' one model of Forgejo
-//! (`tests/support/forgejo_model.rs` over `forgejo_rules.rs`, included by path as the HTTP fake
-//! and the simulation use them): registration, the runner list (`last_online DESC`, ties in no
-//! promised order, Forgejo's paging, `X-Total-Count` and `Link`), live statuses, the JSON,
-//! deletion, the jobs list and which job a runner is given. What it adds is speed: the list's
-//! order is computed once per change of the rows, not per page, so that a page costs O(page)
-//! and a GET or DELETE O(log n) — the server is never what is being measured.
+//! A lean fake Forgejo for the benchmarks in `benches/run`: std and the model only, so its
+//! release build is quick (`cargo build --release -p bench-forgejo`). Its rows and rules are the
+//! tests' one model of Forgejo (the crate `forgejo-model/`, as the HTTP fake and the simulation
+//! use it): registration, the runner list (`last_online DESC`, ties in no promised order,
+//! Forgejo's paging, `X-Total-Count` and `Link`), live statuses, the JSON, deletion, the jobs
+//! list and which job a runner is given. What it adds is speed: the list's order is computed
+//! once per change of the rows, not per page, so that a page costs O(page) and a GET or DELETE
+//! O(log n) — the server is never what is being measured.
 //!
 //! It serves the admin-scope runner API (`/api/v1/admin/actions/runners`: list pages, GET/DELETE
 //! by id, POST, `/jobs`), answers on keep-alive connections (a thread per connection), and counts
@@ -35,33 +35,14 @@
 //! model decides which job it gets, if any; the job then runs for L ms (its registration
 //! `active`), after which its final UpdateTask ends it (`success`, no longer listed) and
 //! Forgejo deletes the ephemeral registration. `/_bench/verify` says whether every job of the
-//! batch ran exactly once and nothing is left. With no arguments (as `cargo test --all-targets`
-//! runs benchmark targets) it only prints its usage.
-
-#[path = "../tests/support/forgejo_rules.rs"]
-mod forgejo_rules;
-
-#[path = "../tests/support/forgejo_model.rs"]
-mod forgejo_model;
+//! batch ran exactly once and nothing is left. With no arguments it only prints its usage.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use forgejo_model::{Forgejo, NewRunner, Scope};
-
-/// A job as the product reads it from the jobs list (`forgejo_model::JobRow::listed` builds
-/// one; the server renders `JobRow::json` instead).
-#[allow(dead_code)]
-pub struct Job {
-    pub id: i64,
-    pub handle: String,
-    pub status: String,
-    pub runs_on: Vec<String>,
-    pub repo_id: Option<i64>,
-    pub owner_id: Option<i64>,
-}
+use forgejo_model::{Forgejo, NewRunner, Scope, rules};
 
 const API: &str = "/api/v1/admin/actions/runners";
 const USAGE: &str = "usage: bench-forgejo serve --token TOKEN [--runners N] [--stale S] [--prefix P] [--no-live-ours] [--pickup JOBS] [--jobs M --job-ms L] [--arrivals N --job-ms L --lead-ms D --span-ms S --seed X --start-ns T] [--port-file FILE]";
@@ -205,10 +186,7 @@ impl World {
         let now = now_ms();
         if let Some(r) = self.forgejo.live_mut(id) {
             // A runner that refuses its labels never starts: it declares none.
-            r.declare(
-                Some(forgejo_rules::declared_names(labels).unwrap_or_default()),
-                now,
-            );
+            r.declare(Some(rules::declared_names(labels).unwrap_or_default()), now);
             self.epoch += 1;
         }
     }
@@ -766,7 +744,7 @@ fn verify_batch(w: &mut World) -> Reply {
 }
 
 /// A launched runner declares its labels and asks for its task (`one-job --handle`): the model
-/// picks the job (`forgejo_rules::pick`), which runs from now for the job length; its
+/// picks the job (`rules::pick`), which runs from now for the job length; its
 /// registration shows `active` meanwhile.
 fn take_from_batch(w: &mut World, id: i64, query: &str) -> Reply {
     if w.forgejo.live(id).is_none() {

@@ -15,8 +15,8 @@ pub const CRASH_AT_ENV: &str = "CI_EPHEMERAL_PROVISIONER_TEST_CRASH_AT";
 pub const CRASH_LOG_ENV: &str = "CI_EPHEMERAL_PROVISIONER_TEST_CRASH_LOG";
 
 /// Every crash point in the code, in the order a cycle reaches them. A unit test checks this list
-/// against the `crash_point!` calls in `src/`, and the crash-point matrix (`tests/crash.rs`) fails
-/// when one of them is never reached by its scenarios.
+/// against the `crash_point!` calls in `src/`, and the crash-point matrix (`tests/it/crash.rs`)
+/// fails when one of them is never reached by its scenarios.
 pub const POINTS: &[&str] = &[
     "process-child-spawned",
     "cycle-started-written",

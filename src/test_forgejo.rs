@@ -1,5 +1,5 @@
-//! Test-only: the tests' one model of Forgejo's server side (`tests/support/forgejo_model.rs`
-//! over `tests/support/forgejo_rules.rs`) in the library's unit tests, and [`ModelForgejo`], a
+//! Test-only: the tests' one model of Forgejo's server side (the dev-only crate
+//! `forgejo-model/`) in the library's unit tests, and [`ModelForgejo`], a
 //! thin shell that serves the `Forgejo`, `Launcher` and `Clock` ports from it, as the HTTP fake
 //! and the simulation's world serve theirs. Every rule is the model's; the shell brings the
 //! clock, the order of tied rows, the launched runners' processes and a record of the requests.
@@ -7,12 +7,6 @@
 use std::cell::{RefCell, RefMut};
 use std::rc::Rc;
 use std::time::Duration;
-
-#[path = "../tests/support/forgejo_rules.rs"]
-pub mod forgejo_rules;
-
-#[path = "../tests/support/forgejo_model.rs"]
-pub mod forgejo_model;
 
 use crate::core::forgejo::{Job, Runner, RunnerStatus};
 use crate::core::ports::{
@@ -22,7 +16,7 @@ use crate::core::ports::{
 use crate::core::secret::Secret;
 use crate::core::sweep::gate::Deletable;
 use crate::core::time::Timestamp;
-use forgejo_model::{RunnerRow, Scope};
+use forgejo_model::{JobRow, RunnerRow, Scope, rules};
 
 /// The model's tables and what the shell adds to them.
 pub struct Server {
@@ -68,13 +62,25 @@ fn wire(r: &RunnerRow<()>, now: i64, with_labels: bool) -> Runner {
     }
 }
 
+/// A job row as the HTTP client parses it from `GET …/actions/runners/jobs`.
+fn listed(j: &JobRow) -> Job {
+    Job {
+        id: j.id,
+        handle: j.handle.clone(),
+        status: j.status.clone(),
+        runs_on: j.runs_on.clone(),
+        repo_id: Some(j.repo_id),
+        owner_id: Some(j.owner_id),
+    }
+}
+
 impl ModelForgejo {
     /// An empty Forgejo at 2025-10-09; its jobs list asks for these `--labels`' names.
     pub fn new(labels: &str) -> ModelForgejo {
         ModelForgejo(Rc::new(RefCell::new(Server {
             forgejo: forgejo_model::Forgejo::default(),
             now: 1_760_000_000_000,
-            labels: forgejo_rules::declared_names(labels).expect("labels forgejo-runner takes"),
+            labels: rules::declared_names(labels).expect("labels forgejo-runner takes"),
             tie: hashed_tie,
             meanwhile: None,
             asked: Vec::new(),
@@ -108,10 +114,7 @@ impl Forgejo for ModelForgejo {
     fn list_jobs(&mut self) -> Result<Vec<Job>, ApiError> {
         let s = self.server();
         let jobs = s.forgejo.list_jobs(&Scope::ADMIN, Some(&s.labels));
-        Ok(jobs
-            .into_iter()
-            .map(forgejo_model::JobRow::listed)
-            .collect())
+        Ok(jobs.into_iter().map(listed).collect())
     }
 
     fn get_runner(&mut self, id: i64) -> Result<Option<Runner>, ApiError> {
@@ -181,8 +184,7 @@ impl Launcher for ModelForgejo {
         let Some(r) = f.live_mut(req.runner_id) else {
             return Ok(());
         };
-        let labels =
-            forgejo_rules::declared_names(req.labels).expect("labels forgejo-runner takes");
+        let labels = rules::declared_names(req.labels).expect("labels forgejo-runner takes");
         r.declare(Some(labels), now);
         if let Some(job) = f.task_for(req.runner_id, Some(req.job_handle)) {
             f.start_task(job, req.runner_id, now);

@@ -11,6 +11,7 @@
 //! examples/ansible (site.yml, inventory, group_vars) with the test's variables over it; the last
 //! one the example's own pool, with stand-ins for Forgejo, the cloud and the VM.
 
+#[path = "it/support/mod.rs"]
 mod support;
 
 use std::collections::BTreeMap;

@@ -13,10 +13,6 @@
 
 #[path = "sim/driver.rs"]
 mod driver;
-#[path = "support/forgejo_model.rs"]
-mod forgejo_model;
-#[path = "support/forgejo_rules.rs"]
-mod forgejo_rules;
 #[path = "sim/ports.rs"]
 mod ports;
 #[path = "sim/rng.rs"]
@@ -28,9 +24,8 @@ mod world;
 
 use std::time::Instant;
 
-/// The product's parsed job, for the model's `JobRow::listed`.
-use ci_ephemeral_provisioner::core::forgejo::Job;
 use driver::{quiet_kills, run_seed};
+use forgejo_model::rules;
 use world::Stats;
 
 fn env_u64(name: &str) -> Option<u64> {
@@ -455,14 +450,14 @@ fn pages_in_no_stable_order_still_converge() {
     }
 }
 
-/// The world gives jobs out by Forgejo's rule: every case of `forgejo_rules::CASES`, run through
+/// The world gives jobs out by Forgejo's rule: every case of `rules::CASES`, run through
 /// the world's own runners, jobs and `task_for` (and the rule itself against the table).
 #[test]
 fn the_world_assigns_jobs_by_forgejos_rule() {
     use world::Owner;
 
-    forgejo_rules::check_rule_against_the_table();
-    for c in forgejo_rules::CASES {
+    rules::check_rule_against_the_table();
+    for c in rules::CASES {
         let mut s = world::Sim::new(1, 0, false, false);
         s.faults_on = false;
         s.arrivals_on = false;
@@ -470,7 +465,7 @@ fn the_world_assigns_jobs_by_forgejos_rule() {
         let other = s.new_job(&[world::LABEL]);
         let runner = s.add_runner(format!("{}t-1", world::PREFIX), Owner::Ours, true);
         // The launch's RUNNER_LABELS, as the world's runner processes declare them.
-        s.declare(runner, forgejo_rules::names(c.runner_labels));
+        s.declare(runner, rules::names(c.runner_labels));
         s.forgejo.runners.get_mut(&runner).expect("added").repo_id = match c.same_repo {
             None => 0,
             Some(true) => 7,

@@ -289,7 +289,7 @@ mod name_tests {
     use crate::core::slots::MAX_SLOTS;
     use crate::core::sweep::spare::{registered_at, registration_name};
     use crate::core::time::Timestamp;
-    use crate::test_forgejo::forgejo_rules::{RUNNER_NAME_MAX_BYTES, stored_runner_name};
+    use forgejo_model::rules::{RUNNER_NAME_MAX_BYTES, stored_runner_name};
 
     /// The longest name the product registers (the longest prefix, a cycle id of the last slot,
     /// the largest sequence number) is stored by Forgejo as sent: its lost-POST lookup by exact

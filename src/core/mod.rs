@@ -1,5 +1,5 @@
 //! Everything that decides, and nothing that does I/O: no files, processes, network, environment,
-//! threads, signals or clock (time comes in as an argument). `tests/layering.rs` holds it to that.
+//! threads, signals or clock (time comes in as an argument). `tests/it/layering.rs` holds it to that.
 //! Its one way out is the `log` facade (the report logs each failure at error level); where the
 //! lines go is `adapters::logging`'s choice.
 

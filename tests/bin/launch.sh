@@ -2,7 +2,7 @@
 # Test launch command: plays `forgejo-runner one-job --handle H --label L… --wait` on the VM
 # against the fake Forgejo. The runner declares the label names of RUNNER_LABELS (as the real
 # one declares those of its --label flags) and the fake gives it its job only by Forgejo's rule
-# (tests/support/forgejo_rules.rs). Like `--wait`, a runner that is given no task keeps asking,
+# (forgejo-model/src/rules.rs). Like `--wait`, a runner that is given no task keeps asking,
 # in the background, until it gets its job or its VM is gone ($VM_DIR/vm-* removed by the
 # module's destroy; a deleted registration does not stop it).
 #

@@ -3,9 +3,9 @@
 //! cycle.json and held-jobs.json on disk), time, the fault plan, the statistics and the trace.
 //! Everything random comes from one seeded `Rng`.
 //!
-//! Forgejo's rows and rules are the tests' one model of Forgejo, `tests/support/forgejo_model.rs`
+//! Forgejo's rows and rules are the tests' one model of Forgejo, `forgejo-model/src/lib.rs`
 //! (registration, the runner list, deletion, status, the assignment of tasks, their end, the
-//! clean-ups) over `tests/support/forgejo_rules.rs`; this world brings the clock, the crons'
+//! clean-ups) over `forgejo-model/src/rules.rs`; this world brings the clock, the crons'
 //! schedule and what the runner processes do. Each other rule names the Forgejo v15.0.3 or
 //! forgejo-runner v12.8 source it copies.
 
@@ -26,10 +26,9 @@ use ci_ephemeral_provisioner::core::state::Phase;
 use ci_ephemeral_provisioner::core::state::parse_state;
 use ci_ephemeral_provisioner::core::warm::{WarmPolicy, is_unused_warm};
 
-use super::forgejo_model::{Forgejo, JobRow, NewRunner, RunnerRow, Scope};
-use super::forgejo_rules as rules;
 use super::rng::Rng;
 use super::warm::{self, WarmPlan};
+use forgejo_model::{Forgejo, JobRow, NewRunner, RunnerRow, Scope, rules};
 
 /// The prefix of the first host's pool (and of the legacy registrations from before).
 pub const PREFIX: &str = "ephemeral-a-";
@@ -73,12 +72,24 @@ pub enum Owner {
 /// A runner row of the world's Forgejo, with who registered it.
 pub type SRunner = RunnerRow<Owner>;
 
-/// The product's `RunnerStatus` of a row (`ActionRunner.Status()`, `forgejo_rules::status`).
+/// The product's `RunnerStatus` of a row (`ActionRunner.Status()`, `rules::status`).
 pub fn status_of(r: &SRunner, now: i64) -> RunnerStatus {
     match r.status(now) {
         "offline" => RunnerStatus::Offline,
         "idle" => RunnerStatus::Idle,
         _ => RunnerStatus::Active,
+    }
+}
+
+/// A job row as the product reads it from `GET …/actions/runners/jobs`.
+pub fn listed(j: &JobRow) -> Job {
+    Job {
+        id: j.id,
+        handle: j.handle.clone(),
+        status: j.status.clone(),
+        runs_on: j.runs_on.clone(),
+        repo_id: Some(j.repo_id),
+        owner_id: Some(j.owner_id),
     }
 }
 
@@ -1011,7 +1022,7 @@ impl Sim {
     // -- Forgejo's job assignment -----------------------------------------------------------------
 
     /// The job Forgejo gives runner `id` when it asks for a task (FetchTask; FetchSingleTask
-    /// with `handle`): `forgejo_rules::pick` over the jobs by id (`CreateTaskForRunner`).
+    /// with `handle`): `rules::pick` over the jobs by id (`CreateTaskForRunner`).
     pub fn task_for(&self, id: i64, handle: Option<&str>) -> Option<i64> {
         self.forgejo.task_for(id, handle)
     }
@@ -1659,7 +1670,7 @@ impl Sim {
         self.forgejo
             .list_jobs(&Scope::ADMIN, Some(&[LABEL]))
             .into_iter()
-            .map(JobRow::listed)
+            .map(listed)
             .collect()
     }
 
@@ -1975,7 +1986,7 @@ impl Sim {
 
     /// At a wait of invocation `inv` (the run sleeps a poll interval): no runner of ours sits
     /// idle next to its waiting job past its bound while the run waits on it. The bound starts
-    /// when the runner declared labels that never take the job (by `forgejo_rules`: the run
+    /// when the runner declared labels that never take the job (by `rules`: the run
     /// must tear down at once), else at the pickup timeout after its launch; it ends one poll
     /// interval plus `NOT_SERVED_SLACK_MS` later. It counts from the start of this run, or from
     /// its last API fault, whichever is later: a run that did not see Forgejo cleanly may wait.

@@ -24,7 +24,7 @@
 //! ```
 //!
 //! `without_cycle` is the `sweep` command's: it states that cycle.json, read under the lock, holds
-//! no cycle. It is visible to the crate only, and `tests/layering.rs` holds its one caller outside
+//! no cycle. It is visible to the crate only, and `tests/it/layering.rs` holds its one caller outside
 //! the core to `commands::wiring`.
 
 use anyhow::bail;

@@ -3,7 +3,7 @@
 # a provider, the launch command — running as the pool's user, and tries every path to the
 # Forgejo token such a process has. What it read goes to OUT (written whole, then renamed), where
 # the test looks for the token. Run by the role's end-to-end test (tests/role/module/main.tf, and
-# probe-bin/ssh under the default launch command) and by tests/secrets.rs.
+# probe-bin/ssh under the default launch command) and by tests/it/secrets.rs.
 #
 # Tried, in this order:
 # - $CREDENTIALS_DIRECTORY and everything under /run/credentials;

@@ -4,16 +4,14 @@
 //! Forgejo token and every runner token the fake issued must appear nowhere. A control plants a
 //! token and sees the scan find it, so an empty result means something.
 
-mod support;
-
 use std::fs;
 use std::io::Write;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use support::fake_forgejo::Fault;
-use support::harness::{API_TOKEN, Env, Outcome, tofu_bin, walk};
+use crate::support::fake_forgejo::Fault;
+use crate::support::harness::{API_TOKEN, Env, Outcome, tofu_bin, walk};
 
 /// Where a secret was found: `(haystack name, which secret)`. Any 12 characters of a secret count
 /// (a hex dump or a wrapped log line splits it).
@@ -100,7 +98,7 @@ fn run_everything(env: &Env) -> Vec<Outcome> {
     env.fake.add_runner(
         "ephemeral-stale",
         true,
-        support::fake_forgejo::Conn::NeverConnected,
+        crate::support::fake_forgejo::Conn::NeverConnected,
     );
     env.fake
         .inject("POST", "/actions/runners", Fault::ApplyThenDrop, 1);

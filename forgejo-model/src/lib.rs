@@ -1,16 +1,19 @@
 //! One model of Forgejo's server side for the tests: its runner and job rows, registration,
 //! the runner list with its paging quirks, deletion, status, the assignment of tasks, the end
-//! of a task and the clean-ups that stop tasks. The HTTP fake (`fake_forgejo.rs`) and the
-//! simulation's world (`tests/sim/world.rs`) are shells over it: they bring the clock (`now`, Unix
-//! ms, is an argument here), the wire, the runner processes, the faults and any randomness (uuids,
-//! tokens and the order of tied rows are passed in). The rules themselves are in
-//! `forgejo_rules.rs`, with the Forgejo v15.0.3 sources they copy; what this file adds names its
-//! source where it is written.
-#![allow(dead_code)]
+//! of a task and the clean-ups that stop tasks. A dev-only crate of the workspace, std only, that
+//! knows nothing of the product: the library's unit tests (`src/test_forgejo.rs`), the HTTP fake
+//! (`tests/it/support/fake_forgejo.rs`), the simulation's world (`tests/sim/world.rs`) and the
+//! benchmarks' server (`benches/bench_forgejo.rs`) are shells over it: they bring the clock
+//! (`now`, Unix ms, is an argument here), the wire, the runner processes, the faults, any
+//! randomness (uuids, tokens and the order of tied rows are passed in) and the conversion to
+//! the product's types. The rules themselves are in `rules.rs`, with the Forgejo v15.0.3 sources
+//! they copy; what this file adds names its source where it is written.
 
 use std::collections::BTreeMap;
 
-use super::forgejo_rules::{self as rules, JobView, RunnerView};
+pub mod rules;
+
+use rules::{JobView, RunnerView};
 
 /// `version` a runner reports once it has connected (Declare).
 pub const RUNNER_VERSION: &str = "12.8.2";
@@ -116,19 +119,6 @@ pub struct JobRow {
 }
 
 impl JobRow {
-    /// The row as the product reads it from `GET …/actions/runners/jobs` (`Job`, the product's
-    /// parsed job, is brought into scope by whoever includes this model).
-    pub fn listed(&self) -> super::Job {
-        super::Job {
-            id: self.id,
-            handle: self.handle.clone(),
-            status: self.status.clone(),
-            runs_on: self.runs_on.clone(),
-            repo_id: Some(self.repo_id),
-            owner_id: Some(self.owner_id),
-        }
-    }
-
     /// What the assignment rule reads of the job.
     pub fn view(&self) -> JobView<'_> {
         JobView {

@@ -1,16 +1,14 @@
 //! Parallel slots of one pool, end to end: the built binary, one process per slot, the fake
 //! Forgejo on 127.0.0.1 and the real terraform/tofu CLI on one module directory.
 
-mod support;
-
 use std::collections::BTreeMap;
 use std::fs;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use support::fake_forgejo::Conn;
-use support::harness::{Env, Outcome, wait_for};
+use crate::support::fake_forgejo::Conn;
+use crate::support::harness::{Env, Outcome, wait_for};
 
 /// Slot `k` of `n` as its own process, its output in files of its own.
 fn spawn_slot(env: &Env, n: u32, k: u32, extra: &[&str]) -> (Child, String) {

@@ -10,7 +10,8 @@
 //! `/_fake/*` endpoints simulate a `forgejo-runner` process (connect, take a job, finish it,
 //! disconnect); they authenticate with the runner's own token, not the API token. Which runner
 //! is given which job, the status thresholds and the clean-up timeouts are Forgejo's, from
-//! `forgejo_rules.rs` (shared with the simulation and the benchmarks' server).
+//! the one model (`forgejo-model/`, shared with the unit tests, the simulation and the
+//! benchmarks' server).
 //!
 //! Faults can be injected per request (status codes, HTML pages, truncated or mistyped JSON,
 //! delays, dropped connections, effects applied but the answer lost).
@@ -29,8 +30,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde_json::{Value, json};
 
-use super::forgejo_model::{self as model, Assigned, Forgejo, JobRow, NewRunner, Scope, ScopeKind};
-use super::forgejo_rules as rules;
+use forgejo_model::{self as model, Assigned, Forgejo, JobRow, NewRunner, Scope, ScopeKind, rules};
 
 /// `url` of every API error body.
 pub const SWAGGER_URL: &str = "https://forgejo.invalid/api/swagger";
@@ -616,7 +616,7 @@ impl World {
             // `bind()` formats the field names of the error, a slice.
             return Reply::error(422, "[Name]: Required");
         };
-        // `CreateRunner` cuts a name over 255 bytes (`forgejo_rules::stored_runner_name`) and
+        // `CreateRunner` cuts a name over 255 bytes (`rules::stored_runner_name`) and
         // the registration is created all the same (201).
         let description = obj
             .and_then(|o| o.get("description"))
@@ -752,7 +752,7 @@ impl World {
     }
 
     /// FetchTask / FetchSingleTask: the runner declares itself if needed, then is given the
-    /// job Forgejo's rule picks for it (`forgejo_rules::pick`: waiting, not queued behind its
+    /// job Forgejo's rule picks for it (`rules::pick`: waiting, not queued behind its
     /// concurrency group, in scope, its handle, its labels).
     fn take(
         &mut self,
@@ -1054,7 +1054,7 @@ impl FakeForgejo {
     }
 
     /// The `cancel_abandoned_jobs` cron with this `ABANDONED_JOB_TIMEOUT` (Forgejo's default is
-    /// 24 h, `forgejo_rules::ABANDONED_JOB_TIMEOUT_MS`): every job still waiting or blocked whose
+    /// 24 h, `rules::ABANDONED_JOB_TIMEOUT_MS`): every job still waiting or blocked whose
     /// row is older is cancelled. Returns the jobs cancelled.
     pub fn cancel_abandoned_jobs(&self, older_than: Duration) -> Vec<i64> {
         let mut w = self.world();
@@ -1081,7 +1081,7 @@ impl FakeForgejo {
     }
 
     /// The `stop_endless_tasks` cron with this `ENDLESS_TASK_TIMEOUT` (Forgejo's default is
-    /// 3 h, `forgejo_rules::ENDLESS_TASK_TIMEOUT_MS`): every task running longer fails, and its
+    /// 3 h, `rules::ENDLESS_TASK_TIMEOUT_MS`): every task running longer fails, and its
     /// ephemeral runner is deleted (`StopTask`), while the runner's process may still run.
     /// Returns the jobs stopped.
     pub fn stop_endless_tasks(&self, older_than: Duration) -> Vec<i64> {

@@ -3,8 +3,6 @@
 //! (stdout and last-run.json), the audit trail (events.jsonl and its rotation), the Prometheus
 //! text file, `status` (and `status --check`), and the logs under journald.
 
-mod support;
-
 use std::collections::BTreeMap;
 use std::fs;
 use std::os::unix::fs::MetadataExt;
@@ -12,9 +10,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
+use crate::support::fake_forgejo::{Conn, Fault};
+use crate::support::harness::{API_TOKEN, Env};
 use serde_json::Value;
-use support::fake_forgejo::{Conn, Fault};
-use support::harness::{API_TOKEN, Env};
 
 fn metrics_path(env: &Env) -> PathBuf {
     let dir = env.tmp.path().join("textfile");
@@ -84,7 +82,7 @@ fn last_run(env: &Env) -> Value {
     serde_json::from_str(&fs::read_to_string(env.state.join("last-run.json")).unwrap()).unwrap()
 }
 
-fn status(env: &Env, args: &[&str]) -> support::harness::Outcome {
+fn status(env: &Env, args: &[&str]) -> crate::support::harness::Outcome {
     let mut c = env.cmd("status");
     c.args(args);
     env.exec(c)
@@ -718,7 +716,7 @@ fn a_run_in_progress_shows_in_the_metrics_file_until_it_ends() {
     c.args(["--metrics-file", prom.to_str().unwrap()]);
     c.stdout(Stdio::null()).stderr(Stdio::null());
     let mut child = c.spawn().unwrap();
-    support::harness::wait_for("the apply to start", || env.vm.join("applying").exists());
+    crate::support::harness::wait_for("the apply to start", || env.vm.join("applying").exists());
     // A cycle can keep one run going for hours: the file says so from the start.
     let m = samples(&fs::read_to_string(&prom).unwrap());
     assert_eq!(metric(&m, "run_in_progress"), 1.0);
@@ -768,7 +766,7 @@ fn what_cycle_json_remembers_is_already_in_the_audit_trail_when_killed() {
     c.stdout(Stdio::null()).stderr(Stdio::null());
     let mut child = c.spawn().unwrap();
     // The launch command runs (and hangs): the registration is in cycle.json.
-    support::harness::wait_for("the launch", || {
+    crate::support::harness::wait_for("the launch", || {
         fs::read_dir(&env.vm).unwrap().any(|e| {
             e.unwrap()
                 .file_name()

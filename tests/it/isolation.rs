@@ -5,17 +5,15 @@
 //! `status` with its control characters: it cannot forge a line, a journald priority, or
 //! drive the terminal.
 
-mod support;
-
 use std::fs;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
+use crate::support::fake_forgejo::{Conn, Fault};
+use crate::support::harness::Env;
 use ci_ephemeral_provisioner::core::state::CycleState;
 use ci_ephemeral_provisioner::core::time::Timestamp;
-use support::fake_forgejo::{Conn, Fault};
-use support::harness::Env;
 
 // ---------------------------------------------------------------------------------------------
 // Symlinks in the state directory
@@ -39,7 +37,7 @@ fn is_symlink(p: &Path) -> bool {
     fs::symlink_metadata(p).is_ok_and(|m| m.file_type().is_symlink())
 }
 
-fn assert_names(out: &support::harness::Outcome, path: &Path, what: &str) {
+fn assert_names(out: &crate::support::harness::Outcome, path: &Path, what: &str) {
     assert!(
         out.stderr.contains(path.to_str().unwrap()) && out.stderr.contains("symlink"),
         "{what}: the error names the file and says it is a symlink: {out:?}"

@@ -1080,7 +1080,7 @@ fn every_error_message_has_its_troubleshooting_entry() {
     assert!(
         missing.is_empty(),
         "{} message(s) have no entry in docs/troubleshooting.md (quote each, keyed by the words \
-         shown; or exempt it in tests/docs.rs with why):\n  {}",
+         shown; or exempt it in tests/it/docs.rs with why):\n  {}",
         missing.len(),
         missing.join("\n  ")
     );
@@ -1171,7 +1171,10 @@ fn the_quick_start_names_what_ci_installs_and_a_quick_test() {
         }),
         "{quick}"
     );
-    assert!(quick.contains("\ncargo test --lib --test "), "{quick}");
+    assert!(
+        quick.contains("\ncargo test --lib && cargo test --test it -- "),
+        "{quick}"
+    );
 }
 
 /// Every input of the example module (`variable "…"` in examples/hetzner/variables.tf) has its

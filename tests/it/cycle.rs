@@ -1,12 +1,10 @@
 //! End-to-end: the built binary, the fake Forgejo on 127.0.0.1, the real terraform/tofu CLI.
 
-mod support;
-
 use std::fs;
 use std::time::Duration;
 
-use support::fake_forgejo::{Conn, Fault};
-use support::harness::{API_TOKEN, Env, wait_for, walk};
+use crate::support::fake_forgejo::{Conn, Fault};
+use crate::support::harness::{API_TOKEN, Env, wait_for, walk};
 
 fn posts(env: &Env) -> usize {
     env.fake
@@ -574,7 +572,7 @@ fn configuration_errors_exit_2() {
 #[test]
 fn flags_read_environment_variables_and_the_command_line_wins() {
     let env = Env::new();
-    let mut c = std::process::Command::new(support::harness::BIN);
+    let mut c = std::process::Command::new(crate::support::harness::BIN);
     c.env_clear();
     c.env("PATH", std::env::var_os("PATH").unwrap());
     c.arg("run");
@@ -1149,7 +1147,7 @@ fn a_running_cycle_whose_launch_command_went_away_is_torn_down() {
 
     // A new job, and the launch command is no longer configured: the cycle must not live on.
     env.fake.add_job(&["debian"]);
-    let mut c = std::process::Command::new(support::harness::BIN);
+    let mut c = std::process::Command::new(crate::support::harness::BIN);
     c.env_clear()
         .env("PATH", std::env::var_os("PATH").unwrap())
         .env("VM_DIR", &env.vm)
@@ -2043,7 +2041,7 @@ fn a_delete_answered_with_the_scopes_404_is_not_already_gone() {
     env.fake.add_scoped_job(&["debian"], org, repo);
     let body = serde_json::json!({
         "message": "GetOrgByName",
-        "url": support::fake_forgejo::SWAGGER_URL,
+        "url": crate::support::fake_forgejo::SWAGGER_URL,
         "errors": ["user redirect does not exist [name: acme]"],
     });
     env.fake.inject(

@@ -5,12 +5,10 @@
 //! (tests/bin/launch.sh, which keeps a marker per live runner process and logs every call to
 //! `$VM_DIR/actions.log`).
 
-mod support;
-
 use std::fs;
 use std::process::Stdio;
 
-use support::harness::{Env, wait_for};
+use crate::support::harness::{Env, wait_for};
 
 /// `(action, runner id)` of every call of the launch command, in order.
 fn actions(env: &Env) -> Vec<(String, i64)> {

@@ -1,12 +1,10 @@
 //! `run --dry-run --fixture`: the real cycle code against a fixture world; the plan is exact.
 
-mod support;
-
 use std::path::Path;
 use std::process::Command;
 
+use crate::support::harness::BIN;
 use serde_json::{Value, json};
-use support::harness::BIN;
 
 fn plan(fixture: &str, extra: &[&str]) -> (Option<i32>, Value, String) {
     let path = Path::new(env!("CARGO_MANIFEST_DIR"))

@@ -2,12 +2,10 @@
 //! nothing is changed (no POST, no DELETE, no cycle.json, no VM, the module untouched). Real
 //! HTTP to the fake Forgejo, the real terraform/tofu CLI on the test module.
 
-mod support;
-
 use std::fs;
 use std::os::unix::fs::PermissionsExt;
 
-use support::harness::{Env, walk};
+use crate::support::harness::{Env, walk};
 
 /// The line of one check in the text output.
 fn line<'a>(stdout: &'a str, check: &str) -> &'a str {
@@ -17,7 +15,7 @@ fn line<'a>(stdout: &'a str, check: &str) -> &'a str {
         .unwrap_or_else(|| panic!("no line for {check:?} in:\n{stdout}"))
 }
 
-fn check(env: &Env, extra: &[&str]) -> support::harness::Outcome {
+fn check(env: &Env, extra: &[&str]) -> crate::support::harness::Outcome {
     let mut c = env.cmd("check");
     c.args(extra);
     env.exec(c)
@@ -29,7 +27,7 @@ fn a_good_configuration_passes_and_nothing_changes() {
     let runner = env.fake.add_runner(
         "ephemeral-old-1",
         true,
-        support::fake_forgejo::Conn::NeverConnected,
+        crate::support::fake_forgejo::Conn::NeverConnected,
     );
     env.fake.add_job(&["debian"]);
     let module_before = walk(&env.module);
@@ -70,8 +68,8 @@ fn a_good_configuration_passes_and_nothing_changes() {
         env.fake.runner(runner).is_some(),
         "the offline registration is left alone"
     );
-    assert!(!out.stdout.contains(support::harness::API_TOKEN));
-    assert!(!out.stderr.contains(support::harness::API_TOKEN));
+    assert!(!out.stdout.contains(crate::support::harness::API_TOKEN));
+    assert!(!out.stderr.contains(crate::support::harness::API_TOKEN));
     // No VM, no state, and the module directory exactly as it was (init ran in a copy).
     assert!(env.vm_log().is_empty(), "{}", env.vm_log());
     assert!(!env.state.exists(), "check created the state directory");
@@ -374,7 +372,7 @@ fn check_has_no_dry_run_flags() {
         assert_eq!(out.code, Some(2), "{out:?}");
         assert!(out.stderr.contains("unexpected argument"), "{out:?}");
     }
-    let help = std::process::Command::new(support::harness::BIN)
+    let help = std::process::Command::new(crate::support::harness::BIN)
         .args(["check", "--help"])
         .output()
         .unwrap();
@@ -449,7 +447,7 @@ fn a_scope_that_does_not_exist_fails_with_its_name() {
 /// (`-dirty` when tracked files differ from it), so an installed binary names its source.
 #[test]
 fn version_names_the_version_and_the_commit_of_this_checkout() {
-    let out = std::process::Command::new(support::harness::BIN)
+    let out = std::process::Command::new(crate::support::harness::BIN)
         .arg("--version")
         .output()
         .expect("run the binary");

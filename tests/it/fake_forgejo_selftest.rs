@@ -1,16 +1,14 @@
 //! Self-tests of the fake Forgejo: each test pins one behaviour of the real Forgejo ≥ 15 API
 //! (shared `forgejo-api.md`, sections 1, 2, 3 and 6) that the provisioner's tests rely on.
 
-mod support;
-
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::thread;
 use std::time::{Duration, Instant};
 
+use crate::support::fake_forgejo::{Conn, FakeForgejo, Fault};
+use forgejo_model::rules;
 use serde_json::{Value, json};
-use support::fake_forgejo::{Conn, FakeForgejo, Fault};
-use support::forgejo_rules;
 
 const TOKEN: &str = "admin-write-token";
 const RO_TOKEN: &str = "admin-read-token";
@@ -541,7 +539,7 @@ fn unknown_renamed_and_deleted_scopes_answer_as_forgejo_does() {
     not_found(
         &api.get(&format!(
             "/api/v1/repos/{}/app/actions/runners",
-            support::fake_forgejo::TOKEN_USER_NAME
+            crate::support::fake_forgejo::TOKEN_USER_NAME
         )),
         target,
         json!([]),
@@ -1115,7 +1113,7 @@ fn unknown_paths_and_methods() {
 
 /// Runs one case of Forgejo's assignment rule through the fake's HTTP API: a runner registered
 /// over REST, declaring its labels by connecting, asks for the case's job.
-fn fake_takes(c: &forgejo_rules::Case) -> bool {
+fn fake_takes(c: &rules::Case) -> bool {
     let fake = FakeForgejo::start(TOKEN);
     fake.add_org("acme");
     fake.add_repo("acme/app");
@@ -1170,8 +1168,8 @@ fn fake_takes(c: &forgejo_rules::Case) -> bool {
 // Mutation caught: the fake lets a runner without labels take any job (the old fake).
 #[test]
 fn the_fake_follows_forgejos_assignment_rule_in_every_case_of_the_table() {
-    forgejo_rules::check_rule_against_the_table();
-    for c in forgejo_rules::CASES {
+    rules::check_rule_against_the_table();
+    for c in rules::CASES {
         assert_eq!(fake_takes(c), c.taken, "{}", c.what);
     }
 }
@@ -1260,7 +1258,7 @@ fn abandoned_waiting_jobs_are_cancelled_and_running_ones_kept() {
     let (id, uuid, token) = api.register(ADMIN, "ephemeral-a1", true);
     let take = format!("take?handle={handle}&labels=debian");
     assert_eq!(api.runner_call(&take, &uuid, &token).status, 200);
-    let day = Duration::from_millis(forgejo_rules::ABANDONED_JOB_TIMEOUT_MS as u64);
+    let day = Duration::from_millis(rules::ABANDONED_JOB_TIMEOUT_MS as u64);
     assert!(
         fake.cancel_abandoned_jobs(day).is_empty(),
         "younger than 24 h"
@@ -1316,10 +1314,8 @@ fn the_endless_task_clean_up_deletes_a_runner_whose_process_goes_on() {
     let take = format!("take?handle={handle}&labels=debian");
     assert_eq!(api.runner_call(&take, &uuid, &token).status, 200);
     assert!(
-        fake.stop_endless_tasks(Duration::from_millis(
-            forgejo_rules::ENDLESS_TASK_TIMEOUT_MS as u64
-        ))
-        .is_empty(),
+        fake.stop_endless_tasks(Duration::from_millis(rules::ENDLESS_TASK_TIMEOUT_MS as u64))
+            .is_empty(),
         "younger than Forgejo's 3 h"
     );
     std::thread::sleep(Duration::from_millis(20));
@@ -1338,7 +1334,7 @@ fn a_name_longer_than_255_bytes_is_cut_and_registered() {
     // `CreateRunner` (models/actions/runner.go) cuts the name with `SplitStringAtByteN(name,
     // 255)` and answers 201: 255 bytes fit, a longer name keeps its whole characters up to 252
     // bytes and gets "…".
-    support::forgejo_rules::check_stored_runner_name();
+    rules::check_stored_runner_name();
     let fake = FakeForgejo::start(TOKEN);
     let api = Api::admin(&fake);
     let fits = format!("ephemeral-{}", "é".repeat(122)); // 10 + 244 = 254 bytes

@@ -3,13 +3,13 @@
 //! error or a safe skip: never a deletion on doubt, never a hang (the harness fails a run that
 //! takes 90 s), never a changed cycle.json.
 
-mod support;
-
 use std::fs;
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::time::Duration;
 
+use crate::support::fake_forgejo::{Conn, Fault};
+use crate::support::harness::{Env, Outcome};
 use ci_ephemeral_provisioner::adapters::files::FileStore;
 use ci_ephemeral_provisioner::adapters::files::read_state_file;
 use ci_ephemeral_provisioner::core::ports::StateStore;
@@ -18,8 +18,6 @@ use ci_ephemeral_provisioner::core::state::Launch;
 use ci_ephemeral_provisioner::core::state::Registration;
 use ci_ephemeral_provisioner::core::time::Timestamp;
 use serde_json::json;
-use support::fake_forgejo::{Conn, Fault};
-use support::harness::{Env, Outcome};
 
 // ---------------------------------------------------------------------------------------------
 // cycle.json
@@ -577,12 +575,12 @@ fn a_registration_in_doubt_is_never_deleted_until_forgejo_answers_plainly() {
         c.stderr(fs::File::create(&err).unwrap());
         let mut child = c.spawn().unwrap();
         let text = || fs::read_to_string(&err).unwrap_or_default();
-        support::harness::wait_for("the wait on doubt", || {
+        crate::support::harness::wait_for("the wait on doubt", || {
             text().contains("never deleted on doubt")
         });
         // Well past the 1 s registration grace of these tests: many polls, no deletion.
         let polls = env.fake.requests().len();
-        support::harness::wait_for("30 more requests", || {
+        crate::support::harness::wait_for("30 more requests", || {
             env.fake.requests().len() > polls + 30
         });
         unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
@@ -642,7 +640,7 @@ fn a_count_that_lies_low_never_makes_a_lost_registration_forgotten() {
             .filter(|r| r.method == "GET" && r.path.ends_with("/actions/runners"))
             .count()
     };
-    support::harness::wait_for("lookups by name", || {
+    crate::support::harness::wait_for("lookups by name", || {
         lists() >= 4 || child.try_wait().unwrap().is_some()
     });
     unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };

@@ -3,13 +3,11 @@
 //! a plain-http port; credentials or a fragment in `--forgejo-url`; and a failed sweep is called
 //! failed, with each error printed once. Real runs of the binary against the fake Forgejo.
 
-mod support;
-
 use std::fs;
 use std::os::unix::fs::PermissionsExt;
 
-use support::fake_forgejo::Conn;
-use support::harness::Env;
+use crate::support::fake_forgejo::Conn;
+use crate::support::harness::Env;
 
 #[test]
 fn a_state_dir_that_is_a_regular_file_is_a_configuration_error() {
@@ -185,7 +183,7 @@ fn a_verbose_dry_run_never_says_deleted() {
     let fixture =
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/teardown-stale.json");
     for sub in ["run", "sweep"] {
-        let mut c = std::process::Command::new(support::harness::BIN);
+        let mut c = std::process::Command::new(crate::support::harness::BIN);
         c.args([sub, "--dry-run", "-v", "--fixture"]).arg(&fixture);
         if sub == "run" {
             c.args(["--labels", "debian:host"]);
@@ -196,7 +194,7 @@ fn a_verbose_dry_run_never_says_deleted() {
             world["cycle"] = serde_json::Value::Null;
             let tmp = std::env::temp_dir().join(format!("no-cycle-{}.json", std::process::id()));
             fs::write(&tmp, world.to_string()).unwrap();
-            c = std::process::Command::new(support::harness::BIN);
+            c = std::process::Command::new(crate::support::harness::BIN);
             c.args([sub, "--dry-run", "-v", "--fixture"]).arg(&tmp);
         }
         let out = c.output().unwrap();

@@ -1,6 +1,5 @@
-//! Forgejo's own rules, once, for every model of Forgejo in the tests: the HTTP fake
-//! (`fake_forgejo.rs`), the simulation's world (`tests/sim/world.rs`) and the benchmarks' lean
-//! server (`benches/bench_forgejo.rs`, which includes this file by path). Std only.
+//! Forgejo's own rules, once, for the model (`lib.rs`) and every shell over it: the library's
+//! unit tests, the HTTP fake, the simulation's world and the benchmarks' server. Std only.
 //!
 //! Read from Forgejo v15.0.3 (`rohitkumarankam/forgejo`, tag `v15.0.3`, commit `f6d4219f`) and
 //! forgejo-runner v12.8 (`ppaslan/runner` at `a811c1ac`):
@@ -23,7 +22,6 @@
 //! - registration: `models/actions/runner.go` `CreateRunner` cuts the name with
 //!   `modules/util/truncate.go` `SplitStringAtByteN(name, 255)`;
 //! - paging: `modules/setting/api.go` (`DEFAULT_PAGING_NUM`, `MAX_RESPONSE_ITEMS`).
-#![allow(dead_code)]
 
 /// `RunnerOfflineTime`: offline once the last contact is older than this.
 pub const OFFLINE_AFTER_MS: i64 = 60_000;

@@ -1,17 +1,15 @@
 //! https to a Forgejo whose certificate comes from a private CA: refused with the built-in
 //! roots, accepted with `--ca-file`.
 
-mod support;
-
 use std::io::{Read, Write};
 use std::net::TcpListener;
 use std::path::Path;
 use std::process::Command;
 use std::sync::Arc;
 
+use crate::support::harness::{API_TOKEN, BIN};
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
-use support::harness::{API_TOKEN, BIN};
 
 fn openssl(dir: &Path, args: &[&str]) {
     let st = Command::new("openssl")

@@ -2,14 +2,12 @@
 //! Forgejo), the way systemd ends a unit: the process and everything it started. Then run again
 //! until the cycle ends: no VM, no registration with our prefix, no cycle.json.
 
-mod support;
-
 use std::fs;
 use std::process::{Child, Stdio};
 use std::time::Duration;
 
-use support::fake_forgejo::{Conn, Fault};
-use support::harness::{Env, wait_for};
+use crate::support::fake_forgejo::{Conn, Fault};
+use crate::support::harness::{Env, wait_for};
 
 /// Direct children of `pid` (each leads its own process group).
 fn children(pid: u32) -> Vec<i32> {
@@ -591,7 +589,7 @@ fn env_with_tofu_wrapper() -> Env {
 
 fn sigterm_while(env: &Env, marker: &str) -> (Option<i32>, String) {
     let mut c = env.cmd("run");
-    c.env("TOFU_REAL", support::harness::tofu_bin());
+    c.env("TOFU_REAL", crate::support::harness::tofu_bin());
     c.stdout(Stdio::null()).stderr(Stdio::piped());
     let mut child = c.spawn().unwrap();
     wait_for(marker, || env.vm.join(marker).exists());
@@ -613,7 +611,7 @@ fn sigints(env: &Env) -> Vec<String> {
 fn converge_with_wrapper(env: &Env) {
     for _ in 0..3 {
         let mut c = env.cmd("run");
-        c.env("TOFU_REAL", support::harness::tofu_bin());
+        c.env("TOFU_REAL", crate::support::harness::tofu_bin());
         let out = env.exec(c);
         if out.code == Some(0) && env.cycle_json().is_none() {
             break;

@@ -1,9 +1,6 @@
 //! Property tests (proptest) of what parses Forgejo's answers, cycle.json and `--labels`, and
 //! of the one deletion gate, with arbitrary inputs.
 
-#[path = "support/forgejo_rules.rs"]
-mod forgejo_rules;
-
 use std::collections::BTreeMap;
 use std::time::Duration;
 
@@ -38,6 +35,7 @@ use ci_ephemeral_provisioner::core::sweep::listing::select;
 use ci_ephemeral_provisioner::core::sweep::spare::SweepGuard;
 use ci_ephemeral_provisioner::core::time::Timestamp;
 use ci_ephemeral_provisioner::driver::sweep::list_all;
+use forgejo_model::rules;
 use proptest::prelude::*;
 use serde_json::{Value, json};
 
@@ -606,9 +604,9 @@ fn any_entry() -> impl Strategy<Value = String> {
 }
 
 /// What the product refuses beyond `labels.Parse`, and why, read off forgejo-runner's own
-/// reading of the entry (`forgejo_rules::parse_label`): `None` when it has no reason to.
+/// reading of the entry (`rules::parse_label`): `None` when it has no reason to.
 fn beyond_parse(entry: &str) -> Option<&'static str> {
-    let parsed = forgejo_rules::parse_label(entry).ok()?;
+    let parsed = rules::parse_label(entry).ok()?;
     let parts: Vec<&str> = entry.splitn(3, ':').collect();
     let blank = |p: Option<&&str>| p.is_some_and(|p| p.trim() != *p);
     if entry.is_empty() {
@@ -655,7 +653,7 @@ proptest! {
                     let mine: Vec<_> = labels.iter().collect();
                     prop_assert_eq!(mine.len(), entries.len());
                     for (l, entry) in mine.iter().zip(&entries) {
-                        let theirs = forgejo_rules::parse_label(entry);
+                        let theirs = rules::parse_label(entry);
                         prop_assert!(theirs.is_ok(), "{:?}: {:?}", entry, theirs);
                         let theirs = theirs.unwrap();
                         prop_assert_eq!(&l.name, &theirs.name);
@@ -665,7 +663,7 @@ proptest! {
                         prop_assert!(beyond_parse(entry).is_none(), "{:?}", entry);
                     }
                     prop_assert_eq!(
-                        forgejo_rules::declared_names(&list).unwrap(),
+                        rules::declared_names(&list).unwrap(),
                         labels.names()
                     );
                 }
@@ -677,11 +675,11 @@ proptest! {
                     // Every entry before it was fine.
                     for before in &entries[..e.position - 1] {
                         prop_assert!(
-                            forgejo_rules::parse_label(before).is_ok() && beyond_parse(before).is_none(),
+                            rules::parse_label(before).is_ok() && beyond_parse(before).is_none(),
                             "{:?} before {:?}", before, entry
                         );
                     }
-                    let refused_by_runner = forgejo_rules::parse_label(entry).is_err();
+                    let refused_by_runner = rules::parse_label(entry).is_err();
                     let duplicate = matches!(e.rule, Rule::Duplicate { .. });
                     prop_assert!(
                         refused_by_runner || beyond_parse(entry).is_some() || duplicate,
@@ -689,7 +687,7 @@ proptest! {
                         entry, e
                     );
                     if let Rule::Duplicate { first } = e.rule {
-                        let name = |x: &str| forgejo_rules::parse_label(x).map(|l| l.name);
+                        let name = |x: &str| rules::parse_label(x).map(|l| l.name);
                         prop_assert_eq!(name(entries[first - 1]), name(entry));
                     }
                     let shown = format!("--labels entry {} (", e.position);
