@@ -1455,10 +1455,20 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
     // apart): slot K's timer is a file of its own, OnActiveSec= the boot delay plus (K-1)/3 of
     // the interval, and the play restarts the pool's timers together, so that the slots look at
     // Forgejo in turn, every 2 s. Warm options reach provisioner.env.
+    // The warm window is on a day three days from today: inside it, slot 2 would keep a warm VM
+    // up, its cycle running and its timer from ticking, for as long as this test runs.
+    let days = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+        / 86_400;
+    // 1970-01-01 was a Thursday (3, counting from Monday = 0).
+    let warm_day = ["Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun"][((days + 3 + 3) % 7) as usize];
+    let warm_during = format!("{warm_day} 07:00-19:00");
     let three_slots = two_pools
         .replace(
             "    slots: 2\n",
-            "    slots: 3\n    warm: 1\n    warm_during: Mon..Fri 07:00-19:00\n",
+            &format!("    slots: 3\n    warm: 1\n    warm_during: {warm_during}\n"),
         )
         .replace(
             "    labels: debian:host,arm64:host\n",
@@ -1484,7 +1494,7 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
     for line in [
         "CI_EPHEMERAL_PROVISIONER_WARM=\"1\"",
         "CI_EPHEMERAL_PROVISIONER_WARM_MAX_AGE=\"1h\"",
-        "CI_EPHEMERAL_PROVISIONER_WARM_DURING=\"Mon..Fri 07:00-19:00\"",
+        format!("CI_EPHEMERAL_PROVISIONER_WARM_DURING=\"{warm_during}\"").as_str(),
     ] {
         assert!(
             gpu_env.lines().any(|l| l == line),
