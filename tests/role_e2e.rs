@@ -1547,7 +1547,9 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
     );
     // The phases in the ticks themselves: the first trigger of each slot from its offset on,
     // then the second one after that (idle ticks in between), each (K-1)/3 of the interval
-    // after slot 1's, give or take a quarter of the interval.
+    // after slot 1's, give or take a third of the interval (a run in progress when the timers
+    // restarted moves a slot's first tick by up to about 2 s; the schedule itself is checked exactly
+    // above).
     let ticks = |host: &Host, after: &[u64]| -> Vec<u64> {
         let mut seen: Vec<Option<u64>> = vec![None; gpu_timers.len()];
         wait_until("each gpu slot to tick past a point", host, || {
@@ -1566,7 +1568,7 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
             let lag = tk.wrapping_sub(t[0]) as i64;
             let want = (k as u64 * interval_us / 3) as i64;
             assert!(
-                (lag - want).abs() < (interval_us / 4) as i64,
+                (lag - want).abs() < (interval_us / 3) as i64,
                 "{what}: slot {} ticked {lag} µs after slot 1, not about {want}: {t:?}",
                 k + 1
             );
