@@ -7,38 +7,7 @@ use std::process::{Child, Stdio};
 use std::time::Duration;
 
 use crate::support::fake_forgejo::{Conn, Fault};
-use crate::support::harness::{Env, wait_for};
-
-/// Direct children of `pid` (each leads its own process group).
-fn children(pid: u32) -> Vec<i32> {
-    let mut out = Vec::new();
-    for e in fs::read_dir("/proc").unwrap().filter_map(|e| e.ok()) {
-        let Ok(stat) = fs::read_to_string(e.path().join("stat")) else {
-            continue;
-        };
-        // pid (comm) state ppid ...
-        let Some(rest) = stat.rsplit_once(") ") else {
-            continue;
-        };
-        let fields: Vec<&str> = rest.1.split_whitespace().collect();
-        if fields.get(1).and_then(|p| p.parse::<u32>().ok()) == Some(pid)
-            && let Ok(child) = e.file_name().to_string_lossy().parse::<i32>()
-        {
-            out.push(child);
-        }
-    }
-    out
-}
-
-/// SIGKILL the provisioner and the process groups of its children (tofu, the launch command).
-fn kill_like_systemd(child: &mut Child) {
-    let kids = children(child.id());
-    unsafe { libc::kill(child.id() as i32, libc::SIGKILL) };
-    for k in kids {
-        unsafe { libc::kill(-k, libc::SIGKILL) };
-    }
-    let _ = child.wait();
-}
+use crate::support::harness::{Env, kill_like_systemd, wait_for};
 
 fn spawn_run(env: &Env, extra: &[&str]) -> Child {
     let mut c = env.cmd("run");

@@ -7,24 +7,7 @@
 use std::fs;
 use std::path::{Path, PathBuf};
 
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
-    let mut entries: Vec<PathBuf> = fs::read_dir(dir)
-        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
-        .map(|e| e.unwrap().path())
-        .collect();
-    entries.sort();
-    for p in entries {
-        if p.is_dir() {
-            rust_files(&p, out);
-        } else if p.extension().is_some_and(|x| x == "rs") {
-            out.push(p);
-        }
-    }
-}
+use crate::support::tree::{root, rust_files};
 
 /// The lines (1-based) of `#[path = …]` attributes in `code`: a file compiled into two crates.
 fn path_attributes(code: &str) -> Vec<usize> {
@@ -40,10 +23,10 @@ fn path_attributes(code: &str) -> Vec<usize> {
 
 #[test]
 fn src_and_benches_include_no_file_by_path() {
-    let mut files = Vec::new();
-    for dir in ["src", "benches", "forgejo-model"] {
-        rust_files(&root().join(dir), &mut files);
-    }
+    let files: Vec<PathBuf> = ["src", "benches", "forgejo-model"]
+        .iter()
+        .flat_map(|dir| rust_files(&root().join(dir)))
+        .collect();
     assert!(files.len() > 20, "too few Rust files found: {files:?}");
     let found: Vec<String> = files
         .iter()
@@ -107,8 +90,7 @@ fn the_model_knows_nothing_of_the_product() {
          use the model, and two copies of the product's types would not unify; return the \
          model's own rows and convert in the shells"
     );
-    let mut files = Vec::new();
-    rust_files(&root().join("forgejo-model/src"), &mut files);
+    let files = rust_files(&root().join("forgejo-model/src"));
     assert!(!files.is_empty());
     for f in files {
         let text = fs::read_to_string(&f).unwrap();
@@ -192,8 +174,7 @@ fn process_wide_changes(code: &str) -> Vec<&'static str> {
 /// environment or the working directory (a command it runs gets its own, by `Command::env`).
 #[test]
 fn no_suite_changes_process_wide_state() {
-    let mut files = Vec::new();
-    rust_files(&root().join("tests/it"), &mut files);
+    let files = rust_files(&root().join("tests/it"));
     let this = root().join("tests/it/crates.rs");
     let found: Vec<String> = files
         .iter()

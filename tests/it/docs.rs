@@ -8,6 +8,8 @@ use std::fs;
 use std::path::{Component, Path, PathBuf};
 use std::process::Command;
 
+use crate::support::tree::{read, root, rust_files};
+
 const BIN: &str = env!("CARGO_BIN_EXE_ci-ephemeral-provisioner");
 const README_MAX_BYTES: usize = 15_000;
 /// All git-tracked Markdown together.
@@ -17,14 +19,6 @@ const MARKDOWN_MAX_BYTES: usize = 100_000;
 const REQUIRED_SUBCOMMANDS: [&str; 3] = ["run", "sweep", "status"];
 /// clap's own flags, in every `--help`; the table does not list them.
 const BUILTIN_FLAGS: [&str; 2] = ["--help", "--version"];
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-fn read(path: &Path) -> String {
-    fs::read_to_string(path).unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()))
-}
 
 /// What is over the budgets: all Markdown files (path, bytes) together over
 /// `MARKDOWN_MAX_BYTES`, `README.md` over `README_MAX_BYTES` (empty when within both).
@@ -1039,26 +1033,14 @@ fn undocumented(files: &[PathBuf], doc: &str) -> Vec<String> {
     missing
 }
 
-fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
-    let mut entries: Vec<PathBuf> = fs::read_dir(dir)
-        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
-        .map(|e| e.unwrap().path())
-        .collect();
-    entries.sort();
-    for p in entries {
-        if p.is_dir() {
-            rust_files(&p, out);
-        } else if p.extension().is_some_and(|e| e == "rs") && !p.ends_with("test_forgejo.rs") {
-            out.push(p);
-        }
-    }
-}
-
 // Mutation caught: an entry dropped from docs/troubleshooting.md.
 #[test]
 fn every_error_message_has_its_troubleshooting_entry() {
-    let mut files = Vec::new();
-    rust_files(&root().join("src"), &mut files);
+    // The model of Forgejo the unit tests use is not the product: its messages need no entry.
+    let files: Vec<PathBuf> = rust_files(&root().join("src"))
+        .into_iter()
+        .filter(|f| !f.ends_with("test_forgejo.rs"))
+        .collect();
     let found: usize = files.iter().map(|f| messages_in(&read(f)).len()).sum();
     assert!(
         found > 100,

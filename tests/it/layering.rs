@@ -6,6 +6,8 @@
 use std::fs;
 use std::path::{Path, PathBuf};
 
+use crate::support::tree::{root, rust_files};
+
 /// What `src/core/` must not use, and why. Matched against the code with comments and the
 /// `#[cfg(test)]` module removed.
 const FORBIDDEN_IN_CORE: &[(&str, &str)] = &[
@@ -33,25 +35,6 @@ const FORBIDDEN_IN_CORE: &[(&str, &str)] = &[
     ("crate::commands", "the shell (commands)"),
     ("crate::cli", "the command line"),
 ];
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
-    let mut entries: Vec<_> = fs::read_dir(dir)
-        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
-        .map(|e| e.unwrap().path())
-        .collect();
-    entries.sort();
-    for p in entries {
-        if p.is_dir() {
-            rust_files(&p, out);
-        } else if p.extension().is_some_and(|x| x == "rs") {
-            out.push(p);
-        }
-    }
-}
 
 /// The code of a file as the build sees it outside tests: no comments, no `#[cfg(test)]` module
 /// (always the file's last item here), no `tests.rs` file at all.
@@ -119,8 +102,7 @@ fn violations_of(
 // Mutation caught: an I/O call (std::fs::read_to_string) in src/core/.
 #[test]
 fn the_core_does_no_io_and_knows_nothing_of_the_shell() {
-    let mut files = Vec::new();
-    rust_files(&root().join("src/core"), &mut files);
+    let files = rust_files(&root().join("src/core"));
     assert!(files.len() > 10, "src/core has only {} files", files.len());
     let mut bad = Vec::new();
     for f in &files {
@@ -171,8 +153,7 @@ fn adapters_and_the_driver_know_nothing_of_the_commands() {
         ("src/adapters", FORBIDDEN_IN_ADAPTERS),
         ("src/driver", FORBIDDEN_IN_DRIVER),
     ] {
-        let mut files = Vec::new();
-        rust_files(&root().join(dir), &mut files);
+        let files = rust_files(&root().join(dir));
         assert!(files.len() > 1, "{dir} has only {} files", files.len());
         for f in &files {
             for (line, what, why) in violations_of(&code(f), forbidden) {
@@ -230,8 +211,7 @@ fn delete_requests(files: &[PathBuf]) -> Vec<(String, String)> {
 // Mutation caught: a "DELETE" sent outside delete_runner(target: &Deletable) / may_delete called outside the core.
 #[test]
 fn only_delete_runner_sends_a_delete_and_it_takes_the_gates_proof() {
-    let mut files = Vec::new();
-    rust_files(&root().join("src"), &mut files);
+    let files = rust_files(&root().join("src"));
     let found = delete_requests(&files);
     // The HTTP client's `send` maps the method to ureq, and one caller sends "DELETE": the
     // port's `delete_runner`, whose target is a `Deletable`.
@@ -272,8 +252,7 @@ fn only_delete_runner_sends_a_delete_and_it_takes_the_gates_proof() {
 /// The files under `src` outside its `core/` whose code (tests aside) names `name` (as a word:
 /// a `use … as` or a function pointer counts too).
 fn users_outside_core(src: &Path, name: &'static str) -> Vec<String> {
-    let mut files = Vec::new();
-    rust_files(src, &mut files);
+    let files = rust_files(src);
     files
         .iter()
         .filter(|f| !f.starts_with(src.join("core")))
@@ -456,8 +435,7 @@ fn long_functions(code: &str, max: usize) -> Vec<(String, usize)> {
 // Mutation caught: a 243-line `decide_running` (any fn outside tests over 80 lines in src/).
 #[test]
 fn no_function_outside_tests_is_over_80_lines() {
-    let mut files = Vec::new();
-    rust_files(&root().join("src"), &mut files);
+    let files = rust_files(&root().join("src"));
     let mut long = Vec::new();
     for f in &files {
         let rel = f.strip_prefix(root()).unwrap().display().to_string();

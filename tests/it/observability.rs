@@ -737,26 +737,6 @@ fn a_run_in_progress_shows_in_the_metrics_file_until_it_ends() {
     assert_eq!(last_run(&env)["outcome"], "interrupted");
 }
 
-/// Direct children of `pid` (each leads its own process group).
-fn children(pid: u32) -> Vec<i32> {
-    let mut out = Vec::new();
-    for e in fs::read_dir("/proc").unwrap().filter_map(|e| e.ok()) {
-        let Ok(stat) = fs::read_to_string(e.path().join("stat")) else {
-            continue;
-        };
-        let Some((_, rest)) = stat.rsplit_once(") ") else {
-            continue;
-        };
-        let fields: Vec<&str> = rest.split_whitespace().collect();
-        if fields.get(1).and_then(|p| p.parse::<u32>().ok()) == Some(pid)
-            && let Ok(child) = e.file_name().to_string_lossy().parse::<i32>()
-        {
-            out.push(child);
-        }
-    }
-    out
-}
-
 #[test]
 fn what_cycle_json_remembers_is_already_in_the_audit_trail_when_killed() {
     let env = Env::new();
@@ -774,12 +754,7 @@ fn what_cycle_json_remembers_is_already_in_the_audit_trail_when_killed() {
                 .starts_with("launch-env.")
         })
     });
-    let kids = children(child.id());
-    unsafe { libc::kill(child.id() as i32, libc::SIGKILL) };
-    for k in kids {
-        unsafe { libc::kill(-k, libc::SIGKILL) };
-    }
-    let _ = child.wait();
+    crate::support::harness::kill_like_systemd(&mut child);
     let cycle = env.cycle_json().expect("cycle.json kept");
     let id = cycle["registrations"][0]["id"]
         .as_i64()

@@ -44,6 +44,37 @@ pub fn walk(dir: &Path) -> Vec<PathBuf> {
     out
 }
 
+/// Direct children of `pid` (each leads its own process group).
+pub fn children(pid: u32) -> Vec<i32> {
+    let mut out = Vec::new();
+    for e in fs::read_dir("/proc").unwrap().filter_map(|e| e.ok()) {
+        let Ok(stat) = fs::read_to_string(e.path().join("stat")) else {
+            continue;
+        };
+        // pid (comm) state ppid ...
+        let Some(rest) = stat.rsplit_once(") ") else {
+            continue;
+        };
+        let fields: Vec<&str> = rest.1.split_whitespace().collect();
+        if fields.get(1).and_then(|p| p.parse::<u32>().ok()) == Some(pid)
+            && let Ok(child) = e.file_name().to_string_lossy().parse::<i32>()
+        {
+            out.push(child);
+        }
+    }
+    out
+}
+
+/// SIGKILL the provisioner and the process groups of its children (tofu, the launch command).
+pub fn kill_like_systemd(child: &mut std::process::Child) {
+    let kids = children(child.id());
+    unsafe { libc::kill(child.id() as i32, libc::SIGKILL) };
+    for k in kids {
+        unsafe { libc::kill(-k, libc::SIGKILL) };
+    }
+    let _ = child.wait();
+}
+
 /// Polls `cond` until it holds (panics after 60 s, naming `what`).
 pub fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
     let start = Instant::now();
