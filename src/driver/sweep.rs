@@ -274,23 +274,19 @@ fn delete_one(
 ) {
     on_delete(&swept(r), None);
     match forgejo.delete_runner(target, DeleteReason::Sweep.as_str()) {
-        Ok(Deleted::Now) => {
-            crate::crash_point!("sweep-deleted-one");
+        Ok(deleted @ (Deleted::Now | Deleted::Planned)) => {
+            let (done, note) = if deleted == Deleted::Now {
+                crate::crash_point!("sweep-deleted-one");
+                ("deleted", "")
+            } else {
+                ("would delete", " (dry-run: nothing sent)")
+            };
             log::info!(
-                "sweep: deleted offline runner {} ({})",
+                "sweep: {done} offline runner {} ({}){note}",
                 r.id,
                 r.name.as_deref().unwrap_or("?")
             );
-            on_delete(&swept(r), Some(Ok(Deleted::Now)));
-            report.deleted.push(swept(r));
-        }
-        Ok(Deleted::Planned) => {
-            log::info!(
-                "sweep: would delete offline runner {} ({}) (dry-run: nothing sent)",
-                r.id,
-                r.name.as_deref().unwrap_or("?")
-            );
-            on_delete(&swept(r), Some(Ok(Deleted::Planned)));
+            on_delete(&swept(r), Some(Ok(deleted)));
             report.deleted.push(swept(r));
         }
         Ok(Deleted::AlreadyGone) => {
