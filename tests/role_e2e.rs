@@ -26,6 +26,7 @@ use std::time::{Duration, Instant};
 
 use support::fake_forgejo::{Conn, FakeForgejo, TOKEN_USER_ID};
 use support::harness::API_TOKEN;
+use support::tree::root;
 
 const UNIT: &str = "ci-ephemeral-provisioner@default.service";
 const STATE: &str = "var/lib/ci-ephemeral-provisioner/default";
@@ -126,10 +127,6 @@ fn lap(what: &str) {
     eprintln!("[role_e2e {:6.1}s] {what}", start.elapsed().as_secs_f64());
 }
 
-fn manifest() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
 fn required_env(name: &str) -> String {
     std::env::var(name).unwrap_or_else(|_| {
         panic!("{name} is not set; run this test through .ci/role (see the header of tests/role_e2e.rs)")
@@ -146,7 +143,7 @@ struct Host {
 impl Host {
     fn boot(work: &Path, rootfs: &Path) -> Host {
         let host = Host {
-            script: manifest().join("tests/role/role_e2e.sh"),
+            script: root().join("tests/role/role_e2e.sh"),
             work: work.to_path_buf(),
             rootfs: rootfs.to_path_buf(),
         };
@@ -452,6 +449,11 @@ fn assert_slot_2_of_gpu(host: &Host) {
             "active"
         );
     }
+    // Slot 2 of 2 starts half the interval (2 s) after the boot delay (1 s); with 3 slots, the
+    // staggered slots' phase finds a third of it.
+    let monotonic = host
+        .sh_ok("systemctl show -p TimersMonotonic --value ci-ephemeral-provisioner@gpu.2.timer");
+    assert!(monotonic.contains("OnActiveUSec=2s ;"), "{monotonic}");
     host.sh_ok(&format!(
         "systemd-analyze verify --recursive-errors=no {unit} ci-ephemeral-provisioner@gpu.2.timer \
          && systemd-analyze security --threshold=20 {unit}"
@@ -505,6 +507,27 @@ fn span_us(text: &str) -> Option<u64> {
         total += n * us;
     }
     Some(total.round() as u64)
+}
+
+/// What Ansible reported for the role's task `name` in a play's output: `ok`, `changed`,
+/// `skipping`, `fatal` (the first host line after the task's header), or None when it never ran.
+fn task_status<'a>(out: &'a str, name: &str) -> Option<&'a str> {
+    let header = format!("TASK [ci_ephemeral_provisioner : {name}]");
+    let mut lines = out.lines().skip_while(|l| !l.starts_with(&header)).skip(1);
+    lines.find_map(|l| {
+        let (status, rest) = l.split_once(": [")?;
+        (!rest.is_empty() && ["ok", "changed", "skipping", "fatal"].contains(&status))
+            .then_some(status)
+    })
+}
+
+#[test]
+fn task_status_reads_the_line_after_the_tasks_header() {
+    let out = "TASK [ci_ephemeral_provisioner : Stage it] ***\n--- before\n+++ after\n\
+               changed: [h]\n\nTASK [ci_ephemeral_provisioner : Install it] ***\nok: [h]\n";
+    assert_eq!(task_status(out, "Stage it"), Some("changed"));
+    assert_eq!(task_status(out, "Install it"), Some("ok"));
+    assert_eq!(task_status(out, "Other"), None);
 }
 
 fn path_str(p: &Path) -> &str {
@@ -608,7 +631,7 @@ fn sha256_hex(path: &Path) -> String {
 /// the container's own sshd, short timer and cycle durations. `pools` is the YAML of the list.
 fn vars(fake: &FakeForgejo, work: &Path, source: &Source, pools: &str) -> String {
     let known_hosts = fs::read_to_string(work.join("known_hosts")).expect("known_hosts from boot");
-    let module = manifest().join("tests/role/module");
+    let module = root().join("tests/role/module");
     format!(
         r#"---
 {source}
@@ -670,7 +693,7 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
     required_env("ANSIBLE_VENV");
     let binary = std::env::var("ROLE_E2E_BINARY")
         .map(PathBuf::from)
-        .unwrap_or_else(|_| manifest().join("dist/ci-ephemeral-provisioner"));
+        .unwrap_or_else(|_| root().join("dist/ci-ephemeral-provisioner"));
     assert!(
         binary.is_file() && binary.with_extension("sha256").is_file(),
         "{} or its .sha256 is missing: run .ci/release first",
@@ -1395,31 +1418,12 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
     assert!(out.contains("did not match"), "{out}");
     assert!(hits.load(Ordering::SeqCst) > 0, "get_url never downloaded");
     assert_eq!(installed(), before, "the installed binary changed");
-    // The right one, with the version expected (one play for both): the installed binary's
-    // --version is printed, and checked when a version is expected.
+    // The right one, with the version expected, is deployed by the staggered slots' play below.
     let right = Source::Url {
         url,
         sha256: sha256.clone(),
     };
     let version = env!("CARGO_PKG_VERSION");
-    let (ok, out, changed) = host.play(
-        "url-and-version",
-        &format!(
-            "{}ci_ephemeral_provisioner_version: \"{version}\"\n",
-            vars(&fake, work, &right, two_pools)
-        ),
-    );
-    assert!(ok, "{out}");
-    assert_eq!(
-        changed, 0,
-        "same bytes from the URL changed something:\n{out}"
-    );
-    assert!(
-        out.contains(&format!(
-            "Installed: ci-ephemeral-provisioner {version} (commit "
-        )),
-        "{out}"
-    );
     // A local file is checked too: against binary_sha256 when given (else its .sha256 file,
     // as in every other play), before anything changes.
     let wrong_local = Source::LocalWithSha256 {
@@ -1451,10 +1455,10 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
     );
 
     lap("phase: staggered slots");
-    // Staggered slots. The gpu pool raised to 3 slots (and the interval to 6 s, for phases well
-    // apart): slot K's timer is a file of its own, OnActiveSec= the boot delay plus (K-1)/3 of
-    // the interval, and the play restarts the pool's timers together, so that the slots look at
-    // Forgejo in turn, every 2 s. Warm options reach provisioner.env.
+    // Staggered slots. The gpu pool raised to 3 slots: slot K's timer is a file of its own,
+    // OnActiveSec= the boot delay plus (K-1)/3 of the interval, and the play restarts the pool's
+    // timers together (and only the gpu pool's), so that the slots look at Forgejo in turn.
+    // Warm options reach provisioner.env.
     // The warm window is on a day three days from today: inside it, slot 2 would keep a warm VM
     // up, its cycle running and its timer from ticking, for as long as this test runs.
     let days = std::time::SystemTime::now()
@@ -1474,22 +1478,58 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
             "    labels: debian:host,arm64:host\n",
             "    labels: debian:host,arm64:host\n    warm_max_age: 30m\n",
         );
-    let six = |pools: &str| {
-        vars(&fake, work, &local, pools).replace(
-            "ci_ephemeral_provisioner_timer_interval: 2s\n",
-            "ci_ephemeral_provisioner_timer_interval: 6s\n",
-        )
-    };
     let (ok, out, _) = host.play(
         "warm-beyond-slots",
-        &six(&three_slots.replace("    warm: 1\n", "    warm: 4\n")),
+        &vars(
+            &fake,
+            work,
+            &local,
+            &three_slots.replace("    warm: 1\n", "    warm: 4\n"),
+        ),
     );
     assert!(
         !ok && out.contains("Pool gpu: warm is 4 but slots is 3: a warm VM occupies a slot."),
         "more warm VMs than slots were accepted:\n{out}"
     );
-    let (ok, out, _) = host.play("three-slots", &six(&three_slots));
+    // This play also takes the binary from its URL, with the right SHA-256 and the version
+    // expected: the same bytes, so the staged and the installed binary stay as they are, and the
+    // installed binary's --version is printed.
+    // systemctl prints *TimestampMonotonic in µs, LastTriggerUSecMonotonic as a time span.
+    let usec = |host: &Host, unit: &str, key: &str| -> u64 {
+        let v = host.sh_ok(&format!("systemctl show -p {key} --value {unit}"));
+        span_us(v.trim()).unwrap_or_else(|| panic!("{unit} {key}: {v:?}"))
+    };
+    let since = |host: &Host, unit: &str| usec(host, unit, "InactiveExitTimestampMonotonic");
+    let default_timer = "ci-ephemeral-provisioner@default.timer";
+    let (gpu_before, default_before) = (
+        since(&host, "ci-ephemeral-provisioner@gpu.timer"),
+        since(&host, default_timer),
+    );
+    let (ok, out, _) = host.play(
+        "three-slots",
+        &format!(
+            "{}ci_ephemeral_provisioner_version: \"{version}\"\n",
+            vars(&fake, work, &right, &three_slots)
+        ),
+    );
     assert!(ok, "{out}");
+    for task in [
+        "Stage the binary from its URL, checked against its SHA-256",
+        "Install the checked binary",
+    ] {
+        assert_eq!(
+            task_status(&out, task),
+            Some("ok"),
+            "{task}: the same bytes from the URL changed something:\n{out}"
+        );
+    }
+    assert_eq!(installed(), before, "the installed binary changed");
+    assert!(
+        out.contains(&format!(
+            "Installed: ci-ephemeral-provisioner {version} (commit "
+        )),
+        "{out}"
+    );
     let gpu_env = host.read("etc/ci-ephemeral-provisioner/pools/gpu/provisioner.env");
     for line in [
         "CI_EPHEMERAL_PROVISIONER_WARM=\"1\"",
@@ -1517,121 +1557,55 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
         "ci-ephemeral-provisioner@gpu.2.timer",
         "ci-ephemeral-provisioner@gpu.3.timer",
     ];
-    // systemctl prints *TimestampMonotonic in µs, LastTriggerUSecMonotonic as a time span.
-    let usec = |host: &Host, unit: &str, key: &str| -> u64 {
-        let v = host.sh_ok(&format!("systemctl show -p {key} --value {unit}"));
-        span_us(v.trim()).unwrap_or_else(|| panic!("{unit} {key}: {v:?}"))
-    };
-    let interval_us: u64 = 6_000_000;
     let mut started = Vec::new();
-    for (k, timer) in gpu_timers.iter().enumerate() {
-        // systemd's own reading of the schedule: 1 s, 3 s, 5 s after the timer started.
+    // systemd's own reading of the schedule: the boot delay (1 s) plus 0, 1/3 and 2/3 of the
+    // interval (2 s), in whole milliseconds.
+    for (timer, want) in gpu_timers.iter().zip([1_000_000, 1_666_000, 2_333_000]) {
         let monotonic = host.sh_ok(&format!(
             "systemctl show -p TimersMonotonic --value {timer}"
         ));
-        let want = format!("OnActiveUSec={}s ;", 1 + 2 * k);
+        let on_active = monotonic
+            .split("OnActiveUSec=")
+            .nth(1)
+            .and_then(|rest| span_us(rest.split(" ;").next()?));
+        assert_eq!(on_active, Some(want), "{timer}: {monotonic}");
         assert!(
-            monotonic.contains(&want),
-            "{timer}: {want} not in {monotonic}"
-        );
-        assert!(
-            monotonic.contains("OnUnitInactiveUSec=6s ;"),
+            monotonic.contains("OnUnitInactiveUSec=2s ;"),
             "{timer}: {monotonic}"
         );
-        started.push(usec(&host, timer, "InactiveExitTimestampMonotonic"));
+        started.push(since(&host, timer));
     }
+    // Restarted by this play, in one systemctl call; the default pool's timer left alone.
     let spread = started.iter().max().unwrap() - started.iter().min().unwrap();
     assert!(
-        spread < interval_us / 12,
-        "the gpu pool's timers did not start together: {started:?}"
+        started[0] > gpu_before && spread < 500_000,
+        "the gpu pool's timers did not restart together: {started:?}, before: {gpu_before}"
     );
-    // The phases in the ticks themselves: the first trigger of each slot from its offset on,
-    // then the second one after that (idle ticks in between), each (K-1)/3 of the interval
-    // after slot 1's, give or take a third of the interval (a run in progress when the timers
-    // restarted moves a slot's first tick by up to about 2 s; the schedule itself is checked exactly
-    // above).
-    let ticks = |host: &Host, after: &[u64]| -> Vec<u64> {
-        let mut seen: Vec<Option<u64>> = vec![None; gpu_timers.len()];
-        wait_until("each gpu slot to tick past a point", host, || {
-            for (k, timer) in gpu_timers.iter().enumerate() {
-                if seen[k].is_none() {
-                    let t = usec(host, timer, "LastTriggerUSecMonotonic");
-                    seen[k] = (t >= after[k]).then_some(t);
-                }
-            }
-            seen.iter().all(Option::is_some)
-        });
-        seen.into_iter().map(Option::unwrap).collect()
-    };
-    let assert_phases = |what: &str, t: &[u64]| {
-        for (k, tk) in t.iter().enumerate().skip(1) {
-            let lag = tk.wrapping_sub(t[0]) as i64;
-            let want = (k as u64 * interval_us / 3) as i64;
-            assert!(
-                (lag - want).abs() < (interval_us / 3) as i64,
-                "{what}: slot {} ticked {lag} µs after slot 1, not about {want}: {t:?}",
-                k + 1
-            );
-        }
-    };
-    let first = ticks(
-        &host,
-        &(0..3)
-            .map(|k| started[k] + 1_000_000 + k as u64 * interval_us / 3 - interval_us / 12)
-            .collect::<Vec<_>>(),
-    );
-    assert_phases("after the deployment", &first);
-    let later = ticks(
-        &host,
-        &first
-            .iter()
-            .map(|t| t + 2 * interval_us)
-            .collect::<Vec<_>>(),
-    );
-    assert_phases("two ticks later", &later);
-    // Down to 2 slots, the interval unchanged: the timer template stays as it is, slot 2's
-    // offset becomes half the interval, slot 3 is retired with its timer file, and only the gpu
-    // pool's timers restart.
-    let default_started = usec(
-        &host,
-        "ci-ephemeral-provisioner@default.timer",
-        "InactiveExitTimestampMonotonic",
-    );
-    let (ok, out, _) = host.play("back-to-two-slots", &six(two_pools));
-    assert!(ok, "{out}");
-    assert!(
-        !host
-            .file("etc/systemd/system/ci-ephemeral-provisioner@gpu.3.timer")
-            .exists(),
-        "slot 3's timer file is still there:\n{out}"
-    );
-    assert!(
-        host.sh_ok(
-            "systemctl show -p TimersMonotonic --value ci-ephemeral-provisioner@gpu.2.timer"
-        )
-        .contains("OnActiveUSec=4s ;")
-    );
-    for timer in &gpu_timers[..2] {
-        assert!(
-            usec(&host, timer, "InactiveExitTimestampMonotonic") > started[0],
-            "{timer} was not restarted for the pool's new slot count:\n{out}"
-        );
-    }
     assert_eq!(
-        usec(
-            &host,
-            "ci-ephemeral-provisioner@default.timer",
-            "InactiveExitTimestampMonotonic"
-        ),
-        default_started,
+        since(&host, default_timer),
+        default_before,
         "the default pool's timer was restarted although its schedule did not change"
     );
+    // Each slot ticks after the restart. When it ticks is systemd's schedule, checked exactly
+    // above; the ticks' times are not asserted, since OnUnitInactiveSec= counts from the end of
+    // each run, and a run still in progress when the timers restarted moves a slot's tick.
+    let mut ticked = [false; 3];
+    wait_until("each gpu slot to tick after the restart", &host, || {
+        for (k, timer) in gpu_timers.iter().enumerate() {
+            ticked[k] = ticked[k] || usec(&host, timer, "LastTriggerUSecMonotonic") > started[k];
+        }
+        ticked.iter().all(|t| *t)
+    });
 
     lap("phase: retiring a slot");
-    // Lowering the gpu pool's slots to 1 retires slot 2, never while it has a cycle in progress.
-    // A stand-in for one: slot 2 stopped, a cycle.json in its slot-2/. (The interval stays 6 s;
-    // the next phase's play sets it back to 2 s.)
-    let gpu_one_slot = six(&two_pools.replace("    slots: 2\n", ""));
+    // Lowering the gpu pool's slots from 3 to 1 retires slots 2 and 3, never one with a cycle in
+    // progress. A stand-in for one: slot 2 stopped, a cycle.json in its slot-2/.
+    let gpu_one_slot = vars(
+        &fake,
+        work,
+        &local,
+        &two_pools.replace("    slots: 2\n", ""),
+    );
     assert!(!gpu_one_slot.contains("slots:"));
     let slot_2 = "var/lib/ci-ephemeral-provisioner/gpu/slot-2";
     let slot_2_unit = "etc/systemd/system/ci-ephemeral-provisioner@gpu.2.service";
@@ -1643,7 +1617,8 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
         !ok && out.contains(
             "Slot 2 of pool gpu (ci-ephemeral-provisioner@gpu.2) is to be retired (slots lowered to 1) \
              but has a cycle in progress"
-        ) && out.contains("--slots 2 --slot 2"),
+        ) && out.contains("Keep the pool, with slots: 3,")
+            && out.contains("--slots 3 --slot 2"),
         "{out}"
     );
     assert!(host.file(slot_2_unit).exists() && host.file(slot_2).exists());
@@ -1659,7 +1634,7 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
     // cycle.json).
     let (ok, out, _) = host.play_with(
         "retire-busy-slot",
-        &format!("{gpu_one_slot}__ci_ephemeral_provisioner_retired_slots: [gpu.2]\n"),
+        &format!("{gpu_one_slot}__ci_ephemeral_provisioner_retired_slots: [gpu.2, gpu.3]\n"),
         &["--start-at-task=ci_ephemeral_provisioner : Create the configuration directories"],
     );
     assert!(
@@ -1674,7 +1649,7 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
     );
     assert!(
         host.read("etc/ci-ephemeral-provisioner/pools/gpu/provisioner.env")
-            .contains("\nCI_EPHEMERAL_PROVISIONER_SLOTS=\"2\"\n"),
+            .contains("\nCI_EPHEMERAL_PROVISIONER_SLOTS=\"3\"\n"),
         "the pool's slots changed although a slot could not be retired:\n{out}"
     );
     // Once the cycle has ended: retired.
@@ -1684,6 +1659,11 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
     for (unit, enabled, active) in [
         (
             "ci-ephemeral-provisioner@gpu.2.timer",
+            "disabled",
+            "inactive",
+        ),
+        (
+            "ci-ephemeral-provisioner@gpu.3.timer",
             "disabled",
             "inactive",
         ),
@@ -1700,14 +1680,24 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
             "{unit}"
         );
     }
-    for gone in [
-        slot_2.to_string(),
-        slot_2_unit.to_string(),
-        "etc/ci-ephemeral-provisioner/pools/gpu/slot-2.env".to_string(),
-        slot_metrics_file("gpu", 2)[1..].to_string(),
-    ] {
-        assert!(!host.file(&gone).exists(), "{gone} is still there:\n{out}");
+    for k in [2, 3] {
+        for gone in [
+            format!("var/lib/ci-ephemeral-provisioner/gpu/slot-{k}"),
+            format!("etc/systemd/system/ci-ephemeral-provisioner@gpu.{k}.service"),
+            format!("etc/systemd/system/ci-ephemeral-provisioner@gpu.{k}.timer"),
+            format!("etc/ci-ephemeral-provisioner/pools/gpu/slot-{k}.env"),
+            slot_metrics_file("gpu", k)[1..].to_string(),
+        ] {
+            assert!(!host.file(&gone).exists(), "{gone} is still there:\n{out}");
+        }
     }
+    // Slot 1's schedule is the same with or without slots behind it: no timer restarts.
+    assert_eq!(
+        since(&host, gpu_timers[0]),
+        started[0],
+        "slot 1's timer was restarted although its schedule did not change:\n{out}"
+    );
+    assert_eq!(since(&host, default_timer), default_before, "{out}");
     assert!(
         !host
             .read("etc/ci-ephemeral-provisioner/pools/gpu/provisioner.env")
@@ -1872,42 +1862,6 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
         fake.runners()
     );
 
-    lap("phase: a new metrics directory");
-    // A textfile directory that does not exist yet: the role creates it (root:root 0755, the
-    // service user's ACL entry), puts it in ReadWritePaths=, and the next run writes there.
-    let fresh_dir = "/var/lib/e2e-textfile";
-    let fresh = format!(
-        "{}\nci_ephemeral_provisioner_metrics_dir: {fresh_dir}\n",
-        vars(&fake, work, &local, one_pool)
-    );
-    let (ok, out, _) = host.play("fresh-metrics-dir", &fresh);
-    assert!(ok, "{out}");
-    assert_eq!(
-        host.sh_ok(&format!("stat -c '%U:%G' {fresh_dir}")).trim(),
-        "root:root"
-    );
-    let acl = host.sh_ok(&format!(
-        "getfacl --omit-header --absolute-names {fresh_dir}"
-    ));
-    for entry in [
-        "user::rwx",
-        "group::r-x",
-        "other::r-x",
-        "user:ci-ephemeral-default:rwx",
-    ] {
-        assert!(acl.lines().any(|l| l == entry), "{entry} missing:\n{acl}");
-    }
-    let fresh_file = format!("{fresh_dir}/ci-ephemeral-provisioner-default.prom");
-    wait_until(
-        "a run to write its metrics into the new directory",
-        &host,
-        || host.file(&fresh_file[1..]).exists(),
-    );
-    assert_eq!(
-        host.sh_ok(&format!("stat -c '%a' {fresh_file}")).trim(),
-        "644"
-    );
-
     lap("phase: broken pools");
     // A missing tofu is refused by preflight; a tofu that does not work is found by the pool's
     // `check`, which fails the deployment, saying what to fix.
@@ -1977,9 +1931,15 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
             .unwrap()
     };
     let before = started(&host);
-    let fixed = vars(&fake, work, &local, one_pool).replace(
-        "ci_ephemeral_provisioner_timer_interval: 2s\n",
-        "ci_ephemeral_provisioner_timer_interval: 3s\n",
+    // The same play also moves the metrics to a textfile directory that does not exist yet,
+    // which changes no timer.
+    let fresh_dir = "/var/lib/e2e-textfile";
+    let fixed = format!(
+        "{}\nci_ephemeral_provisioner_metrics_dir: {fresh_dir}\n",
+        vars(&fake, work, &local, one_pool).replace(
+            "ci_ephemeral_provisioner_timer_interval: 2s\n",
+            "ci_ephemeral_provisioner_timer_interval: 3s\n",
+        )
     );
     let (ok, out, _) = host.play("after-the-failed-play", &fixed);
     assert!(ok, "{out}");
@@ -1990,6 +1950,34 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
     assert!(
         !host.file(pending).exists(),
         "the pending restart was not forgotten"
+    );
+
+    // The textfile directory that did not exist: the role created it (root:root 0755, the
+    // service user's ACL entry), puts it in ReadWritePaths=, and the next run writes there.
+    assert_eq!(
+        host.sh_ok(&format!("stat -c '%U:%G' {fresh_dir}")).trim(),
+        "root:root"
+    );
+    let acl = host.sh_ok(&format!(
+        "getfacl --omit-header --absolute-names {fresh_dir}"
+    ));
+    for entry in [
+        "user::rwx",
+        "group::r-x",
+        "other::r-x",
+        "user:ci-ephemeral-default:rwx",
+    ] {
+        assert!(acl.lines().any(|l| l == entry), "{entry} missing:\n{acl}");
+    }
+    let fresh_file = format!("{fresh_dir}/ci-ephemeral-provisioner-default.prom");
+    wait_until(
+        "a run to write its metrics into the new directory",
+        &host,
+        || host.file(&fresh_file[1..]).exists(),
+    );
+    assert_eq!(
+        host.sh_ok(&format!("stat -c '%a' {fresh_file}")).trim(),
+        "644"
     );
 
     lap("phase: the example's own pool");
@@ -2009,7 +1997,7 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
             "ci_ephemeral_provisioner_timer_accuracy": "100ms",
         },
         "pool": {
-            "tofu_module_src": manifest().join("tests/role/module"),
+            "tofu_module_src": root().join("tests/role/module"),
             "environment": {
                 "VM_DIR": hetzner_vm,
                 "TF_VAR_ssh_key_path": "/etc/e2e/id_vm",
