@@ -117,7 +117,7 @@ fn keep_last_run(dir: &Path, report: &mut Report) {
         });
     if let Err(e) = written {
         report.fail(format!("cannot write {}: {e:#}", path.display()));
-        report.exit_code = 1;
+        report.settle();
     }
 }
 

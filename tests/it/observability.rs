@@ -634,6 +634,32 @@ fn only_runs_past_the_lock_write_metrics() {
     );
 }
 
+// Mutation caught: keep_last_run's settle() after the failure dropped (exit 0, outcome unchanged).
+#[test]
+fn a_last_run_json_that_cannot_be_written_fails_the_run_and_says_so() {
+    let env = Env::new();
+    assert_eq!(env.run(&[]).code, Some(0));
+    // A directory where last-run.json goes: the rename onto it fails.
+    let path = env.state.join("last-run.json");
+    fs::remove_file(&path).unwrap();
+    fs::create_dir(&path).unwrap();
+    env.fake.add_job(&["debian"]);
+    let out = env.run(&["--output", "json"]);
+    assert_eq!(out.code, Some(1), "{out:?}");
+    let printed: Value = serde_json::from_str(&out.stdout).unwrap();
+    assert_eq!(printed["exit_code"], 1, "{printed}");
+    assert_eq!(
+        printed["outcome"], "cycle_finished_with_errors",
+        "{printed}"
+    );
+    let failures = printed["failures"].to_string();
+    assert!(
+        failures.contains("cannot write") && failures.contains("last-run.json"),
+        "{printed}"
+    );
+    env.assert_at_rest();
+}
+
 /// Runs the binary with stderr in a file of our own, so a test can say whether
 /// `JOURNAL_STREAM` names it.
 fn run_with_stderr(env: &Env, mut c: Command, journal: bool) -> (Option<i32>, String) {
