@@ -1875,37 +1875,42 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
             .contains("Pool default: tofu_bin /nonexistent/tofu is not an executable on the host"),
         "a pool with a missing tofu binary was deployed:\n{out}"
     );
-    let broken = vars(&fake, work, &local, one_pool).replace(
-        "  tofu_bin: /usr/local/bin/tofu\n",
-        "  tofu_bin: /bin/false\n",
+    // Both in one play: the deployed pool's tofu broken, and a pool deployed for the first time
+    // with a broken tofu, in a play that also changes the timer template (which restarts the
+    // timers): the new pool's timer is never started, not even for a moment before the check
+    // (the check comes first).
+    let new_broken = format!(
+        "{one_pool}  - name: fresh\n    runner_prefix: fresh-\n    labels: fresh:host\n\
+         \x20   tofu_bin: /bin/false\n"
     );
-    let (ok, out, _) = host.play("broken-pool", &broken);
-    assert!(!ok, "a pool with a tofu that fails was deployed:\n{out}");
+    let new_broken = vars(&fake, work, &local, &new_broken)
+        .replace(
+            "ci_ephemeral_provisioner_timer_interval: 2s\n",
+            "ci_ephemeral_provisioner_timer_interval: 3s\n",
+        )
+        .replacen(
+            "  tofu_bin: /usr/local/bin/tofu\n",
+            "  tofu_bin: /bin/false\n",
+            1,
+        );
+    assert!(new_broken.contains("timer_interval: 3s"));
+    let (ok, out, _) = host.play("broken-pools", &new_broken);
+    assert!(!ok, "pools with a tofu that fails were deployed:\n{out}");
+    for pool in ["default", "fresh"] {
+        assert!(
+            out.contains(&format!(
+                "pool {pool}: `ci-ephemeral-provisioner check` failed"
+            )),
+            "pool {pool} with a tofu that fails was deployed:\n{out}"
+        );
+    }
     assert!(
-        out.contains("pool default: `ci-ephemeral-provisioner check` failed")
-            && out.contains("FAIL  tofu: `/bin/false version` exited with status 1"),
+        out.contains("FAIL  tofu: `/bin/false version` exited with status 1"),
         "{out}"
     );
     assert!(
         !out.contains(API_TOKEN),
         "Ansible printed the token:\n{out}"
-    );
-    // A pool deployed for the first time with a broken configuration, in a play that also
-    // changes the timer template (which restarts the timers): the new pool's timer is never
-    // started, not even for a moment before the check (the check comes first).
-    let new_broken = format!(
-        "{one_pool}  - name: fresh\n    runner_prefix: fresh-\n    labels: fresh:host\n\
-         \x20   tofu_bin: /bin/false\n"
-    );
-    let new_broken = vars(&fake, work, &local, &new_broken).replace(
-        "ci_ephemeral_provisioner_timer_interval: 2s\n",
-        "ci_ephemeral_provisioner_timer_interval: 3s\n",
-    );
-    assert!(new_broken.contains("timer_interval: 3s"));
-    let (ok, out, _) = host.play("new-broken-pool", &new_broken);
-    assert!(
-        !ok && out.contains("pool fresh: `ci-ephemeral-provisioner check` failed"),
-        "a new pool with a tofu that fails was deployed:\n{out}"
     );
     assert_eq!(
         host.show("ci-ephemeral-provisioner@fresh.timer")["ActiveEnterTimestampMonotonic"],
