@@ -575,9 +575,11 @@ fn a_job_goes_to_the_warm_vm_of_another_slot_not_to_a_new_vm() {
     // Slot 1 keeps the warm VM, asking Forgejo only every 30 s: slot 2 runs first.
     let warm = ["--warm", "1", "--poll-interval", "30s"];
     let one = spawn_slot(&env, 2, 1, &warm);
-    wait_for("slot 1's warm VM", || {
-        fs::read_to_string(env.state.join("cycle.json"))
-            .is_ok_and(|t| t.contains("\"phase\": \"running\""))
+    // Its wait begun (logged before it sleeps, after its look at the jobs): the job added now
+    // is not seen by slot 1 before the SIGHUP, however slow this machine is.
+    let one_err = env.tmp.path().join(format!("{}.err", one.1));
+    wait_for("slot 1's warm VM to wait for a job", || {
+        fs::read_to_string(&one_err).is_ok_and(|t| t.contains("warm VM up, waiting for a job"))
     });
     let (job, _) = env.fake.add_job(&["debian"]);
     let two = finish(&env, spawn_slot(&env, 2, 2, &["--warm", "1"]));
