@@ -18,6 +18,20 @@ pub const VERSION: &str = concat!(
     ")"
 );
 
+/// The end of `run --help` (and `-h`).
+const RUN_EXAMPLES: &str = "\
+Examples:
+  # A pool's flags (each also CI_EPHEMERAL_PROVISIONER_<FLAG>), tried first: all must pass
+  ci-ephemeral-provisioner check --forgejo-url https://forgejo.example.org \\
+      --token-file /etc/ci/forgejo-token --labels debian:host \\
+      --tofu-dir /etc/ci/module --launch-command /etc/ci/launch.sh
+  # What one run would do now, GET requests only: the same flags and --dry-run
+  ci-ephemeral-provisioner run --dry-run --forgejo-url https://forgejo.example.org \\
+      --token-file /etc/ci/forgejo-token --labels debian:host \\
+      --tofu-dir /etc/ci/module --launch-command /etc/ci/launch.sh
+  # In a checkout of the source: a plan on a bundled world, no network, no token
+  ci-ephemeral-provisioner run --dry-run --fixture fixtures/fresh-cycle.json --labels debian:host";
+
 #[derive(Debug, Parser)]
 #[command(
     name = "ci-ephemeral-provisioner",
@@ -34,7 +48,7 @@ Every flag can also be set through CI_EPHEMERAL_PROVISIONER_<FLAG> (upper case, 
 CI_EPHEMERAL_PROVISIONER_FORGEJO_URL. A flag on the command line wins.\n\n\
 Exit status: 0 success or nothing to do; 1 a step of this run failed; 2 usage or configuration error; \
 75 another run holds the lock.",
-    after_help = "Try `ci-ephemeral-provisioner run --dry-run --fixture fixtures/fresh-cycle.json --labels debian:host`."
+    after_help = "`run --help` ends with examples; `check` tries a configuration and changes nothing."
 )]
 pub struct Cli {
     #[command(subcommand)]
@@ -46,6 +60,7 @@ pub struct Cli {
 #[allow(clippy::large_enum_variant)]
 pub enum Command {
     /// Run one provisioner cycle (the timer's job).
+    #[command(after_help = RUN_EXAMPLES)]
     Run(RunCommand),
     /// Delete offline registrations with the runner prefix; refused while a cycle is in progress.
     Sweep(SweepArgs),
@@ -109,7 +124,7 @@ pub struct ForgejoArgs {
     /// Timeout of each Forgejo request, from connecting to the end of the body. Redirects are
     /// not followed; HTTPS_PROXY, HTTP_PROXY and ALL_PROXY are honoured for https, never for
     /// a loopback URL.
-    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_HTTP_TIMEOUT", default_value = "30s", value_parser = parse_duration, value_name = "DURATION")]
+    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_HTTP_TIMEOUT", default_value = "30s", value_parser = parse_duration, value_name = "DURATION", allow_hyphen_values = true)]
     pub http_timeout: Duration,
 
     /// Name prefix of our registrations (`<prefix><cycle id>-<n>-<time>`). Only registrations
@@ -236,7 +251,7 @@ pub struct RunArgs {
     pub launch_command: Option<PathBuf>,
 
     /// The launch command is killed after this long and counts as failed.
-    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_LAUNCH_TIMEOUT", default_value = "2m", value_parser = parse_duration, value_name = "DURATION")]
+    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_LAUNCH_TIMEOUT", default_value = "2m", value_parser = parse_duration, value_name = "DURATION", allow_hyphen_values = true)]
     pub launch_timeout: Duration,
 
     /// Runners started on one VM before it is torn down; 1 gives every job a VM of its own.
@@ -261,20 +276,20 @@ pub struct RunArgs {
     pub reuse_within: crate::core::planner::ReuseWithin,
 
     /// Tear down when no job has waited for this long while the VM was free.
-    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_IDLE_TIMEOUT", default_value = "5m", value_parser = parse_duration, value_name = "DURATION")]
+    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_IDLE_TIMEOUT", default_value = "5m", value_parser = parse_duration, value_name = "DURATION", allow_hyphen_values = true)]
     pub idle_timeout: Duration,
 
     /// How long a launched registration may stay offline (starting) before it is deleted (as
     /// never connected when Forgejo never saw it idle or active: a failed start); also how long an
     /// idle runner may outlive its job.
-    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_REGISTRATION_GRACE", default_value = "3m", value_parser = parse_duration, value_name = "DURATION")]
+    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_REGISTRATION_GRACE", default_value = "3m", value_parser = parse_duration, value_name = "DURATION", allow_hyphen_values = true)]
     pub registration_grace: Duration,
 
     /// How long after its launch our runner may sit idle while its job is still listed as
     /// waiting (Forgejo holds it back, e.g. behind a concurrency group) before the VM goes and the
     /// job is held: no runner is registered for it again for this long, twice as long each time
     /// after, at most 1h (or this long, if it is longer).
-    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_JOB_PICKUP_TIMEOUT", default_value = "10m", value_parser = parse_duration, value_name = "DURATION")]
+    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_JOB_PICKUP_TIMEOUT", default_value = "10m", value_parser = parse_duration, value_name = "DURATION", allow_hyphen_values = true)]
     pub job_pickup_timeout: Duration,
 
     /// This host's share of the jobs, K/H, when H hosts serve the same labels: it serves at once
@@ -286,20 +301,20 @@ pub struct RunArgs {
     /// With --share: how long a job of another host's share waits (since this host first saw it)
     /// before this host serves it too. Longer than a VM start plus a launch, or live hosts
     /// take each other's jobs.
-    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_TAKE_OVER_AFTER", default_value = "2m", value_parser = parse_duration, value_name = "DURATION")]
+    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_TAKE_OVER_AFTER", default_value = "2m", value_parser = parse_duration, value_name = "DURATION", allow_hyphen_values = true)]
     pub take_over_after: Duration,
 
     /// How often Forgejo is asked while a cycle runs.
-    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_POLL_INTERVAL", default_value = "5s", value_parser = parse_duration, value_name = "DURATION")]
+    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_POLL_INTERVAL", default_value = "5s", value_parser = parse_duration, value_name = "DURATION", allow_hyphen_values = true)]
     pub poll_interval: Duration,
 
     /// No new registration after this; the VM is torn down once free.
-    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_MAX_CYCLE_DURATION", default_value = "6h", value_parser = parse_duration, value_name = "DURATION")]
+    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_MAX_CYCLE_DURATION", default_value = "6h", value_parser = parse_duration, value_name = "DURATION", allow_hyphen_values = true)]
     pub max_cycle_duration: Duration,
 
     /// Past this the VM is torn down even with a runner up (an error, exit 1). Not shorter than
     /// --max-cycle-duration.
-    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_HARD_DEADLINE", default_value = "24h", value_parser = parse_duration, value_name = "DURATION")]
+    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_HARD_DEADLINE", default_value = "24h", value_parser = parse_duration, value_name = "DURATION", allow_hyphen_values = true)]
     pub hard_deadline: Duration,
 
     /// After this many cycles of the pool in a row ended with a failure (apply, launch, a runner
@@ -316,11 +331,11 @@ pub struct RunArgs {
     pub max_failed_cycles: u32,
 
     /// The first backoff after --max-failed-cycles failed cycles (at least 1s).
-    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_FAILURE_BACKOFF", default_value = "2m", value_parser = parse_duration, value_name = "DURATION")]
+    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_FAILURE_BACKOFF", default_value = "2m", value_parser = parse_duration, value_name = "DURATION", allow_hyphen_values = true)]
     pub failure_backoff: Duration,
 
     /// The longest backoff, however many cycles failed (not shorter than --failure-backoff).
-    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_FAILURE_BACKOFF_MAX", default_value = "1h", value_parser = parse_duration, value_name = "DURATION")]
+    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_FAILURE_BACKOFF_MAX", default_value = "1h", value_parser = parse_duration, value_name = "DURATION", allow_hyphen_values = true)]
     pub failure_backoff_max: Duration,
     /// Unused VMs the pool keeps booted, so that a job is launched at the next poll, with no VM
     /// boot on its way. A run with no job to serve makes one (tofu apply, no registration) while
@@ -337,7 +352,7 @@ pub struct RunArgs {
 
     /// An unused warm VM older than this (since its apply) is destroyed, and a later run makes a
     /// new one (images change). At least 10 × --poll-interval.
-    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_WARM_MAX_AGE", default_value = "1h", value_parser = parse_duration, value_name = "DURATION")]
+    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_WARM_MAX_AGE", default_value = "1h", value_parser = parse_duration, value_name = "DURATION", allow_hyphen_values = true)]
     pub warm_max_age: Duration,
 
     /// When --warm applies, in UTC: comma-separated windows `[DAYS ]HH:MM-HH:MM`, DAYS a day,
@@ -358,11 +373,11 @@ pub struct SweepArgs {
 
     /// `run`'s flag of the same name and variable: with --launch-timeout and twice
     /// --http-timeout, how young a registration (by the time in its name) the sweep spares.
-    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_REGISTRATION_GRACE", default_value = "3m", value_parser = parse_duration, value_name = "DURATION")]
+    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_REGISTRATION_GRACE", default_value = "3m", value_parser = parse_duration, value_name = "DURATION", allow_hyphen_values = true)]
     pub registration_grace: Duration,
 
     /// `run`'s flag of the same name and variable (see --registration-grace).
-    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_LAUNCH_TIMEOUT", default_value = "2m", value_parser = parse_duration, value_name = "DURATION")]
+    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_LAUNCH_TIMEOUT", default_value = "2m", value_parser = parse_duration, value_name = "DURATION", allow_hyphen_values = true)]
     pub launch_timeout: Duration,
 }
 
@@ -376,12 +391,12 @@ pub struct StatusArgs {
     pub check: bool,
 
     /// Warn when the last successful run ended longer ago than this.
-    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_MAX_SUCCESS_AGE", default_value = "1h", value_parser = parse_duration, value_name = "DURATION")]
+    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_MAX_SUCCESS_AGE", default_value = "1h", value_parser = parse_duration, value_name = "DURATION", allow_hyphen_values = true)]
     pub max_success_age: Duration,
 
     /// Warn when the cycle in progress started longer ago than this (the `run` flag of the same
     /// name and variable).
-    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_MAX_CYCLE_DURATION", default_value = "6h", value_parser = parse_duration, value_name = "DURATION")]
+    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_MAX_CYCLE_DURATION", default_value = "6h", value_parser = parse_duration, value_name = "DURATION", allow_hyphen_values = true)]
     pub max_cycle_duration: Duration,
 
     #[command(flatten)]

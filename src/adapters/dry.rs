@@ -399,11 +399,14 @@ impl Forgejo for DryForgejo {
 
 pub struct DryTofu {
     pub plan: Plan,
+    /// What the real tofu's `check_config` found wrong (a dry-run against Forgejo): the plan
+    /// then stops where a live run would stop. None for a fixture's world.
+    pub refusal: Option<String>,
 }
 
 impl Tofu for DryTofu {
     fn check_config(&self) -> anyhow::Result<()> {
-        Ok(())
+        refused(&self.refusal)
     }
 
     fn apply(&mut self, _cycle_id: &str) -> Result<(), StepError> {
@@ -426,11 +429,21 @@ impl Tofu for DryTofu {
 /// Adds the job a registration would be launched for to its `register_runner` action.
 pub struct DryLauncher {
     pub plan: Plan,
+    /// As [`DryTofu::refusal`], of the real launch command.
+    pub refusal: Option<String>,
+}
+
+/// A dry stand-in's `check_config`: what the real one found, once found.
+fn refused(refusal: &Option<String>) -> anyhow::Result<()> {
+    match refusal {
+        Some(why) => Err(anyhow::Error::msg(why.clone())),
+        None => Ok(()),
+    }
 }
 
 impl Launcher for DryLauncher {
     fn check_config(&self) -> anyhow::Result<()> {
-        Ok(())
+        refused(&self.refusal)
     }
 
     fn launch(&mut self, req: &LaunchRequest<'_>, _token: &Secret) -> Result<(), StepError> {

@@ -84,15 +84,22 @@ pub(crate) fn inspect_state_dir(dir: &Path) -> Result<StateDir, StateDirError> {
             meta.uid()
         )));
     }
+    if let Some(why) = writable_by_others(dir, &meta) {
+        return Err(StateDirError::Unsafe(why));
+    }
+    Ok(StateDir::Usable)
+}
+
+/// Why a state directory with this metadata is unsafe for its mode (`status` says so too), if it is.
+pub(crate) fn writable_by_others(dir: &Path, meta: &fs::Metadata) -> Option<String> {
     let mode = meta.mode() & 0o7777;
-    if mode & 0o022 != 0 {
-        return Err(StateDirError::Unsafe(format!(
+    (mode & 0o022 != 0).then(|| {
+        format!(
             "state directory {} is writable by group or others (mode {mode:04o}): anyone in them could replace the cycle state; run `chmod go-w {}`",
             dir.display(),
             dir.display()
-        )));
-    }
-    Ok(StateDir::Usable)
+        )
+    })
 }
 
 /// One slot of a pool: the pool's state directory (`--state-dir`) and the slot's number. Slot 1

@@ -15,8 +15,8 @@ use crate::core::ports::{ApiError, Deleted, Forgejo, NewRunner, RunnerPage};
 use crate::core::secret::Secret;
 
 mod target;
-pub use target::{Scope, major_version, validate_url};
-use target::{encode_query_value, is_loopback_host};
+use target::encode_query_value;
+pub use target::{Scope, is_loopback_url, major_version, validate_url};
 
 pub const MAX_BODY_BYTES: u64 = 4 * 1024 * 1024;
 
@@ -128,12 +128,7 @@ impl HttpForgejo {
             tls = tls.root_certs(ureq::tls::RootCerts::new_with_certs(certs));
         }
         let mut config = ureq::Agent::config_builder();
-        if base_url
-            .parse::<ureq::http::Uri>()
-            .ok()
-            .and_then(|u| u.host().map(is_loopback_host))
-            .unwrap_or(false)
-        {
+        if is_loopback_url(base_url) {
             // A proxy from *_PROXY would carry the token off this host, even in clear text for
             // http:// (which is allowed only because loopback never leaves the host).
             config = config.proxy(None);
@@ -349,6 +344,20 @@ fn transport_hint(e: &ureq::Error) -> String {
         other if text.contains("Connection refused") => format!(
             "request failed: {other}; is Forgejo listening at the host and port of --forgejo-url?"
         ),
+        // getaddrinfo's words (glibc, musl) for a name that does not resolve, or no DNS at all.
+        other
+            if [
+                "failed to lookup address",
+                "Name or service not known",
+                "name resolution",
+            ]
+            .iter()
+            .any(|w| text.contains(w)) =>
+        {
+            format!(
+                "request failed: {other}; the host name of --forgejo-url does not resolve: is it spelt right, and does this host's DNS know it?"
+            )
+        }
         other => format!("request failed: {other}"),
     }
 }
@@ -606,6 +615,37 @@ mod tests {
         assert!(e.contains("#fragment"), "{e}");
         // An `@` in the path is not userinfo.
         assert!(validate_url("https://forgejo.example.org/@sub").is_ok());
+    }
+
+    // Mutation caught (#32, point 6): a base URL ending in /api/v1 accepted, every request then
+    // going to /api/v1/api/v1/….
+    #[test]
+    fn a_url_that_ends_in_the_api_path_is_refused_with_the_base_url() {
+        for (url, base) in [
+            (
+                "https://forgejo.example.org/api/v1",
+                "https://forgejo.example.org",
+            ),
+            (
+                "https://forgejo.example.org/api/v1/",
+                "https://forgejo.example.org",
+            ),
+            (
+                "https://example.org/forgejo/API/V1",
+                "https://example.org/forgejo",
+            ),
+            ("http://127.0.0.1:3000/api", "http://127.0.0.1:3000"),
+        ] {
+            let e = validate_url(url).unwrap_err().to_string();
+            assert!(
+                e.contains("ends in the API's path") && e.contains(&format!("{base:?}")),
+                "{url}: {e}"
+            );
+        }
+        // A Forgejo under a sub-path is fine, an "api" inside a name too.
+        assert!(validate_url("https://example.org/forgejo").is_ok());
+        assert!(validate_url("https://example.org/api-docs/forgejo").is_ok());
+        assert!(validate_url("https://api.example.org").is_ok());
     }
 
     #[test]

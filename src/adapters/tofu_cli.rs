@@ -153,6 +153,21 @@ impl CliTofu {
     }
 }
 
+/// Whether `dir` holds a configuration file of tofu's (`*.tf`, `*.tofu`, or their `.json`
+/// forms). An unreadable directory counts as holding one: tofu then says what is wrong with it.
+fn has_configuration(dir: &Path) -> bool {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return true;
+    };
+    entries.filter_map(Result::ok).any(|e| {
+        let name = e.file_name();
+        let name = name.to_string_lossy();
+        [".tf", ".tofu", ".tf.json", ".tofu.json"]
+            .iter()
+            .any(|ext| name.ends_with(ext))
+    })
+}
+
 impl Tofu for CliTofu {
     fn check_config(&self) -> anyhow::Result<()> {
         if crate::adapters::process::find_executable(&self.bin).is_none() {
@@ -167,6 +182,10 @@ impl Tofu for CliTofu {
             )),
             Some(d) if !d.is_dir() => Err(anyhow!(
                 "--tofu-dir {} is not a directory; point it at the VM module",
+                d.display()
+            )),
+            Some(d) if !has_configuration(d) => Err(anyhow!(
+                "--tofu-dir {} holds no .tf file: tofu would apply an empty module, which makes no VM; point it at the VM module (e.g. examples/hetzner)",
                 d.display()
             )),
             Some(_) => Ok(()),

@@ -8,7 +8,7 @@ use anyhow::{anyhow, bail};
 use serde_json::json;
 
 use crate::adapters::files::{StateDir, inspect_state_dir, read_state_file};
-use crate::adapters::forgejo_http::{HttpForgejo, major_version};
+use crate::adapters::forgejo_http::{HttpForgejo, is_loopback_url, major_version};
 use crate::adapters::process::{find_executable, run_child};
 use crate::adapters::signals::StopFlag;
 use crate::adapters::tofu_cli::invocation;
@@ -60,13 +60,14 @@ pub fn cmd_check(a: RunArgs) -> Result<u8, Fatal> {
             }
         };
     let mut lines = vec![
-        Line::new(
-            "configuration",
-            Ok(format!(
+        Line {
+            name: "configuration",
+            result: Ok(format!(
                 "Forgejo {url}, scope {}, runner prefix {:?}",
                 a.common.scope, a.common.runner_prefix
             )),
-        ),
+            warnings: loopback_warning(&url, &a).into_iter().collect(),
+        },
         Line {
             name: "labels",
             result: Ok(labels.describe()),
@@ -87,6 +88,16 @@ pub fn cmd_check(a: RunArgs) -> Result<u8, Fatal> {
     }
     let failed = print_lines(&lines, a.common.local.output, false);
     Ok(if failed == 0 { EXIT_OK } else { EXIT_FAILED })
+}
+
+/// A loopback --forgejo-url reaches Forgejo from this host only, but the launch command hands
+/// it to the runner on the VM (FORGEJO_URL), where it names the VM itself.
+fn loopback_warning(url: &str, a: &RunArgs) -> Option<String> {
+    (is_loopback_url(url) && a.launch_command.is_some()).then(|| {
+        format!(
+            "{url} is a loopback address: the launch command hands it to the runner on the VM (FORGEJO_URL), where it names the VM itself; give an address the VM can reach (unless the runner runs on this host or the launch command forwards the port)"
+        )
+    })
 }
 
 /// Prints the lines (`stopped`: at a configuration error, before any other check); returns how

@@ -155,21 +155,20 @@ pub(crate) fn finish(
     Ok(report.exit_code as u8)
 }
 
-/// Prints a dry-run's plan: what a live run would do, how it would end, and how many errors the
-/// dry-run met (logged on stderr).
+/// Prints a dry-run's plan: what a live run would do, how it would end, and the errors the
+/// dry-run met (each also logged on stderr as it happened).
 pub(crate) fn print_plan(actions: &[Value], report: &Report, output: OutputFormat) {
     let failures = report.failures.len() as u64 + report.failures_not_listed;
     match output {
         OutputFormat::Json => {
-            // One document: the plan, how it ends, and the errors it met.
-            let doc =
-                json!({ "actions": actions, "outcome": report.outcome, "failures": failures });
+            // One document: the plan, how it ends, and the errors it met, each said.
+            let doc = json!({ "actions": actions, "outcome": report.outcome, "failures": report.failures });
             println!("{}", serde_json::to_string_pretty(&doc).unwrap_or_default());
         }
         OutputFormat::Text => {
             let outcome = escape_controls(&report.outcome.to_string());
             if actions.is_empty() {
-                println!("plan: nothing to do ({outcome})");
+                println!("plan: {}", nothing_to_do(report, &outcome));
             } else {
                 println!("plan ({} action(s)):", actions.len());
                 for a in actions {
@@ -177,10 +176,33 @@ pub(crate) fn print_plan(actions: &[Value], report: &Report, output: OutputForma
                 }
                 println!("then: {outcome}");
             }
-            if failures > 0 {
+            if report.outcome == Outcome::ConfigurationError
+                && let Some(why) = report.failures.last()
+            {
+                println!("a live run stops here (exit 2): {}", escape_controls(why));
+            } else if failures > 0 {
                 println!("{failures} error(s), logged above");
             }
         }
+    }
+}
+
+/// An empty plan's line: a sweep says what it found to delete (nothing, and among what);
+/// a run how it would end.
+fn nothing_to_do(report: &Report, outcome: &str) -> String {
+    match &report.sweep {
+        Some(s) if s.error.is_none() && s.found == 0 => format!(
+            "nothing to delete ({} registration(s) listed, none of them ours, offline and old enough to sweep)",
+            s.listed
+        ),
+        Some(s) if s.error.is_none() => format!(
+            "nothing to delete ({} to sweep, all left over the cap, --sweep-max-deletions)",
+            s.found
+        ),
+        None if report.outcome == Outcome::Failed => {
+            format!("none: the dry-run could not read what it plans on ({outcome})")
+        }
+        _ => format!("nothing to do ({outcome})"),
     }
 }
 

@@ -7,6 +7,7 @@ use serde_json::{Value, json};
 
 use crate::adapters::files::{
     load_counters, read_backoff_file, read_holds_file, read_state_file, read_state_text,
+    writable_by_others,
 };
 use crate::cli::{OutputFormat, StatusArgs};
 use crate::commands::config::slot_dir;
@@ -24,8 +25,8 @@ pub fn cmd_status(a: StatusArgs) -> Result<u8, Fatal> {
     let dir = slot.dir();
     // Read-only and often run by root: the owner is not ours to judge here, only that the
     // directory is there (a typo must not look like a host where no run happened yet).
-    match fs::metadata(&dir) {
-        Ok(m) if m.is_dir() => {}
+    let unsafe_mode = match fs::metadata(&dir) {
+        Ok(m) if m.is_dir() => writable_by_others(&dir, &m),
         Ok(_) => {
             return Err(usage(format!(
                 "state directory {} is not a directory; point --state-dir at the pool's state directory",
@@ -44,17 +45,24 @@ pub fn cmd_status(a: StatusArgs) -> Result<u8, Fatal> {
                 format!("cannot inspect state directory {}: {e}", dir.display()),
             ));
         }
-    }
+    };
     let limits = crate::core::status::Limits {
         max_success_age: a.max_success_age,
         max_cycle_duration: a.max_cycle_duration,
     };
-    let doc = gather(
+    let mut doc = gather(
         &dir,
         &slot.pool,
         &limits,
         crate::adapters::clock::wall_now(),
     );
+    // A run refuses such a directory (exit 2): as much a warning as a failed run.
+    if let Some(why) = unsafe_mode
+        && let Some(w) = doc["warnings"].as_array_mut()
+    {
+        w.insert(0, why.into());
+        doc["healthy"] = false.into();
+    }
     match a.local.output {
         OutputFormat::Json => {
             println!("{}", serde_json::to_string_pretty(&doc).unwrap_or_default());

@@ -22,13 +22,13 @@ use crate::adapters::signals::{ReloadFlag, StopFlag};
 use crate::adapters::tofu_cli::{CliTofu, TOFU_DATA_DIR};
 use crate::cli::{DryRunArgs, ForgejoArgs, RunArgs, SweepArgs};
 use crate::commands::config::{forgejo_target, metrics_target, read_token, slot_dir};
-use crate::commands::exit::{EXIT_FAILED, EXIT_OK, Fatal, failed, usage};
+use crate::commands::exit::{EXIT_FAILED, EXIT_OK, EXIT_USAGE, Fatal, failed, usage};
 use crate::commands::record::{announce_run, events_file, finish, print_plan};
 use crate::core::backoff::Backoff;
 use crate::core::claims::Others;
 use crate::core::holds::{HOLDS_FILE, Holds};
 use crate::core::ports::{Clock, Forgejo, Launcher, StateStore, Tofu};
-use crate::core::report::Report;
+use crate::core::report::{Outcome, Report};
 use crate::core::secret::Secret;
 use crate::core::state::{CycleState, STATE_FILE};
 use crate::core::sweep::licence::{DestroyRecord, SweepLicence, without_cycle};
@@ -81,10 +81,16 @@ impl Outlet {
                 metrics_target(common),
             ),
             Outlet::Dry { plan, read_errors } => {
-                if let End::Config(msg) = end {
-                    return Err(usage(msg));
-                }
+                let mut report = report;
                 let actions: Vec<Value> = plan.borrow().clone();
+                if let End::Config(msg) = end {
+                    // Where a live run would stop with a configuration error: the plan up to
+                    // there, and why (exit 2, as the live run).
+                    report.fail(msg);
+                    report.outcome = Outcome::ConfigurationError;
+                    print_plan(&actions, &report, common.local.output);
+                    return Ok(EXIT_USAGE);
+                }
                 print_plan(&actions, &report, common.local.output);
                 // The plan's own failures (a hard-deadline teardown, say) are what the run
                 // would report; the dry-run itself failed only when it could not read the world.
@@ -116,7 +122,7 @@ pub(crate) fn cycle(
     let c = &a.common;
     if dry.dry_run {
         log_config(&(a, dry), None, None);
-        return dry_cycle(c, dry, label_names);
+        return dry_cycle(a, dry, label_names);
     }
     let Live {
         url,
@@ -145,11 +151,23 @@ pub(crate) fn cycle(
 
 /// A dry-run cycle: the world read from the fixture, or from Forgejo and the state directory;
 /// every write recorded in the plan instead.
-fn dry_cycle(
-    c: &ForgejoArgs,
-    flags: &DryRunArgs,
-    label_names: &[String],
-) -> Result<CycleRun, Fatal> {
+fn dry_cycle(a: &RunArgs, flags: &DryRunArgs, label_names: &[String]) -> Result<CycleRun, Fatal> {
+    let c = &a.common;
+    // Against Forgejo, the plan stops where a live run with these flags would: at a tofu or
+    // launch command it cannot run (checked read-only, as a run checks them). A fixture's
+    // world is made up: its plan needs neither.
+    let (tofu_refusal, launch_refusal) = match flags.fixture {
+        Some(_) => (None, None),
+        None => {
+            let slot = slot_dir(&c.local)?;
+            let stop = StopFlag::default();
+            let why = |r: anyhow::Result<()>| r.err().map(|e| format!("{e:#}"));
+            (
+                why(tofu(a, &slot, stop.clone()).check_config()),
+                why(launcher(a, stop).check_config()),
+            )
+        }
+    };
     let w = dry_world(c, flags, label_names, |source| match source {
         DrySource::Fixture { cycle } => Ok(MemoryStore {
             state: *cycle,
@@ -164,8 +182,12 @@ fn dry_cycle(
             forgejo: Box::new(w.forgejo),
             tofu: Box::new(DryTofu {
                 plan: w.plan.clone(),
+                refusal: tofu_refusal,
             }),
-            launcher: Box::new(DryLauncher { plan: w.plan }),
+            launcher: Box::new(DryLauncher {
+                plan: w.plan,
+                refusal: launch_refusal,
+            }),
             store: Box::new(w.found),
             clock: Box::new(DryClock { now: w.now }),
         },

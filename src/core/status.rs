@@ -47,7 +47,10 @@ fn age(now: Timestamp, t: Timestamp) -> Duration {
 pub fn warnings(f: &Facts, l: &Limits, now: Timestamp) -> Vec<String> {
     let mut w: Vec<String> = f.unreadable.clone();
     match (f.runs_began, f.last_success) {
-        (None, None) => w.push("no run recorded yet: is the timer running?".into()),
+        (None, None) => w.push(
+            "no run recorded yet: expected until the timer's first run (`systemctl list-timers 'ci-ephemeral-provisioner@*'` says when it is due); after it, is the timer enabled and started?"
+                .into(),
+        ),
         (Some(began), None) => w.push(format!(
             "no successful run since runs began ({began}, {} ago)",
             format_duration(age(now, began))

@@ -87,6 +87,9 @@ pub fn parse_duration(s: &str) -> anyhow::Result<Duration> {
     if t.is_empty() {
         bail!("empty duration; write it like 500ms, 2s, 5m or 1h");
     }
+    if t.starts_with('-') {
+        bail!("{s:?} is negative; a duration is 0 or more, like 500ms, 2s, 5m or 1h");
+    }
     humantime::parse_duration(t)
         .map_err(|e| anyhow!("{s:?} is not a duration like 500ms, 2s, 5m or 1h: {e}"))
 }

@@ -45,6 +45,98 @@ fn a_state_dir_others_could_change_is_refused() {
     assert_eq!(out.code, Some(0), "0755 is fine: {out:?}");
 }
 
+// Mutation caught (#32, point 8): `status` silent about a state directory a run refuses.
+#[test]
+fn status_warns_about_a_state_dir_others_could_change_and_a_fresh_one_is_expected() {
+    let env = Env::new();
+    fs::create_dir(&env.state).unwrap();
+    fs::set_permissions(&env.state, fs::Permissions::from_mode(0o700)).unwrap();
+    let out = env.exec(env.cmd("status"));
+    assert_eq!(out.code, Some(0), "{out:?}");
+    // A new pool: said to be expected before the timer's first run, and how to see when it is.
+    assert!(
+        out.stdout.contains(
+            "no run recorded yet: expected until the timer's first run (`systemctl list-timers"
+        ),
+        "{out:?}"
+    );
+    assert!(!out.stdout.contains("writable by group"), "{out:?}");
+    fs::set_permissions(&env.state, fs::Permissions::from_mode(0o777)).unwrap();
+    let mut c = env.cmd("status");
+    c.arg("--check");
+    let out = env.exec(c);
+    assert_eq!(out.code, Some(1), "{out:?}");
+    assert!(
+        out.stdout.contains("WARNING: state directory")
+            && out
+                .stdout
+                .contains("is writable by group or others (mode 0777)"),
+        "{out:?}"
+    );
+    let mut c = env.cmd("status");
+    c.args(["--output", "json"]);
+    let doc = env.exec(c).json();
+    assert_eq!(doc["healthy"], false, "{doc}");
+    assert!(
+        doc["warnings"][0].as_str().unwrap().contains("chmod go-w"),
+        "{doc}"
+    );
+}
+
+// Mutation caught (#32, point 6): `--forgejo-url …/api/v1` accepted.
+#[test]
+fn a_forgejo_url_with_the_api_path_is_refused_before_any_request() {
+    let env = Env::new();
+    let url = format!("{}/api/v1", env.fake.url());
+    for sub in ["run", "sweep", "check"] {
+        let mut c = env.cmd(sub);
+        c.args(["--forgejo-url", &url]);
+        let out = env.exec(c);
+        assert_eq!(out.code, Some(2), "{sub}: {out:?}");
+        let both = format!("{}{}", out.stdout, out.stderr);
+        assert!(
+            both.contains("ends in the API's path; give Forgejo's base URL")
+                && both.contains(&format!("{:?}", env.fake.url())),
+            "{sub}: {out:?}"
+        );
+    }
+    assert!(env.fake.requests().is_empty(), "{:?}", env.fake.requests());
+}
+
+// Mutation caught (#32, point 7): a negative duration given to clap as a flag of its own
+// (`unexpected argument '-1'`), for any duration flag.
+#[test]
+fn a_negative_duration_says_so_for_every_duration_flag() {
+    let mut flags = std::collections::BTreeSet::new();
+    for sub in ["run", "sweep", "status"] {
+        let help = std::process::Command::new(crate::support::harness::BIN)
+            .args([sub, "--help"])
+            .output()
+            .unwrap();
+        for line in String::from_utf8_lossy(&help.stdout).lines() {
+            let t = line.trim_start();
+            if t.starts_with("--") && t.contains(" <DURATION>") {
+                let flag = t.split_whitespace().next().unwrap().to_string();
+                flags.insert((sub, flag));
+            }
+        }
+    }
+    assert!(flags.len() > 15, "{flags:?}");
+    for (sub, flag) in &flags {
+        let out = std::process::Command::new(crate::support::harness::BIN)
+            .args([sub, flag.as_str(), "-1s"])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{sub} {flag}: {err}");
+        assert!(
+            err.contains(&format!("invalid value '-1s' for '{flag} <DURATION>'"))
+                && err.contains("\"-1s\" is negative; a duration is 0 or more"),
+            "{sub} {flag}: {err}"
+        );
+    }
+}
+
 #[test]
 fn a_state_dir_owned_by_another_user_is_refused() {
     // SAFETY: geteuid has no preconditions.

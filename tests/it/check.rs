@@ -54,8 +54,24 @@ fn a_good_configuration_passes_and_nothing_changes() {
         line(&out.stdout, "labels").contains("debian (host)"),
         "{out:?}"
     );
-    assert!(out.stdout.contains("all 8 checks passed\n"), "{out:?}");
-    assert!(!out.stdout.contains("warn "), "{out:?}");
+    // The fake Forgejo is on loopback, which a VM cannot reach: the one warning.
+    assert!(
+        out.stdout.contains("all 8 checks passed, 1 warning\n"),
+        "{out:?}"
+    );
+    let warnings: Vec<&str> = out
+        .stdout
+        .lines()
+        .filter(|l| l.starts_with("warn "))
+        .collect();
+    assert_eq!(warnings.len(), 1, "{out:?}");
+    assert!(
+        warnings[0].starts_with("warn  configuration: http://127.0.0.1:")
+            && warnings[0].contains(
+                "is a loopback address: the launch command hands it to the runner on the VM"
+            ),
+        "{out:?}"
+    );
     // Only reads reached Forgejo, and the token never reached the output.
     let methods: Vec<String> = env
         .fake
@@ -339,7 +355,7 @@ fn each_label_is_shown_with_its_scheme_and_docker_ones_are_warned_about() {
     let warnings: Vec<&str> = out
         .stdout
         .lines()
-        .filter(|l| l.starts_with("warn "))
+        .filter(|l| l.starts_with("warn  labels:"))
         .collect();
     assert_eq!(warnings.len(), 2, "{out:?}");
     assert!(
@@ -352,7 +368,7 @@ fn each_label_is_shown_with_its_scheme_and_docker_ones_are_warned_about() {
         "{out:?}"
     );
     assert!(
-        out.stdout.contains("all 8 checks passed, 2 warnings"),
+        out.stdout.contains("all 8 checks passed, 3 warnings"),
         "{out:?}"
     );
     // The jobs list is asked for the names, the blank inside one included.
@@ -361,7 +377,70 @@ fn each_label_is_shown_with_its_scheme_and_docker_ones_are_warned_about() {
         "{out:?}"
     );
     let doc = check(&env, &["--labels", "a b", "--output", "json"]).json();
-    assert_eq!(doc["warnings"], 1, "{doc}");
+    assert_eq!(doc["warnings"], 2, "{doc}");
+}
+
+// Mutation caught: no warning for a loopback --forgejo-url (it passes `check`, and can never
+// work from a VM); or one without a launch command, which hands it to no VM.
+#[test]
+fn a_loopback_forgejo_url_is_warned_about_only_with_a_launch_command() {
+    let env = Env::new();
+    let doc = check(&env, &["--output", "json"]).json();
+    let warned = |doc: &serde_json::Value| -> Vec<String> {
+        doc["checks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["check"] == "configuration")
+            .unwrap()["warnings"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|w| w.as_str().unwrap().to_string())
+            .collect()
+    };
+    let w = warned(&doc);
+    assert_eq!(w.len(), 1, "{doc}");
+    assert!(w[0].contains("where it names the VM itself"), "{doc}");
+    // Without a launch command nothing hands the URL to a VM (that line fails instead).
+    let full = env.cmd("check");
+    let args: Vec<std::ffi::OsString> = full.get_args().map(|a| a.to_os_string()).collect();
+    let at = args.iter().position(|a| a == "--launch-command").unwrap();
+    let mut c = std::process::Command::new(full.get_program());
+    c.args(args[..at].iter().chain(&args[at + 2..]));
+    c.args(["--output", "json"]);
+    c.env_clear();
+    for (k, v) in full.get_envs() {
+        if let Some(v) = v {
+            c.env(k, v);
+        }
+    }
+    let doc = env.exec(c).json();
+    assert!(warned(&doc).is_empty(), "{doc}");
+}
+
+// Mutation caught (#32, point 4): a --tofu-dir without a .tf file passes (tofu validates an
+// empty module, and a run would apply it and make no VM).
+#[test]
+fn a_module_directory_without_a_tf_file_fails_and_a_run_refuses_it() {
+    let env = Env::new();
+    let empty = env.tmp.path().join("empty-module");
+    fs::create_dir(&empty).unwrap();
+    fs::write(empty.join("README"), "no module here\n").unwrap();
+    let out = check(&env, &["--tofu-dir", empty.to_str().unwrap()]);
+    assert_eq!(out.code, Some(1), "{out:?}");
+    assert!(
+        line(&out.stdout, "tofu").starts_with(&format!(
+            "FAIL  tofu: --tofu-dir {} holds no .tf file",
+            empty.display()
+        )),
+        "{out:?}"
+    );
+    env.fake.add_job(&["debian"]);
+    let out = env.run(&["--tofu-dir", empty.to_str().unwrap()]);
+    assert_eq!(out.code, Some(2), "{out:?}");
+    assert!(out.stderr.contains("holds no .tf file"), "{out:?}");
+    assert!(env.vm_log().is_empty(), "{}", env.vm_log());
 }
 
 #[test]

@@ -1238,3 +1238,228 @@ fn the_slot_limit_is_max_slots_wherever_it_is_written() {
     // The check bites: against another limit, every place differs.
     assert_eq!(slot_limit_mismatches(max + 1).len(), SLOT_LIMIT_TEXTS.len());
 }
+
+// --- From a fresh clone: what the README and --help tell a new operator (#32) -----------------
+
+/// The lines of the first fenced block after `after` in `text`, without their indentation.
+fn block_after<'a>(text: &'a str, after: &str) -> Vec<&'a str> {
+    let at = text
+        .find(after)
+        .unwrap_or_else(|| panic!("{after:?} not found"));
+    text[at..]
+        .lines()
+        .skip_while(|l| !l.trim_start().starts_with("```"))
+        .skip(1)
+        .take_while(|l| !l.trim_start().starts_with("```"))
+        .map(str::trim_start)
+        .collect()
+}
+
+/// Whether `line` holds the parts of `shown` between its `…`, in order, starting with the first.
+fn matches_abbreviated(shown: &str, line: &str) -> bool {
+    let mut rest = line;
+    for (i, part) in shown.split('…').enumerate() {
+        let part = part.trim();
+        match rest.find(part) {
+            Some(at) if i > 0 || at == 0 => rest = &rest[at + part.len()..],
+            _ => return false,
+        }
+    }
+    true
+}
+
+// Mutation caught (#32, point 1): the README calling `ci-ephemeral-provisioner` with nothing
+// that puts it on PATH, or step 3 showing no output (or not the output the command prints).
+#[test]
+fn the_first_deployment_installs_the_binary_and_shows_what_check_prints() {
+    let readme = read(&root().join("README.md"));
+    let deploy = section(&readme, "## First deployment").join("\n");
+    let install = deploy
+        .find("install -m 0755 dist/ci-ephemeral-provisioner /usr/local/bin/")
+        .expect("the README never puts the binary on PATH");
+    assert!(
+        install < deploy.find("ci-ephemeral-provisioner check").unwrap(),
+        "the binary is called before it is installed"
+    );
+    // The command of step 3, run as written (the token file and state directory made here),
+    // with no tofu on PATH: what the shown output says of a fresh machine.
+    let command: String = block_after(&deploy, "**Check the configuration**")
+        .iter()
+        .map(|l| l.trim_end_matches('\\'))
+        .collect::<Vec<_>>()
+        .join(" ");
+    let tmp = tempfile::tempdir().unwrap();
+    let token = tmp.path().join("forgejo-token");
+    fs::write(&token, "not-a-real-token\n").unwrap();
+    fs::set_permissions(&token, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+    let state = tmp.path().join("state");
+    fs::create_dir(&state).unwrap();
+    let args: Vec<String> = command
+        .split_whitespace()
+        .skip(1)
+        .map(|a| match a {
+            "./forgejo-token" => token.display().to_string(),
+            "\"$(mktemp" | "-d)\"" => String::new(),
+            a => a.to_string(),
+        })
+        .filter(|a| !a.is_empty())
+        .collect();
+    let mut args = args;
+    args.push(state.display().to_string());
+    assert_eq!(args[0], "check", "{command}");
+    let out = Command::new(BIN)
+        .args(&args)
+        .current_dir(root())
+        .env_clear()
+        .env("PATH", "/usr/bin:/bin")
+        .output()
+        .unwrap();
+    let printed = String::from_utf8_lossy(&out.stdout);
+    let shown = block_after(&deploy, "two lines fail");
+    let lines: Vec<&str> = printed.lines().collect();
+    assert_eq!(
+        shown.len(),
+        lines.len(),
+        "README:\n{shown:#?}\nprinted:\n{printed}"
+    );
+    for (s, l) in shown.iter().zip(&lines) {
+        assert!(
+            matches_abbreviated(s, l),
+            "README.md shows\n  {s}\nwhere check prints\n  {l}"
+        );
+    }
+}
+
+#[test]
+fn abbreviated_lines_match_only_in_order() {
+    assert!(matches_abbreviated("ok    a: … b …", "ok    a: x b y"));
+    assert!(!matches_abbreviated("ok    a: … b …", "FAIL  a: x b y"));
+    assert!(!matches_abbreviated("a … c … b", "a b c"));
+}
+
+// Mutation caught (#32, point 10): the README's `./forgejo-token` shown by `git status`.
+#[test]
+fn the_token_file_the_readme_writes_into_the_checkout_is_ignored() {
+    let readme = read(&root().join("README.md"));
+    assert!(readme.contains("--token-file ./forgejo-token"));
+    let ignored = Command::new("git")
+        .args(["check-ignore", "-q", "forgejo-token"])
+        .current_dir(root())
+        .status()
+        .unwrap();
+    assert!(ignored.success(), "git does not ignore ./forgejo-token");
+}
+
+/// The file names `--help` gives (a word with a `/` that is not a path from the root, a URL or
+/// a placeholder), with the line they are on.
+fn relative_paths(help: &str) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    for line in help.lines() {
+        for word in line.split(|c: char| c.is_whitespace() || "`'\",()[]".contains(c)) {
+            let word = word.trim_end_matches(['.', ':', ';']);
+            if word.contains('/')
+                && !word.starts_with(['/', '$', '-', '<', '.'])
+                && !word.contains("://")
+                && !word.contains(['<', '{', '='])
+                && word.rsplit('/').next().is_some_and(|f| f.contains('.'))
+            {
+                out.push((word.to_string(), line.to_string()));
+            }
+        }
+    }
+    out
+}
+
+// Mutation caught (#32, point 5): `--help` suggesting `--fixture fixtures/fresh-cycle.json`, which
+// a release does not ship, as if it were there.
+#[test]
+fn help_names_a_file_of_the_source_only_for_a_checkout() {
+    let mut problems = Vec::new();
+    for args in [
+        &["--help"][..],
+        &["run", "--help"],
+        &["sweep", "--help"],
+        &["status", "--help"],
+        &["check", "--help"],
+    ] {
+        let text = help(args).unwrap_or_default();
+        let in_checkout = text
+            .find("In a checkout of the source")
+            .unwrap_or(text.len());
+        for (path, line) in relative_paths(&text) {
+            let at = text.find(&line).unwrap_or(0);
+            if at < in_checkout {
+                problems.push(format!("{args:?}: {path} ({line})"));
+            }
+        }
+    }
+    assert!(
+        problems.is_empty(),
+        "--help names files a release does not ship:\n{}",
+        problems.join("\n")
+    );
+    // The check sees one.
+    let old = "Try `ci-ephemeral-provisioner run --dry-run --fixture fixtures/fresh-cycle.json --labels debian:host`.";
+    assert_eq!(relative_paths(old)[0].0, "fixtures/fresh-cycle.json");
+}
+
+// Mutation caught (#32, point 12): "with Rust" where Cargo.toml needs a version, or `run --help`
+// without examples (or with one whose flags `run` does not have).
+#[test]
+fn the_readme_names_the_rust_version_and_run_help_ends_with_working_examples() {
+    let cargo = read(&root().join("Cargo.toml"));
+    let version = cargo
+        .lines()
+        .find_map(|l| l.strip_prefix("rust-version = \""))
+        .and_then(|v| v.strip_suffix('"'))
+        .expect("Cargo.toml has a rust-version");
+    let readme = read(&root().join("README.md"));
+    let quick = section(&readme, "## Quick start").join("\n");
+    assert!(
+        quick.contains(&format!("Rust {version} or later")),
+        "the quick start does not say Rust {version} or later"
+    );
+    let text = help(&["run", "--help"]).unwrap();
+    let examples = text
+        .split("\nExamples:\n")
+        .nth(1)
+        .expect("`run --help` has no Examples: section");
+    let flags = help_flags(&text);
+    let check_flags = help_flags(&help(&["check", "--help"]).unwrap());
+    let commands: Vec<String> = examples
+        .split("\n  ci-ephemeral-provisioner ")
+        .skip(1)
+        .map(|c| {
+            c.lines()
+                .take_while(|l| !l.trim_start().starts_with('#'))
+                .map(|l| l.trim().trim_end_matches('\\'))
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .collect();
+    assert!(commands.len() >= 3, "{examples}");
+    for c in &commands {
+        let known = if c.starts_with("check ") {
+            &check_flags
+        } else {
+            &flags
+        };
+        for f in long_flags(c) {
+            assert!(
+                known.contains(&f),
+                "an example has {f}, which it lacks: {c}"
+            );
+        }
+    }
+    // The fixture example runs, in a checkout.
+    let fixture = commands
+        .iter()
+        .find(|c| c.contains("--fixture"))
+        .expect("an example on a fixture");
+    let out = Command::new(BIN)
+        .args(fixture.split_whitespace())
+        .current_dir(root())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{fixture}: {out:?}");
+}

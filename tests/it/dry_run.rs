@@ -3,7 +3,7 @@
 use std::path::Path;
 use std::process::Command;
 
-use crate::support::harness::BIN;
+use crate::support::harness::{BIN, Env};
 use serde_json::{Value, json};
 
 fn plan(fixture: &str, extra: &[&str]) -> (Option<i32>, Value, String) {
@@ -47,7 +47,7 @@ fn idle_world_plans_nothing() {
     assert_eq!(code, Some(0));
     assert_eq!(
         v,
-        json!({"actions": [], "outcome": "idle", "failures": 0}),
+        json!({"actions": [], "outcome": "idle", "failures": []}),
         "nothing to do is exactly this"
     );
     // One document on stdout, how the plan ends included: nothing of it on stderr.
@@ -566,4 +566,109 @@ fn a_dry_sweep_is_refused_by_a_cycle_in_progress_before_forgejo_is_asked() {
     );
     assert!(!err.contains("--ca-file"), "{err}");
     assert!(out.stdout.is_empty(), "no plan is printed");
+}
+
+/// A dry-run against Forgejo itself (the fake), with the harness's flags and `extra`.
+fn live_dry(env: &Env, sub: &str, extra: &[&str]) -> crate::support::harness::Outcome {
+    let mut c = env.cmd(sub);
+    c.arg("--dry-run");
+    c.args(extra);
+    env.exec(c)
+}
+
+// Mutation caught (#32, point 2): a failed read counted twice (its consequence, "the next run
+// asks again", as a second error), or its message left out of the JSON plan.
+#[test]
+fn a_forgejo_that_does_not_resolve_is_one_error_with_its_message_and_a_dns_hint() {
+    let env = Env::new();
+    let out = live_dry(
+        &env,
+        "run",
+        &[
+            "--forgejo-url",
+            "https://forgejo.invalid",
+            "--output",
+            "json",
+        ],
+    );
+    assert_eq!(out.code, Some(1), "{out:?}");
+    let doc = out.json();
+    let failures = doc["failures"].as_array().unwrap();
+    assert_eq!(failures.len(), 1, "{doc}");
+    let f = failures[0].as_str().unwrap();
+    assert!(
+        f.starts_with("asking Forgejo for jobs failed: GET https://forgejo.invalid/api/v1/")
+            && f.contains("the host name of --forgejo-url does not resolve"),
+        "{doc}"
+    );
+    assert!(!out.stderr.contains("next run"), "{out:?}");
+    let out = live_dry(&env, "run", &["--forgejo-url", "https://forgejo.invalid"]);
+    assert_eq!(out.code, Some(1), "{out:?}");
+    assert!(
+        out.stdout.starts_with("plan: none: the dry-run could not read what it plans on (failed)\n1 error(s), logged above"),
+        "{out:?}"
+    );
+}
+
+// Mutation caught (#32, point 3): a dry-run that plans tofu_apply and exits 0 where a live run
+// with the same flags is refused (no tofu, no module, no launch command).
+#[test]
+fn a_dry_run_stops_where_a_live_run_would_refuse_its_tofu_or_launch_command() {
+    let env = Env::new();
+    env.fake.add_job(&["debian"]);
+    let nowhere = env.tmp.path().join("no-such-module");
+    for (flags, says) in [
+        (
+            vec!["--tofu-bin", "no-such-tofu"],
+            "--tofu-bin no-such-tofu is not an executable".to_string(),
+        ),
+        (
+            vec!["--tofu-dir", nowhere.to_str().unwrap()],
+            format!("--tofu-dir {} is not a directory", nowhere.display()),
+        ),
+        (
+            vec!["--launch-command", "/no/such/launch"],
+            "--launch-command /no/such/launch is not an executable file".to_string(),
+        ),
+    ] {
+        let out = live_dry(&env, "run", &flags);
+        assert_eq!(out.code, Some(2), "{flags:?}: {out:?}");
+        assert!(
+            out.stdout.contains(&format!(
+                "a live run stops here (exit 2): a job is waiting but {says}"
+            )),
+            "{flags:?}: {out:?}"
+        );
+        assert!(!out.stdout.contains("tofu_apply"), "{flags:?}: {out:?}");
+        let mut json = flags.clone();
+        json.extend(["--output", "json"]);
+        let doc = live_dry(&env, "run", &json).json();
+        assert_eq!(doc["outcome"], "configuration_error", "{doc}");
+        assert!(
+            doc["failures"][0].as_str().unwrap().contains(&says),
+            "{doc}"
+        );
+    }
+    // With every flag right, the same world plans the VM (exit 0).
+    let out = live_dry(&env, "run", &[]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert!(out.stdout.contains("  tofu_apply\n"), "{out:?}");
+    assert!(env.fake.requests().iter().all(|r| r.method == "GET"));
+    assert!(env.vm_log().is_empty(), "{}", env.vm_log());
+}
+
+// Mutation caught (#32, point 9): an empty sweep plan printed as "nothing to do (would_sweep)".
+#[test]
+fn a_dry_sweep_with_nothing_to_delete_says_what_it_looked_at() {
+    let out = Command::new(BIN)
+        .args(["sweep", "--dry-run", "--fixture", "fixtures/idle.json"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{stdout}");
+    assert_eq!(
+        stdout,
+        "plan: nothing to delete (3 registration(s) listed, none of them ours, offline and old enough to sweep)\n"
+    );
 }

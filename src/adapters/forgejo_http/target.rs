@@ -115,6 +115,17 @@ pub fn validate_url(url: &str) -> anyhow::Result<String> {
     if uri.query().is_some() {
         bail!("{url:?} must not have a query string");
     }
+    // Every request adds /api/v1 itself: a URL that ends in it would ask /api/v1/api/v1/….
+    let path = uri.path().trim_end_matches('/');
+    if let Some(base) = ["/api/v1", "/api"].iter().find_map(|api| {
+        path.to_ascii_lowercase()
+            .ends_with(api)
+            .then(|| &trimmed[..trimmed.len() - api.len()])
+    }) {
+        bail!(
+            "{url:?} ends in the API's path; give Forgejo's base URL, {base:?}: every request adds /api/v1 itself"
+        );
+    }
     match uri.scheme_str() {
         Some("https") => Ok(trimmed.to_string()),
         Some("http") if is_loopback_host(host) => Ok(trimmed.to_string()),
@@ -146,6 +157,14 @@ pub fn major_version(version: &str) -> Option<u64> {
         return None;
     }
     digits.parse().ok()
+}
+
+/// Whether `url` names a loopback host (this host alone can reach it).
+pub fn is_loopback_url(url: &str) -> bool {
+    url.parse::<ureq::http::Uri>()
+        .ok()
+        .and_then(|u| u.host().map(is_loopback_host))
+        .unwrap_or(false)
 }
 
 pub(super) fn is_loopback_host(host: &str) -> bool {
