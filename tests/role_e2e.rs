@@ -2005,6 +2005,10 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
             "tofu_module_src": root().join("tests/role/module"),
             "environment": {
                 "VM_DIR": hetzner_vm,
+                // The example's FILL IN values, which the role refuses (the test module reads
+                // neither).
+                "TF_VAR_forgejo_runner_sha256": "0".repeat(64),
+                "TF_VAR_ssh_source_ips": "[\"127.0.0.1/32\"]",
                 "TF_VAR_ssh_key_path": "/etc/e2e/id_vm",
                 "TF_VAR_known_hosts": fs::read_to_string(work.join("known_hosts")).unwrap().trim(),
             },
