@@ -400,7 +400,87 @@ pub struct StatusArgs {
     pub max_cycle_duration: Duration,
 
     #[command(flatten)]
+    pub remote: RemoteArgs,
+
+    #[command(flatten)]
     pub local: LocalArgs,
+}
+
+/// `status --remote`, and the flags it reads: those of `run` and `sweep` of the same names and
+/// variables (so the pool's environment file serves it as it is).
+#[derive(Debug, Args)]
+pub struct RemoteArgs {
+    /// Also show what the pool owns outside this host, read-only: its registrations in Forgejo
+    /// (GET requests only; each with the cycle that holds it and what a sweep would do with it)
+    /// and the resources in the module's tofu state (`tofu show -json`; none without
+    /// --tofu-dir). Takes the Forgejo flags of `sweep` and --tofu-bin, --tofu-dir of `run`; the
+    /// token must be readable by this user (or on standard input, --token-file -).
+    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_REMOTE")]
+    pub remote: bool,
+
+    /// With --remote: `run`'s flag of the same name and variable.
+    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_FORGEJO_URL", value_name = "URL")]
+    pub forgejo_url: Option<String>,
+
+    /// With --remote: `run`'s flag of the same name and variable.
+    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_TOKEN_FILE", value_name = "PATH")]
+    pub token_file: Option<PathBuf>,
+
+    /// With --remote: `run`'s flag of the same name and variable.
+    #[arg(
+        long,
+        env = "CI_EPHEMERAL_PROVISIONER_SCOPE",
+        default_value = "admin",
+        value_name = "SCOPE"
+    )]
+    pub scope: String,
+
+    /// With --remote: `run`'s flag of the same name and variable.
+    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_CA_FILE", value_name = "PATH")]
+    pub ca_file: Option<PathBuf>,
+
+    /// With --remote: `run`'s flag of the same name and variable.
+    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_HTTP_TIMEOUT", default_value = "30s", value_parser = parse_duration, value_name = "DURATION", allow_hyphen_values = true)]
+    pub http_timeout: Duration,
+
+    /// With --remote: `run`'s flag of the same name and variable: whose registrations are shown.
+    #[arg(
+        long,
+        env = "CI_EPHEMERAL_PROVISIONER_RUNNER_PREFIX",
+        default_value = "ephemeral-",
+        value_name = "PREFIX"
+    )]
+    pub runner_prefix: String,
+
+    /// With --remote: `sweep`'s flag of the same name and variable.
+    #[arg(
+        long,
+        env = "CI_EPHEMERAL_PROVISIONER_SWEEP_MAX_DELETIONS",
+        default_value_t = 50,
+        value_name = "N"
+    )]
+    pub sweep_max_deletions: usize,
+
+    /// With --remote: `sweep`'s flag of the same name and variable.
+    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_REGISTRATION_GRACE", default_value = "3m", value_parser = parse_duration, value_name = "DURATION", allow_hyphen_values = true)]
+    pub registration_grace: Duration,
+
+    /// With --remote: `sweep`'s flag of the same name and variable.
+    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_LAUNCH_TIMEOUT", default_value = "2m", value_parser = parse_duration, value_name = "DURATION", allow_hyphen_values = true)]
+    pub launch_timeout: Duration,
+
+    /// With --remote: `run`'s flag of the same name and variable.
+    #[arg(
+        long,
+        env = "CI_EPHEMERAL_PROVISIONER_TOFU_BIN",
+        default_value = "tofu",
+        value_name = "PATH"
+    )]
+    pub tofu_bin: PathBuf,
+
+    /// With --remote: `run`'s flag of the same name and variable.
+    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_TOFU_DIR", value_name = "DIR")]
+    pub tofu_dir: Option<PathBuf>,
 }
 
 /// Flags every subcommand has: where the state lives, how to print, how much to log.

@@ -91,6 +91,12 @@ impl CliTofu {
         self.run(cycle_id, &args).map(|_| ())
     }
 
+    /// `tofu show -json` of this slot's state: it reads the state and changes nothing (no init,
+    /// no lock, no refresh). For `status --remote`.
+    pub fn show_state(&self) -> Result<Vec<u8>, StepError> {
+        self.run("status", &["show", "-json", "-no-color"])
+    }
+
     fn dir(&self) -> Result<&Path, StepError> {
         self.dir.as_deref().ok_or_else(|| {
             StepError::failed("--tofu-dir is not set; it names the directory of the VM module")

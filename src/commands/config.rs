@@ -136,7 +136,12 @@ pub(crate) fn forgejo_target(common: &ForgejoArgs) -> Result<(String, Scope), Fa
 /// How long after a registration's POST it has landed or never will: twice the longest a POST
 /// can take from our side (`--http-timeout`).
 pub(crate) fn intent_settle(common: &ForgejoArgs) -> Duration {
-    common.http_timeout.saturating_mul(2)
+    intent_settle_of(common.http_timeout)
+}
+
+/// [`intent_settle`] of an `--http-timeout`.
+pub(crate) fn intent_settle_of(http_timeout: Duration) -> Duration {
+    http_timeout.saturating_mul(2)
 }
 
 /// The age below which the sweep spares a registration of ours: its owner may still be starting

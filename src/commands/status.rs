@@ -1,4 +1,7 @@
-//! `status`: reads the state directory (no lock, writes nothing) and prints what it found.
+//! `status`: reads the state directory (no lock, writes nothing) and prints what it found;
+//! with `--remote` also what the pool owns outside this host (`remote`).
+
+mod remote;
 
 use std::fs;
 use std::path::Path;
@@ -63,14 +66,29 @@ pub fn cmd_status(a: StatusArgs) -> Result<u8, Fatal> {
         w.insert(0, why.into());
         doc["healthy"] = false.into();
     }
+    if a.remote.remote {
+        doc["remote"] = remote::gather(&a.remote, &slot, crate::adapters::clock::wall_now())?;
+    }
     match a.local.output {
         OutputFormat::Json => {
             println!("{}", serde_json::to_string_pretty(&doc).unwrap_or_default());
         }
-        OutputFormat::Text => println!("{}", crate::core::status::text(&doc)),
+        OutputFormat::Text => {
+            println!("{}", crate::core::status::text(&doc));
+            if a.remote.remote {
+                // Names and errors come from Forgejo and tofu: one line each, escaped.
+                for l in crate::core::status::remote::text_lines(&doc["remote"]) {
+                    println!("{}", crate::core::escape::escape_controls(&l));
+                }
+            }
+        }
     }
     let healthy = doc["healthy"].as_bool().unwrap_or(false);
-    Ok(if a.check && !healthy {
+    // What could not be read outside this host is a failure, as a run's would be.
+    let unread = ["forgejo", "tofu"]
+        .iter()
+        .any(|k| !doc["remote"][k]["error"].is_null());
+    Ok(if (a.check && !healthy) || unread {
         EXIT_FAILED
     } else {
         EXIT_OK

@@ -315,6 +315,14 @@ fn sweep_licence(
     }
 }
 
+/// Why a `sweep` of this slot would be refused now (`status --remote`), by the sweep's own
+/// licence: what cycle.json at `path` holds, or that it cannot be read.
+pub(crate) fn sweep_refusal(path: &Path) -> Option<String> {
+    sweep_licence(read_state_file(path), &path.display().to_string(), || None)
+        .err()
+        .map(|r| r.message)
+}
+
 /// The last `tofu destroy` that succeeded, from the counters, for the sweep's evidence.
 fn last_destroy(dir: &Path) -> Option<DestroyRecord> {
     match crate::adapters::files::load_counters(dir) {
@@ -441,9 +449,14 @@ pub(crate) fn http_forgejo(
 
 /// The tofu CLI of a live run (and of `check`'s probe of it).
 pub(crate) fn tofu(a: &RunArgs, slot: &SlotDir, stop: StopFlag) -> CliTofu {
+    slot_tofu(&a.tofu_bin, a.tofu_dir.as_deref(), slot, stop)
+}
+
+/// The tofu CLI of a slot: `bin` on the module in `dir` (also `status --remote`'s).
+pub(crate) fn slot_tofu(bin: &Path, dir: Option<&Path>, slot: &SlotDir, stop: StopFlag) -> CliTofu {
     CliTofu {
-        bin: a.tofu_bin.clone(),
-        dir: a.tofu_dir.clone(),
+        bin: bin.to_path_buf(),
+        dir: dir.map(Path::to_path_buf),
         slot: slot.k,
         pinned: slot.n > 1,
         // Absolute: tofu runs with -chdir into the module directory.

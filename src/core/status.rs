@@ -1,6 +1,8 @@
 //! `status`: the cycle in progress, the last run, the last events, and the warnings that make
 //! `status --check` fail (a health check). Read-only: takes no lock, writes nothing.
 
+pub mod remote;
+
 use std::time::Duration;
 
 use serde_json::Value;

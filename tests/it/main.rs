@@ -21,6 +21,7 @@ mod isolation;
 mod layering;
 mod observability;
 mod properties;
+mod remote;
 mod reuse;
 mod secrets;
 mod slots;

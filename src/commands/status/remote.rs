@@ -1,0 +1,114 @@
+//! `status --remote`: what the pool owns outside this host, read-only. Its registrations in
+//! Forgejo (every page listed with GET requests, as the sweep lists them) and the resources in
+//! the module's tofu state (`tofu show -json`, which reads the state and changes nothing).
+
+use serde_json::{Value, json};
+
+use crate::adapters::files::{FileStore, SlotDir, pool_slot_dirs, read_state_file};
+use crate::adapters::forgejo_http::{HttpForgejo, Scope, load_ca_file, validate_url};
+use crate::adapters::signals::StopFlag;
+use crate::cli::RemoteArgs;
+use crate::commands::config::{check_prefix, intent_settle_of, read_token};
+use crate::commands::exit::{Fatal, usage};
+use crate::commands::wiring::{slot_tofu, sweep_refusal};
+use crate::core::forgejo::Runner;
+use crate::core::ports::{StateStore, Tofu};
+use crate::core::state::STATE_FILE;
+use crate::core::status::remote::{holders, registrations, state_resources};
+use crate::core::sweep::gate::is_ours;
+use crate::core::sweep::spare::{SweepGuard, sweep_min_age};
+use crate::core::time::Timestamp;
+use crate::driver::sweep::list_all;
+
+/// The `remote` part of `status`'s document: `forgejo` and `tofu`, each with its `error` when it
+/// could not be read. A flag that is wrong (or no token) is a usage error, before any request.
+pub(super) fn gather(a: &RemoteArgs, slot: &SlotDir, now: Timestamp) -> Result<Value, Fatal> {
+    check_prefix(&a.runner_prefix)?;
+    let url = a.forgejo_url.as_deref().ok_or_else(|| {
+        usage("status --remote needs --forgejo-url (or CI_EPHEMERAL_PROVISIONER_FORGEJO_URL), as `sweep` does")
+    })?;
+    let url = validate_url(url).map_err(|e| usage(format!("--forgejo-url: {e:#}")))?;
+    let scope = Scope::parse(&a.scope).map_err(|e| usage(format!("--scope: {e:#}")))?;
+    let ca = match &a.ca_file {
+        Some(path) => Some(load_ca_file(path).map_err(|e| usage(format!("--ca-file: {e:#}")))?),
+        None => None,
+    };
+    let token = read_token(&a.token_file)?;
+    let mut forgejo = HttpForgejo::new(&url, scope, &token, &[], a.http_timeout, ca.as_deref());
+    drop(token);
+    let mut doc = json!({
+        "url": url,
+        "scope": a.scope,
+        "runner_prefix": a.runner_prefix,
+    });
+    match forgejo_registrations(a, slot, &mut forgejo, now) {
+        Ok(found) => {
+            for (k, v) in found {
+                doc[k] = v;
+            }
+        }
+        Err(e) => doc["error"] = json!(format!("{e:#}")),
+    }
+    Ok(json!({"forgejo": doc, "tofu": tofu_state(a, slot)}))
+}
+
+/// Every registration with the prefix, with the cycle that holds it and the sweep's verdict.
+fn forgejo_registrations(
+    a: &RemoteArgs,
+    slot: &SlotDir,
+    forgejo: &mut HttpForgejo,
+    now: Timestamp,
+) -> anyhow::Result<Vec<(&'static str, Value)>> {
+    let prefix = a.runner_prefix.as_str();
+    let ours = |r: &Runner| is_ours(r.name.as_deref(), prefix);
+    let listing = list_all(forgejo, &ours)?;
+    // What the sweep reads of the pool's other slots, and what every slot's cycle.json holds.
+    let others = FileStore::slot(slot.clone()).others()?;
+    let mut cycles = Vec::new();
+    for (k, dir) in pool_slot_dirs(&slot.pool)? {
+        if let Some(state) = read_state_file(&dir.join(STATE_FILE))? {
+            cycles.push((k, state));
+        }
+    }
+    let held = holders(cycles.iter().map(|(k, s)| (*k, s)));
+    let guard = SweepGuard {
+        now,
+        min_age: sweep_min_age(
+            a.registration_grace,
+            a.launch_timeout,
+            intent_settle_of(a.http_timeout),
+        ),
+        held: others.names,
+    };
+    let rows = registrations(&listing, prefix, a.sweep_max_deletions, &guard, &held);
+    Ok(vec![
+        ("listed", json!(listing.distinct)),
+        ("complete", json!(listing.complete)),
+        ("registrations", json!(rows)),
+        (
+            "sweep_refused",
+            json!(sweep_refusal(&slot.dir().join(STATE_FILE))),
+        ),
+    ])
+}
+
+/// The managed resources in this slot's tofu state; `skipped` without --tofu-dir, `error` when
+/// tofu cannot run or read it.
+fn tofu_state(a: &RemoteArgs, slot: &SlotDir) -> Value {
+    let Some(dir) = a.tofu_dir.as_deref() else {
+        return json!({"skipped": "no --tofu-dir: the module directory holds the state (or names its backend)"});
+    };
+    let shown = dir.display().to_string();
+    let tofu = slot_tofu(&a.tofu_bin, Some(dir), slot, StopFlag::default());
+    if let Err(e) = tofu.check_config() {
+        return json!({"tofu_dir": shown, "error": format!("{e:#}")});
+    }
+    let read = tofu.show_state().map_err(|e| e.message).and_then(|out| {
+        serde_json::from_slice::<Value>(&out)
+            .map_err(|e| format!("`tofu show -json` did not print JSON ({e})"))
+    });
+    match read {
+        Ok(show) => json!({"tofu_dir": shown, "resources": state_resources(&show)}),
+        Err(e) => json!({"tofu_dir": shown, "error": e}),
+    }
+}
