@@ -348,10 +348,15 @@ fn render_runs(o: &mut Out, c: &Counters, running: Option<Timestamp>) {
 
 /// The cycle in progress and the pool's failure backoff.
 fn render_cycle(o: &mut Out, cycle: &CycleView<'_>, backoff: Option<&Backoff>) {
-    let (active, started, jobs) = match cycle {
-        CycleView::None => (0, None, 0),
-        CycleView::Active(s) => (1, Some(s.started_at), s.jobs_started),
-        CycleView::Unreadable => (1, None, 0),
+    let (active, started, jobs, warm) = match cycle {
+        CycleView::None => (0, None, 0, false),
+        CycleView::Active(s) => (
+            1,
+            Some(s.started_at),
+            s.jobs_started,
+            crate::core::warm::is_unused_warm(s),
+        ),
+        CycleView::Unreadable => (1, None, 0, false),
     };
     o.one(
         "cycle_active",
@@ -367,6 +372,12 @@ fn render_cycle(o: &mut Out, cycle: &CycleView<'_>, backoff: Option<&Backoff>) {
     if let Some(t) = started {
         o.sample("cycle_start_timestamp_seconds", &[], secs(t));
     }
+    o.one(
+        "cycle_warm",
+        "gauge",
+        "1 while the cycle in progress is a warm VM no job has used yet (--warm).",
+        u8::from(warm),
+    );
     o.one(
         "cycle_jobs_started",
         "gauge",
@@ -483,6 +494,21 @@ mod tests {
         r.finished_at = Some(Timestamp(at_ms + 1500));
         r.duration_ms = 1500;
         r
+    }
+
+    // Mutation caught: a warm VM's cycle not told from a cycle serving jobs (the dashboard's
+    // "warm" count would be a guess).
+    #[test]
+    fn a_warm_unused_vm_is_counted_as_warm_and_one_serving_jobs_is_not() {
+        let mut s = CycleState::new("c1".into(), Timestamp(1_000));
+        s.warm = true;
+        let text =
+            |s: &CycleState| render(&Counters::default(), &CycleView::Active(s), None, None, &[]);
+        assert!(text(&s).contains("\nci_ephemeral_provisioner_cycle_warm 1\n"));
+        s.jobs_started = 1;
+        assert!(text(&s).contains("\nci_ephemeral_provisioner_cycle_warm 0\n"));
+        let none = render(&Counters::default(), &CycleView::None, None, None, &[]);
+        assert!(none.contains("\nci_ephemeral_provisioner_cycle_warm 0\n"));
     }
 
     #[test]

@@ -3,6 +3,8 @@
 //! (stdout and last-run.json), the audit trail (events.jsonl and its rotation), the Prometheus
 //! text file, `status` (and `status --check`), and the logs under journald.
 
+mod dashboard;
+
 use std::collections::BTreeMap;
 use std::fs;
 use std::os::unix::fs::MetadataExt;
