@@ -214,7 +214,8 @@ fn qemu_vms_boot_serve_two_jobs_and_are_destroyed() {
     lap("qemu: waiting for the VM image (examples/qemu/build-image)");
     // (An image built by hand, with no build running, is taken as it is.)
     let building = PathBuf::from(format!("{}.pid", image.display()));
-    while !ready.exists() && !(image.join("disk.qcow2").exists() && !building.exists()) {
+    let usable = || ready.exists() || (image.join("disk.qcow2").exists() && !building.exists());
+    while !usable() {
         assert!(
             !failed.exists(),
             "examples/qemu/build-image failed:\n{}",
