@@ -14,6 +14,8 @@
 #   provisioner for a resource whose create failed).
 #   VM_ACCEL=auto tries KVM when /dev/kvm can be opened and keeps it only if the guest boots under
 #   it within VM_KVM_PROOF_SECONDS (a /dev/kvm whose guests hang exists); else it boots with TCG.
+#   The guest's CPU: VM_KVM_CPU (default host) under KVM, VM_TCG_CPU (default qemu64, which TCG
+#   runs faster than max) under TCG.
 #
 # destroy: stops the VM (its unit, or the pid in qemu.pid if it is this VM's QEMU), then ends any
 #   process left whose command line names this VM's directory, and removes the directory. Exits
@@ -51,16 +53,13 @@ sctl() {
     esac
 }
 
-# The processes whose command line names $VM_DIR (this VM's QEMU, whoever started it).
+# The processes whose command line names $VM_DIR (this VM's QEMU, whoever started it): one grep
+# over every /proc/PID/cmdline, its pattern written so that it never matches grep's own.
 ours() {
-    for c in /proc/[0-9]*/cmdline; do
-        p=${c#/proc/}
-        p=${p%/cmdline}
-        [ "$p" != $$ ] || continue
-        if { tr '\0' '\n' < "$c"; } 2> /dev/null | grep -qF -e "$VM_DIR/"; then
-            echo "$p"
-        fi
-    done
+    local esc
+    esc=$(printf '%s/' "$VM_DIR" | sed 's/[].[\*^$]/\\&/g')
+    grep -la -e "[${esc:0:1}]${esc:1}" /proc/[0-9]*/cmdline 2> /dev/null |
+        sed -n 's|^/proc/\([0-9]*\)/cmdline$|\1|p' | grep -vx -e "$$" || true
 }
 
 # Stops whatever runs of this VM; 0 once no process of it is left.
@@ -287,7 +286,7 @@ $VM_NAME
 -machine
 q35,accel=$1
 -cpu
-$([ "$1" = kvm ] && echo host || echo "${VM_TCG_CPU:-qemu64}")
+$([ "$1" = kvm ] && echo "${VM_KVM_CPU:-host}" || echo "${VM_TCG_CPU:-qemu64}")
 -smp
 $VM_CPUS
 -m

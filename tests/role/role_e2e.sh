@@ -151,12 +151,19 @@ down)
     rm -f "$work/nspawn.pid"
     # nspawn --keep-unit makes payload/ and supervisor/ cgroups under ours; an orderly poweroff
     # leaves them empty, a killed container leaves its whole tree. Remove them depth first.
-    for h in systemd unified; do
-        cg=$(cgroup_of $h)
-        for d in "$cg/payload" "$cg/supervisor"; do
-            [ -d "$d" ] && find "$d" -depth -type d -exec rmdir {} \; 2>/dev/null
+    # (The kernel may release them a moment after nspawn exits: a few tries.)
+    for _ in $(seq 25); do
+        left=
+        for h in systemd unified; do
+            cg=$(cgroup_of $h)
+            for d in "$cg/payload" "$cg/supervisor"; do
+                [ -d "$d" ] && find "$d" -depth -type d -exec rmdir {} \; 2>/dev/null
+                [ ! -d "$d" ] || left=1
+            done
+            [ -z "$E2E_CGROUP" ] || rmdir "$cg" 2>/dev/null || true
         done
-        [ -z "$E2E_CGROUP" ] || rmdir "$cg" 2>/dev/null || true
+        [ -n "$left" ] || break
+        sleep 0.2
     done
     true
     ;;
