@@ -278,6 +278,9 @@ pick_port() {
 }
 
 cmdline="root=LABEL=root rw console=ttyS0 panic=-1 ${VM_KERNEL_ARGS:-}"
+# With a bridge, the user network card (MAC 52:54:00:c1:00:01) gives no route: the image's
+# 40-user-bridged.network matches it under ci.bridge.
+[ -z "${VM_BRIDGE:-}" ] || cmdline="$cmdline ci.bridge"
 # QEMU's argv for accel $1 and port $2 (one word per line; no word holds a newline).
 qemu_args() {
     cat << EOF
@@ -309,14 +312,16 @@ if=virtio,file=$VM_DIR/seed.img,format=raw,readonly=on
 -netdev
 user,id=n0,restrict=$restrict,hostfwd=tcp:127.0.0.1:$2-:22$guestfwds
 -device
-virtio-net-pci,netdev=n0
+virtio-net-pci,netdev=n0,mac=52:54:00:c1:00:01
 -serial
 file:$VM_DIR/console.log
 -device
 virtio-rng-pci
 EOF
     if [ -n "${VM_BRIDGE:-}" ]; then
-        printf '%s\n' -netdev "bridge,id=n1,br=$VM_BRIDGE" -device virtio-net-pci,netdev=n1
+        # A MAC of its own on the bridge's network, random (QEMU's prefix).
+        mac=52:54:00:$(od -An -N3 -tx1 /dev/urandom | sed 's/^ *//; s/ /:/g')
+        printf '%s\n' -netdev "bridge,id=n1,br=$VM_BRIDGE" -device "virtio-net-pci,netdev=n1,mac=$mac"
     fi
     if [ "$supervisor" = pidfile ]; then
         printf '%s\n' -daemonize -pidfile "$VM_DIR/qemu.pid"
