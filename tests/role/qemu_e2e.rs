@@ -152,6 +152,43 @@ fn kvm_falls_back_to_tcg(image: &Path, work: &Path) {
     nothing_left("kvm-only", &out);
 }
 
+/// A VM whose QEMU exits while it boots (its init exits at once, the kernel panics and, with
+/// `panic=-1` and `-no-reboot`, QEMU ends) is a failed create that leaves nothing: no directory,
+/// no process.
+fn a_vm_that_dies_is_a_failed_apply(image: &Path, work: &Path) {
+    lap("qemu: a VM that dies while it boots");
+    let dir = work.join("dying-vms");
+    let env: Vec<(&str, String)> = vec![
+        ("VM_NAME", "dies".into()),
+        ("VM_DIR", dir.join("dies").display().to_string()),
+        ("VM_IMAGE_DIR", image.display().to_string()),
+        ("VM_MEMORY", "1024".into()),
+        ("VM_CPUS", "1".into()),
+        ("VM_ACCEL", "tcg".into()),
+        ("VM_BOOT_SECONDS", "300".into()),
+        ("VM_SUPERVISOR", "pidfile".into()),
+        ("VM_SSH_USER", "runner".into()),
+        ("VM_RUNNER_DIR", "/var/lib/forgejo-runner".into()),
+        ("VM_KERNEL_ARGS", "init=/bin/false".into()),
+    ];
+    let (ok, out) = vm_sh("create", &env);
+    assert!(!ok, "a VM without a root file system was created:\n{out}");
+    assert!(
+        out.contains("QEMU exited while the VM booted"),
+        "the create failed for another reason:\n{out}"
+    );
+    assert!(!dir.join("dies").exists(), "it left its directory:\n{out}");
+    let left = Command::new("pgrep")
+        .args(["-f", &dir.display().to_string()])
+        .output()
+        .unwrap();
+    assert!(
+        !left.status.success(),
+        "it left QEMU running: {}",
+        String::from_utf8_lossy(&left.stdout)
+    );
+}
+
 /// The role's variables for the QEMU pool: examples/qemu, the role's launch command with the
 /// module's outputs, isolated VMs whose one forward reaches the fake Forgejo.
 fn qemu_vars(fake: &FakeForgejo, source: &Source) -> String {
@@ -241,6 +278,7 @@ fn qemu_vms_boot_serve_two_jobs_and_are_destroyed() {
     ));
 
     kvm_falls_back_to_tcg(&image, work);
+    a_vm_that_dies_is_a_failed_apply(&image, work);
 
     let fake = FakeForgejo::start(API_TOKEN);
     lap("qemu: booting its container");
@@ -269,6 +307,10 @@ fn qemu_vms_boot_serve_two_jobs_and_are_destroyed() {
         .find(|l| l.starts_with("ok    boot: "))
         .unwrap_or_else(|| panic!("the canary did not pass:\n{canary}\n{out}"));
     eprintln!("  {boot}");
+    assert!(
+        canary.contains(" destroy -input=false"),
+        "the canary ran no tofu destroy:\n{canary}"
+    );
     for part in [
         "forgejo-runner version v12.8.2",
         "apply ",
