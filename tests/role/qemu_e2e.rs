@@ -304,7 +304,8 @@ fn qemu_vms_boot_serve_two_jobs_and_are_destroyed() {
     let canary = host.journal(CANARY);
     let boot = canary
         .lines()
-        .find(|l| l.starts_with("ok    boot: "))
+        .rfind(|l| l.starts_with("ok    boot: ") || l.starts_with("FAIL  boot: "))
+        .filter(|l| l.starts_with("ok    "))
         .unwrap_or_else(|| panic!("the canary did not pass:\n{canary}\n{out}"));
     eprintln!("  {boot}");
     assert!(
