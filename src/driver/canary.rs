@@ -84,23 +84,48 @@ fn timed<T>(
 /// Boots, probes and destroys one canary VM. Run with the slot's lock held.
 pub fn run(w: &mut CanaryWorld<'_>, cfg: &CanaryConfig<'_>) -> Canary {
     let mut c = Canary::new();
-    let found = match w.store.load() {
+    if let Err(end) = clear_the_slot(w, &mut c) {
+        c.end = end;
+        return c;
+    }
+    let mut state = match start(w, cfg) {
         Ok(s) => s,
-        Err(e) => {
-            c.end = CanaryEnd::Failed(format!("{e:#}; no canary was started"));
+        Err(why) => {
+            c.end = CanaryEnd::Failed(why);
             return c;
         }
     };
+    let id = state.cycle_id.clone();
+    c.cycle_id = Some(id.clone());
+    let failed = boot_and_probe(w, cfg, &mut state, &mut c);
+    // The VM goes, whatever happened.
+    let t = teardown(w, &mut state, "the canary is done");
+    let destroy_failed = t.result.clone().err();
+    c.destroy = Some(t);
+    c.end = match (destroy_failed, failed) {
+        (Some(e), _) => end_of_failed_destroy(&id, e),
+        (None, Some((why, true))) => CanaryEnd::Interrupted(why),
+        (None, Some((why, false))) => CanaryEnd::Failed(why),
+        (None, None) => verdict(&c),
+    };
+    c
+}
+
+/// What the slot's cycle.json holds before the canary: nothing (`Ok`), a canary left by a killed
+/// one (destroyed first: `Ok` once it is gone), or a cycle of the pool (`Err`: refused).
+fn clear_the_slot(w: &mut CanaryWorld<'_>, c: &mut Canary) -> Result<(), CanaryEnd> {
+    let found = w
+        .store
+        .load()
+        .map_err(|e| CanaryEnd::Failed(format!("{e:#}; no canary was started")))?;
     match before(found.as_ref()) {
-        Before::Refuse { cycle_id } => {
-            c.end = CanaryEnd::Refused(format!(
-                "cycle {cycle_id} is in progress in this slot, and the canary never runs beside a cycle: try again once `status` shows none"
-            ));
-            return c;
-        }
+        Before::Run => Ok(()),
+        Before::Refuse { cycle_id } => Err(CanaryEnd::Refused(format!(
+            "cycle {cycle_id} is in progress in this slot, and the canary never runs beside a cycle: try again once `status` shows none"
+        ))),
         Before::DestroyLeftover { cycle_id } => {
             let Some(mut leftover) = found else {
-                return c;
+                return Ok(());
             };
             log::warn!(
                 "cycle {cycle_id} is the VM of a `check --boot` that did not finish: destroying it first"
@@ -108,117 +133,104 @@ pub fn run(w: &mut CanaryWorld<'_>, cfg: &CanaryConfig<'_>) -> Canary {
             let t = teardown(w, &mut leftover, "a canary that did not finish");
             let failed = t.result.clone().err();
             c.leftover = Some((cycle_id.clone(), t));
-            if let Some(e) = failed {
-                c.end = end_of_failed_destroy(&cycle_id, e);
-                return c;
+            match failed {
+                Some(e) => Err(end_of_failed_destroy(&cycle_id, e)),
+                None => Ok(()),
             }
         }
-        Before::Run => {}
     }
+}
 
+/// The canary's cycle, written before tofu makes its VM (slot K >= 2's ids end in `-sK`).
+fn start(w: &mut CanaryWorld<'_>, cfg: &CanaryConfig<'_>) -> Result<CycleState, String> {
     let now = w.clock.now();
     let id = match cfg.slot {
         0 | 1 => format!("{}-canary", w.clock.new_cycle_id(now)),
         k => format!("{}-canary-s{k}", w.clock.new_cycle_id(now)),
     };
-    let mut state = CycleState::new(id.clone(), now);
+    let mut state = CycleState::new(id, now);
     state.canary = true;
     state.runner_prefix = cfg.runner_prefix.to_string();
-    c.cycle_id = Some(id.clone());
-    // Intent first: the VM is written down before tofu makes it.
-    if let Err(e) = w.store.save(&state) {
-        c.end = CanaryEnd::Failed(format!(
-            "cannot write {}: {e:#}; no VM was made",
-            w.store.describe()
-        ));
-        return c;
-    }
+    w.store
+        .save(&state)
+        .map_err(|e| format!("cannot write {}: {e:#}; no VM was made", w.store.describe()))?;
+    Ok(state)
+}
+
+/// `tofu apply` and its outputs, then `RUNNER_ACTION=probe`, each timed into `c`. `Some((why,
+/// interrupted))` when one failed.
+fn boot_and_probe(
+    w: &mut CanaryWorld<'_>,
+    cfg: &CanaryConfig<'_>,
+    state: &mut CycleState,
+    c: &mut Canary,
+) -> Option<(String, bool)> {
+    let id = state.cycle_id.clone();
     log::info!("canary {id}: tofu apply");
     let tofu = &mut *w.tofu;
     let (took, applied) = timed(&*w.clock, || {
         tofu.apply(&id)?;
         tofu.outputs(&id)
     });
-    let mut why: Option<String> = None;
-    let mut interrupted = false;
-    match applied {
-        Ok(outputs) => {
-            c.apply = Some(Timed {
-                took,
-                result: Ok(()),
-            });
-            state.phase = Phase::Running;
-            state.vm_ready_at = Some(w.clock.now());
-            state.outputs = outputs
-                .iter()
-                .filter(|(_, o)| !o.sensitive)
-                .map(|(k, o)| (k.clone(), o.value.clone()))
-                .collect();
-            // Not written: the destroy follows whatever happens, and cycle.json already holds
-            // the canary (a failed write here is the destroy's intent's to report).
-            let _ = w.store.save(&state).map_err(|e| {
-                log::warn!("cannot record the canary's outputs in cycle.json: {e:#}");
-            });
-            log::info!("canary {id}: probing the VM (RUNNER_ACTION=probe)");
-            let launcher = &mut *w.launcher;
-            let req = ProbeRequest {
-                labels: cfg.labels,
-                forgejo_url: cfg.forgejo_url,
-                outputs: &outputs,
-            };
-            let (took, probed) = timed(&*w.clock, || launcher.probe(&req));
-            match probed {
-                Ok(line) => {
-                    c.probe = Some(Timed {
-                        took,
-                        result: Ok(line),
-                    });
-                }
-                Err(e) => {
-                    interrupted |= e.interrupted;
-                    why = Some(format!("the VM did not pass the probe: {}", e.message));
-                    c.probe = Some(Timed {
-                        took,
-                        result: Err(e.message),
-                    });
-                }
-            }
-        }
+    let outputs = match applied {
+        Ok(outputs) => outputs,
         Err(e) => {
-            interrupted |= e.interrupted;
-            why = Some(format!("tofu apply failed: {}", e.message));
             c.apply = Some(Timed {
                 took,
-                result: Err(e.message),
+                result: Err(e.message.clone()),
             });
-        }
-    }
-
-    // The VM goes, whatever happened.
-    let t = teardown(w, &mut state, "the canary is done");
-    let destroy_failed = t.result.clone().err();
-    c.destroy = Some(t);
-    if let Some(e) = destroy_failed {
-        c.end = end_of_failed_destroy(&id, e);
-        return c;
-    }
-    c.end = match (why, interrupted) {
-        (Some(why), true) => CanaryEnd::Interrupted(why),
-        (Some(why), false) => CanaryEnd::Failed(why),
-        (None, _) => {
-            let line = c
-                .probe
-                .as_ref()
-                .and_then(|p| p.result.as_ref().ok())
-                .cloned()
-                .unwrap_or_default();
-            match judge_runner(&line) {
-                Ok(v) => CanaryEnd::Passed(v),
-                Err(e) => CanaryEnd::Failed(e),
-            }
+            return Some((format!("tofu apply failed: {}", e.message), e.interrupted));
         }
     };
-    c
+    c.apply = Some(Timed {
+        took,
+        result: Ok(()),
+    });
+    state.phase = Phase::Running;
+    state.vm_ready_at = Some(w.clock.now());
+    state.outputs = outputs
+        .iter()
+        .filter(|(_, o)| !o.sensitive)
+        .map(|(k, o)| (k.clone(), o.value.clone()))
+        .collect();
+    // Not a reason to stop: the destroy follows whatever happens, and cycle.json already holds
+    // the canary (a failed write here is the destroy's intent's to report).
+    if let Err(e) = w.store.save(state) {
+        log::warn!("cannot record the canary's outputs in cycle.json: {e:#}");
+    }
+    log::info!("canary {id}: probing the VM (RUNNER_ACTION=probe)");
+    let launcher = &mut *w.launcher;
+    let req = ProbeRequest {
+        labels: cfg.labels,
+        forgejo_url: cfg.forgejo_url,
+        outputs: &outputs,
+    };
+    let (took, probed) = timed(&*w.clock, || launcher.probe(&req));
+    let failed = probed.as_ref().err().map(|e| {
+        (
+            format!("the VM did not pass the probe: {}", e.message),
+            e.interrupted,
+        )
+    });
+    c.probe = Some(Timed {
+        took,
+        result: probed.map_err(|e| e.message),
+    });
+    failed
+}
+
+/// Every step passed: the runner the probe found must be new enough.
+fn verdict(c: &Canary) -> CanaryEnd {
+    let line = c
+        .probe
+        .as_ref()
+        .and_then(|p| p.result.as_ref().ok())
+        .cloned()
+        .unwrap_or_default();
+    match judge_runner(&line) {
+        Ok(v) => CanaryEnd::Passed(v),
+        Err(e) => CanaryEnd::Failed(e),
+    }
 }
 
 /// A failed destroy of the canary's VM: cycle.json keeps it, and the next run destroys it.
