@@ -41,6 +41,14 @@ fn wait(what: &str, host: &Host, secs: u64, mut cond: impl FnMut() -> bool) {
     ));
 }
 
+/// A unit's journal since `since` (seconds since the epoch; a rootfs used before may keep older
+/// runs' lines).
+fn journal_since(host: &Host, unit: &str, since: u64) -> String {
+    host.sh_ok(&format!(
+        "journalctl -u {unit} --no-pager -o cat --since @{since}"
+    ))
+}
+
 /// The QEMU processes in the container (`pgrep -a`), one line each.
 fn qemus(host: &Host) -> Vec<String> {
     host.sh("pgrep -a qemu-system || true")
@@ -281,6 +289,10 @@ fn qemu_vms_boot_serve_two_jobs_and_are_destroyed() {
     a_vm_that_dies_is_a_failed_apply(&image, work);
 
     let fake = FakeForgejo::start(API_TOKEN);
+    let since = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
     lap("qemu: booting its container");
     let host = Host::boot_with(
         work,
@@ -301,7 +313,7 @@ fn qemu_vms_boot_serve_two_jobs_and_are_destroyed() {
     assert!(ok, "the role failed to deploy the QEMU pool:\n{out}");
     assert!(!out.contains(API_TOKEN), "Ansible printed the token");
     // The canary ran, through the role's launch command, and its VM is gone.
-    let canary = host.journal(CANARY);
+    let canary = journal_since(&host, CANARY, since);
     let boot = canary
         .lines()
         .rfind(|l| l.starts_with("ok    boot: ") || l.starts_with("FAIL  boot: "))
@@ -396,7 +408,7 @@ fn qemu_vms_boot_serve_two_jobs_and_are_destroyed() {
             && !host.file(&format!("{STATE}/cycle.json")).exists()
             && s["ActiveState"] == "inactive"
     });
-    let journal = host.journal(UNIT);
+    let journal = journal_since(&host, UNIT, since);
     // One VM for both jobs: one apply, two launches, one destroy.
     let applies = journal.matches(" apply -input=false").count();
     assert_eq!(
