@@ -69,7 +69,8 @@ pub enum Command {
     /// a temporary copy), the launch command, the state directory, labels and prefix. Takes the
     /// flags and environment of `run` but --dry-run and --fixture; one line per check; exit 0
     /// when all pass, 1 when one fails, 2 on a usage or configuration error (then it stops there).
-    Check(RunArgs),
+    /// With --boot also the canary: one VM booted and probed (75 when the slot is busy).
+    Check(CheckArgs),
     /// Show the cycle in progress, the last run, the last events and any warning (with --check:
     /// exit 1 on a warning, a health check). Read-only: takes no lock.
     Status(StatusArgs),
@@ -83,7 +84,7 @@ impl Command {
             Command::Run(a) => (a.args.common.local.verbose, a.dry.dry_run, "run"),
             Command::Sweep(a) => (a.common.local.verbose, a.dry.dry_run, "sweep"),
             Command::Status(a) => (a.local.verbose, false, "status"),
-            Command::Check(a) => (a.common.local.verbose, false, "check"),
+            Command::Check(a) => (a.args.common.local.verbose, false, "check"),
         }
     }
 }
@@ -360,6 +361,23 @@ pub struct RunArgs {
     /// the pool keeps no warm VM. Unset: always.
     #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_WARM_DURING", value_parser = crate::core::warm::Windows::parse, value_name = "WINDOWS")]
     pub warm_during: Option<crate::core::warm::Windows>,
+}
+
+/// `check`: the flags of `run`, and the canary.
+#[derive(Debug, Args)]
+#[command(args_override_self = true)]
+pub struct CheckArgs {
+    #[command(flatten)]
+    pub args: RunArgs,
+
+    /// Also boot one VM (the canary): tofu apply of the module, the launch command asked to
+    /// probe it (RUNNER_ACTION=probe: reachable, ready, forgejo-runner's --version), tofu
+    /// destroy whatever happened. Fails when the runner is older than 12.8; prints its version
+    /// and how long apply, readiness and destroy took. No registration is made. Takes the slot's
+    /// lock and is refused (exit 75) while the slot has a cycle in progress; a canary VM left by
+    /// a killed one is destroyed by the next run or canary.
+    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_BOOT")]
+    pub boot: bool,
 }
 
 #[derive(Debug, Args)]

@@ -14,6 +14,9 @@
 #[path = "it/support/mod.rs"]
 mod support;
 
+#[path = "role/qemu_e2e.rs"]
+mod qemu;
+
 use std::collections::BTreeMap;
 use std::fs;
 use std::io::{Read, Write};
@@ -138,14 +141,21 @@ struct Host {
     script: PathBuf,
     work: PathBuf,
     rootfs: PathBuf,
+    /// The script's environment for this container (another SSH port, cgroup, nspawn arguments).
+    env: Vec<(String, String)>,
 }
 
 impl Host {
     fn boot(work: &Path, rootfs: &Path) -> Host {
+        Host::boot_with(work, rootfs, vec![])
+    }
+
+    fn boot_with(work: &Path, rootfs: &Path, env: Vec<(String, String)>) -> Host {
         let host = Host {
             script: root().join("tests/role/role_e2e.sh"),
             work: work.to_path_buf(),
             rootfs: rootfs.to_path_buf(),
+            env,
         };
         let out = host.script(&["boot", path_str(work), path_str(rootfs)]);
         assert!(out.0, "booting the container failed:\n{}", out.1);
@@ -156,6 +166,7 @@ impl Host {
     fn script(&self, args: &[&str]) -> (bool, String) {
         let out = Command::new(&self.script)
             .args(args)
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .output()
             .expect("run tests/role/role_e2e.sh");

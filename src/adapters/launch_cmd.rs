@@ -8,7 +8,9 @@ use serde_json::Value;
 
 use crate::adapters::process::{ChildSpec, run_child};
 use crate::adapters::signals::StopFlag;
-use crate::core::ports::{CHECK_GONE, LaunchRequest, Launcher, Outputs, ProcessCheck, StepError};
+use crate::core::ports::{
+    CHECK_GONE, LaunchRequest, Launcher, Outputs, ProbeRequest, ProcessCheck, StepError,
+};
 use crate::core::secret::Secret;
 
 /// `TOFU_OUTPUT_<NAME>` variables: strings as they are, everything else as compact JSON.
@@ -168,9 +170,65 @@ impl Launcher for CommandLauncher {
             interrupted: r.interrupted,
         })
     }
+
+    fn probe(&mut self, req: &ProbeRequest<'_>) -> Result<String, StepError> {
+        let (program, spec) = self.probe_spec(req)?;
+        log::info!(
+            "probing the VM with {} (RUNNER_ACTION=probe)",
+            program.display()
+        );
+        let r = run_child(&spec, &self.stop)
+            .map_err(|e| StepError::failed(format!("cannot run {}: {e}", program.display())))?;
+        if !r.success() {
+            return Err(StepError {
+                message: format!(
+                    "RUNNER_ACTION=probe of {} {}",
+                    program.display(),
+                    r.describe()
+                ),
+                interrupted: r.interrupted,
+            });
+        }
+        // The last line it printed: forgejo-runner's `--version` line.
+        let stdout = String::from_utf8_lossy(&r.stdout);
+        match stdout.lines().map(str::trim).rfind(|l| !l.is_empty()) {
+            Some(line) => Ok(line.to_string()),
+            None => Err(StepError::failed(format!(
+                "RUNNER_ACTION=probe of {} exited 0 but printed nothing on stdout; it must print forgejo-runner's --version line there",
+                program.display()
+            ))),
+        }
+    }
 }
 
 impl CommandLauncher {
+    /// `RUNNER_ACTION=probe`'s environment: the VM's outputs, the labels and Forgejo's URL, and
+    /// no runner (no `RUNNER_*` of one, no `JOB_*`, nothing on stdin).
+    fn probe_spec(&self, req: &ProbeRequest<'_>) -> Result<(PathBuf, ChildSpec), StepError> {
+        let program = self
+            .command
+            .clone()
+            .ok_or_else(|| StepError::failed("--launch-command is not set"))?;
+        let mut env = vec![
+            ("RUNNER_ACTION".to_string(), "probe".to_string()),
+            ("RUNNER_LABELS".to_string(), req.labels.to_string()),
+            ("FORGEJO_URL".to_string(), req.forgejo_url.to_string()),
+            (
+                "LAUNCH_TIMEOUT_SECONDS".to_string(),
+                self.timeout.as_secs().max(1).to_string(),
+            ),
+        ];
+        env.extend(output_env(req.outputs));
+        let spec = ChildSpec {
+            program: program.clone(),
+            args: vec![],
+            env,
+            stdin: None,
+            timeout: Some(self.timeout),
+        };
+        Ok((program, spec))
+    }
+
     /// The launch command for `action`, with the registration's environment; the token on
     /// stdin only for `start` (check and stop get nothing).
     fn spec(

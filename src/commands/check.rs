@@ -12,9 +12,9 @@ use crate::adapters::forgejo_http::{HttpForgejo, is_loopback_url, major_version}
 use crate::adapters::process::{find_executable, run_child};
 use crate::adapters::signals::StopFlag;
 use crate::adapters::tofu_cli::invocation;
-use crate::cli::{OutputFormat, RunArgs};
+use crate::cli::{CheckArgs, OutputFormat, RunArgs};
 use crate::commands::config::{forgejo_target, read_token, slot_dir, validate_run_args};
-use crate::commands::exit::{EXIT_FAILED, EXIT_OK, EXIT_USAGE, Fatal};
+use crate::commands::exit::{EXIT_FAILED, EXIT_LOCKED, EXIT_OK, EXIT_USAGE, Fatal};
 use crate::commands::wiring;
 use crate::core::labels::Labels;
 use crate::core::ports::{Forgejo, Launcher, Tofu};
@@ -32,6 +32,8 @@ struct Line {
     name: &'static str,
     result: Result<String, String>,
     warnings: Vec<String>,
+    /// More for the JSON output (the canary's steps).
+    detail: Option<serde_json::Value>,
 }
 
 impl Line {
@@ -40,11 +42,12 @@ impl Line {
             name,
             result,
             warnings: Vec::new(),
+            detail: None,
         }
     }
 }
 
-pub fn cmd_check(a: RunArgs) -> Result<u8, Fatal> {
+pub fn cmd_check(CheckArgs { args: a, boot }: CheckArgs) -> Result<u8, Fatal> {
     // The flags first, as `run` checks them: a wrong one is a usage error (exit 2), and nothing
     // else is tried with it (a zero --http-timeout would only fail again as a time-out).
     let (labels, (url, _)) =
@@ -72,6 +75,7 @@ pub fn cmd_check(a: RunArgs) -> Result<u8, Fatal> {
             name: "labels",
             result: Ok(labels.describe()),
             warnings: labels.iter().filter_map(|l| l.warning()).collect(),
+            detail: None,
         },
     ];
     lines.extend(check_forgejo(&a, &labels));
@@ -86,8 +90,30 @@ pub fn cmd_check(a: RunArgs) -> Result<u8, Fatal> {
     if let Some(path) = &a.common.metrics_file {
         lines.push(Line::new("metrics file", shown(check_metrics_dir(path))));
     }
+    // The canary only once everything it needs passed: a VM is costly, and its failure would
+    // only repeat one of the lines above.
+    let mut refused = false;
+    if boot {
+        let (result, detail) = if lines.iter().any(|l| l.result.is_err()) {
+            (
+                Err("not booted: fix the failures above first".to_string()),
+                serde_json::Value::Null,
+            )
+        } else {
+            let b = crate::commands::canary::boot(&a, &url);
+            refused = b.refused;
+            (b.result, b.detail)
+        };
+        let mut line = Line::new("boot", result);
+        line.detail = Some(detail);
+        lines.push(line);
+    }
     let failed = print_lines(&lines, a.common.local.output, false);
-    Ok(if failed == 0 { EXIT_OK } else { EXIT_FAILED })
+    Ok(match (failed, refused) {
+        (1, true) => EXIT_LOCKED,
+        (0, _) => EXIT_OK,
+        _ => EXIT_FAILED,
+    })
 }
 
 /// A loopback --forgejo-url reaches Forgejo from this host only, but the launch command hands
@@ -114,7 +140,11 @@ fn print_lines(lines: &[Line], output: OutputFormat, stopped: bool) -> usize {
                         Ok(d) => (true, d),
                         Err(d) => (false, d),
                     };
-                    json!({"check": l.name, "ok": ok, "detail": detail, "warnings": l.warnings})
+                    let mut c = json!({"check": l.name, "ok": ok, "detail": detail, "warnings": l.warnings});
+                    if let Some(steps) = l.detail.as_ref().filter(|d| !d.is_null()) {
+                        c["steps"] = steps.clone();
+                    }
+                    c
                 })
                 .collect();
             let mut doc = json!({"ok": failed == 0, "failed": failed, "warnings": warnings, "checks": checks});

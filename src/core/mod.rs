@@ -4,6 +4,7 @@
 //! lines go is `adapters::logging`'s choice.
 
 pub mod backoff;
+pub mod canary;
 pub mod claims;
 pub mod escape;
 pub mod forgejo;

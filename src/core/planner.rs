@@ -190,6 +190,8 @@ pub enum TeardownReason {
     /// An unused warm VM the pool no longer wants: `--warm` was lowered or `--warm-during` is
     /// outside its windows, and the slots below keep theirs.
     WarmNotWanted,
+    /// The VM of a `check --boot` that did not finish (it was killed): never given a runner.
+    Canary,
 }
 
 impl TeardownReason {
@@ -243,6 +245,9 @@ impl TeardownReason {
             TeardownReason::WarmNotWanted => {
                 "the pool wants fewer warm VMs now (--warm, --warm-during) and the slots below keep theirs".into()
             }
+            TeardownReason::Canary => {
+                "the VM of a `check --boot` that did not finish: it is destroyed, never given a runner".into()
+            }
         }
     }
 
@@ -268,7 +273,8 @@ impl TeardownReason {
             | TeardownReason::CleanupFailing { .. }
             | TeardownReason::PickupTimeout { .. }
             | TeardownReason::WarmExpired
-            | TeardownReason::WarmNotWanted => return None,
+            | TeardownReason::WarmNotWanted
+            | TeardownReason::Canary => return None,
         })
     }
 }
@@ -413,6 +419,10 @@ pub fn decide(
         };
     };
     let step = match state.phase {
+        // A canary's VM is the check's, never the pool's: whatever phase it was left in, it goes.
+        Phase::Applying | Phase::Running if state.canary => Step::Teardown {
+            reason: TeardownReason::Canary,
+        },
         Phase::Applying => Step::Apply,
         Phase::Running => {
             not_next_to_a_live_process(state, decide_running(state, obs, ctx, policy, now))

@@ -168,6 +168,21 @@ pub trait Launcher {
     fn check(&mut self, req: &LaunchRequest<'_>) -> ProcessCheck;
     /// `RUNNER_ACTION=stop`: ends that runner's process; `Ok` once it is gone.
     fn stop(&mut self, req: &LaunchRequest<'_>) -> Result<(), StepError>;
+    /// `RUNNER_ACTION=probe` (the canary, `core::canary`): the VM is reachable and ready, and
+    /// `Ok` holds the line forgejo-runner's `--version` printed there. No registration.
+    fn probe(&mut self, req: &ProbeRequest<'_>) -> Result<String, StepError> {
+        let _ = req;
+        Err(StepError::failed(
+            "this launcher cannot probe a VM (RUNNER_ACTION=probe)",
+        ))
+    }
+}
+
+/// What the launch command gets for `RUNNER_ACTION=probe`: no runner, no job, no token.
+pub struct ProbeRequest<'a> {
+    pub labels: &'a str,
+    pub forgejo_url: &'a str,
+    pub outputs: &'a Outputs,
 }
 
 /// Where cycle.json (and the held jobs, which outlive a cycle) live. Chosen once in `commands`: a

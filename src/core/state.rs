@@ -224,6 +224,10 @@ pub struct CycleState {
     /// to no repository and kept up to `--warm-max-age` instead of `--idle-timeout`.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub warm: bool,
+    /// The VM of `check --boot` (`core::canary`): probed, never given a runner, then destroyed.
+    /// One left by a canary that was killed is torn down by the next run.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub canary: bool,
 }
 
 /// How `last_error` begins once a `tofu destroy` of the cycle failed (until one succeeds).
@@ -269,11 +273,17 @@ impl CycleState {
             served: false,
             failure: None,
             warm: false,
+            canary: false,
         }
     }
 
     /// How this cycle ends for the pool's failure backoff.
     pub fn outcome(&self) -> CycleOutcome {
+        // A canary is a check, not a cycle of the pool's: it neither backs the pool off nor ends
+        // a backoff.
+        if self.canary {
+            return CycleOutcome::Neutral;
+        }
         match (self.served, self.failure) {
             (true, _) => CycleOutcome::Served,
             (false, Some(f)) => CycleOutcome::Failed(f),

@@ -11,6 +11,10 @@
 #   check: exit 0 while this runner's process still runs on the VM, 3 once it is gone.
 #   stop:  end that process (SIGTERM: tell the fake, which fails a running task), exit 0; also 0
 #          when it was already gone.
+#   probe: the canary (`check --boot`): print forgejo-runner's --version line of the VM and exit 0,
+#          as $VM_DIR/probe-mode says: ok (default: v12.8.2, only while the VM of TOFU_OUTPUT_VM
+#          exists), old (v12.7.3), fail (exit 1: sshd never answered), hang (never return). Its
+#          environment goes to $VM_DIR/probe-env.
 #   anything else: exit 2.
 # Every call appends `<action> <RUNNER_ID>` to $VM_DIR/actions.log. Only a start writes
 # launch-env.N and launch-argv.N (tests count starts by them); check and stop do not.
@@ -37,7 +41,23 @@
 # $VM_DIR/stop-mode: fail (stop exits 1 and leaves the process running).
 set -eu
 action=${RUNNER_ACTION:-start}
-echo "$action $RUNNER_ID" >> "$VM_DIR/actions.log"
+echo "$action ${RUNNER_ID:-}" >> "$VM_DIR/actions.log"
+if [ "$action" = probe ]; then
+    env | sort > "$VM_DIR/probe-env"
+    case "$(cat "$VM_DIR/probe-mode" 2> /dev/null || echo ok)" in
+    ok)
+        if ! ls "$VM_DIR/vm-${TOFU_OUTPUT_VM:?}" > /dev/null 2>&1; then
+            echo "launch: probe: no VM $TOFU_OUTPUT_VM" >&2
+            exit 1
+        fi
+        echo "forgejo-runner version v12.8.2"
+        ;;
+    old) echo "forgejo-runner version v12.7.3" ;;
+    fail) echo "launch: probe: sshd on the VM never answered (probe-mode fail)" >&2; exit 1 ;;
+    hang) sleep 600 ;;
+    esac
+    exit 0
+fi
 marker="$VM_DIR/proc.$RUNNER_UUID"
 tokenfile="$VM_DIR/runners/$RUNNER_UUID"
 # POST /_fake/$1 as this runner; prints the HTTP status.
@@ -93,7 +113,7 @@ stop)
     exit 0
     ;;
 *)
-    echo "launch: RUNNER_ACTION='$action' is not start, check or stop" >&2
+    echo "launch: RUNNER_ACTION='$action' is not start, check, stop or probe" >&2
     exit 2
     ;;
 esac

@@ -1159,17 +1159,23 @@ fn the_quick_start_names_what_ci_installs_and_a_quick_test() {
     );
 }
 
-/// Every input of the example module (`variable "…"` in examples/hetzner/variables.tf) has its
-/// row in the Inputs table of examples/hetzner/README.md, and the table lists nothing else.
+/// Every input of an example module (`variable "…"` in examples/*/variables.tf) has its row in
+/// the Inputs table of its README.md, and the table lists nothing else.
 #[test]
 fn the_example_modules_inputs_table_lists_every_variable() {
-    let tf = read(&root().join("examples/hetzner/variables.tf"));
+    for module in ["hetzner", "qemu"] {
+        inputs_table_lists_every_variable(module);
+    }
+}
+
+fn inputs_table_lists_every_variable(module: &str) {
+    let tf = read(&root().join(format!("examples/{module}/variables.tf")));
     let declared: BTreeSet<String> = tf
         .lines()
         .filter_map(|l| l.strip_prefix("variable \"")?.split('"').next())
         .map(str::to_string)
         .collect();
-    let readme = read(&root().join("examples/hetzner/README.md"));
+    let readme = read(&root().join(format!("examples/{module}/README.md")));
     let table: BTreeSet<String> = section(&readme, "## Inputs")
         .into_iter()
         .filter(|l| l.starts_with("| `"))
@@ -1179,7 +1185,7 @@ fn the_example_modules_inputs_table_lists_every_variable() {
     assert!(declared.len() > 10, "{declared:?}");
     assert_eq!(
         table, declared,
-        "examples/hetzner/README.md's Inputs table and variables.tf disagree"
+        "examples/{module}/README.md's Inputs table and variables.tf disagree"
     );
 }
 

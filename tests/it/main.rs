@@ -9,6 +9,7 @@
 mod support;
 
 mod bad_input;
+mod canary;
 mod check;
 mod crash;
 mod crates;

@@ -77,6 +77,18 @@ VARIANTS = {
         "runner_bin": "@shared@/vm-runner",
         "connect_timeout": 30,
     },
+    # `c`: the VM's SSH port from a tofu output (examples/qemu: a port per VM), as `a` otherwise.
+    "c": {
+        "address_output": "address",
+        "ssh_private_key_output": "ssh_private_key",
+        "ssh_user": "runner",
+        "ssh_port": 22,
+        "ssh_port_output": "ssh_port",
+        "known_hosts": KNOWN_HOSTS,
+        "known_hosts_output": "",
+        "runner_bin": "forgejo-runner",
+        "connect_timeout": 30,
+    },
 }
 
 # --- the stub ssh -------------------------------------------------------------------------------
@@ -341,7 +353,7 @@ class Case:
     def __init__(self, name, *, variant="a", answers=(), then="ok", version="forgejo-runner version v12.8.2",
                  mode="declare", runner=True, cloud_init=None, labels="debian:host", timeout=120,
                  address=ADDRESS, uuid=None, check=None, action=None, after=None, handle=HANDLE,
-                 vm_files=None):
+                 vm_files=None, port_output="2201"):
         self.name, self.variant, self.answers, self.then = name, variant, list(answers), then
         self.version, self.mode, self.runner, self.cloud_init = version, mode, runner, cloud_init
         self.labels, self.timeout, self.check, self.handle = labels, timeout, check, handle
@@ -353,6 +365,7 @@ class Case:
         self.uuid = uuid or f"00000000-0000-4000-8000-{zlib.crc32(name.encode()):012d}"
         # Files on "the VM" (its HOME), by path relative to it: (content, mode).
         self.vm_files = vm_files or {}
+        self.port_output = port_output
 
     def run(self, work, rendered):
         d = work / "cases" / self.name
@@ -391,8 +404,14 @@ class Case:
             "TOFU_OUTPUT_ADDRESS": self.address,
             "TOFU_OUTPUT_SSH_PRIVATE_KEY": PRIVATE_KEY,
             "TOFU_OUTPUT_HOST_KEYS": OUTPUT_HOST_KEY,
+            "TOFU_OUTPUT_SSH_PORT": self.port_output,
         }
-        self.rc, self.stdout, self.stderr, self.elapsed, self.waits = self.invoke(self.action, TOKEN + "\n")
+        if self.action == "probe":
+            # As the provisioner runs a probe: no runner, no job, nothing on stdin.
+            for k in ("RUNNER_ID", "RUNNER_UUID", "RUNNER_NAME", "JOB_HANDLE"):
+                del self.env[k]
+        stdin = None if self.action == "probe" else TOKEN + "\n"
+        self.rc, self.stdout, self.stderr, self.elapsed, self.waits = self.invoke(self.action, stdin)
         self.calls = self.ssh_calls()
         run = self.vm / "runner-run.json"
         self.started = json.loads(run.read_text()) if run.exists() else None
@@ -932,9 +951,59 @@ def check_token_unread(c):
     expect(c.token_gone, "the token file is still on the VM 4 s after the runner read it")
 
 
+def check_probe(c):
+    """probe: forgejo-runner's --version line on stdout, exit 0; nothing started, no token sent."""
+    ok_fast(c)
+    expect(c.stdout == c.version + "\n", f"stdout {c.stdout!r}, expected the --version line {c.version!r}")
+    not_started(c)
+    for call in c.calls:
+        expect(TOKEN not in json.dumps(call), "the probe sent a runner token")
+    expect(len(c.remote_calls()) == 1, f"{len(c.remote_calls())} remote calls, expected one")
+
+
+def check_probe_old(c):
+    # The provisioner judges the version (core/canary.rs): the probe only reports it.
+    check_probe(c)
+
+
+def check_probe_missing(c):
+    failed_with(c, "forgejo-runner is not installed on the VM", limit=5)
+    expect(c.stdout == "", f"stdout {c.stdout!r}")
+
+
+def check_probe_waits(c):
+    check_probe(c)
+    probes = [x for x in c.calls if x["command"] == "true"]
+    expect(len(probes) == 3, f"{len(probes)} sshd probes, expected 3 (2 refused)")
+
+
+def check_probe_cloud_init(c):
+    check_probe(c)
+    log = (c.vm / "cloud-init.log").read_text() if (c.vm / "cloud-init.log").exists() else ""
+    expect("status --wait" in log, f"cloud-init status --wait was not run: {log!r}")
+
+
+def check_probe_host_key(c):
+    failed_with(c, "host key of .* does not match its known_hosts", limit=3)
+    expect(c.stdout == "", f"stdout {c.stdout!r}")
+
+
+def check_port_output(c):
+    ok_fast(c)
+    expect(runner_argv(c)[0] == "one-job", "runner not started")
+    for call in c.calls:
+        expect(call["port"] == "2201", f"ssh went to port {call['port']}, not the output's 2201")
+
+
+def check_bad_port_output(c):
+    failed_with(c, "the tofu output 'ssh_port'", "not a port number", limit=3)
+    expect(not c.calls, "ssh was run with a bad port")
+    not_started(c)
+
+
 def check_unknown_action(c):
     expect(c.rc == 2, f"exit status {c.rc} for RUNNER_ACTION=restart, expected 2")
-    expect("RUNNER_ACTION='restart' is not start, check or stop" in c.stderr, f"stderr: {c.stderr!r}")
+    expect("RUNNER_ACTION='restart' is not start, check, stop or probe" in c.stderr, f"stderr: {c.stderr!r}")
     expect(not c.calls, "ssh was run for an unknown RUNNER_ACTION")
     not_started(c)
 
@@ -1023,6 +1092,18 @@ CASES = [
     # RUNNER_ACTION: start (also unset: every case above), check and stop.
     Case("start-explicit", action="start", mode="quick", check=check_accepted),
     Case("unknown-action", action="restart", check=check_unknown_action),
+    # probe (the canary): the VM reachable and ready, forgejo-runner's --version line on stdout.
+    Case("probe", action="probe", check=check_probe),
+    Case("probe-runner-12.7.3", action="probe", version="forgejo-runner version v12.7.3", check=check_probe_old),
+    Case("probe-runner-missing", action="probe", runner=False, check=check_probe_missing),
+    Case("probe-sshd-late", action="probe", answers=["refused", "refused"], check=check_probe_waits),
+    Case("probe-cloud-init", action="probe", cloud_init="installs", check=check_probe_cloud_init),
+    Case("probe-host-key", action="probe", answers=["hostkey"], check=check_probe_host_key),
+    Case("probe-port-output", action="probe", variant="c", check=check_probe),
+    # The port from a tofu output (launch.ssh_port_output).
+    Case("port-output", variant="c", mode="quick", check=check_port_output),
+    Case("port-output-missing", variant="c", port_output="", check=check_bad_port_output),
+    Case("port-output-not-a-number", variant="c", port_output="22 -oProxyCommand=x", check=check_bad_port_output),
     Case("check-running", after=after_check, check=check_check_running),
     Case("check-after-exit", after=after_end_check, check=check_check_gone),
     Case("check-ssh-refused", answers=["ok", "ok", "refused"], after=after_check, check=check_check_cannot_tell),

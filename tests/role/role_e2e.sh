@@ -13,9 +13,21 @@
 #
 # Needs root, systemd-container, and ANSIBLE_VENV (a venv with ansible-core). WORK holds the keys,
 # the connection variables, nspawn's log and pid. `down` is safe to call any number of times.
+# Two containers at once: give each its own SSH_PORT and E2E_CGROUP (a cgroup below ours that its
+# nspawn runs in: nspawn makes payload/ and supervisor/ cgroups beside itself, fixed names).
+# E2E_NSPAWN_ARGS: more arguments for systemd-nspawn (a --bind-ro=...).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 SSH_PORT=${SSH_PORT:-2222}
+E2E_CGROUP=${E2E_CGROUP:-}
+[[ $E2E_CGROUP =~ ^([a-z][a-z0-9-]*)?$ ]] || { echo "E2E_CGROUP must be a plain name" >&2; exit 2; }
+
+# Our cgroup in hierarchy $1 (systemd or unified), and the container's (E2E_CGROUP below it).
+cgroup_of() {
+    local rel
+    rel=$(awk -F: -v h=$1 '(h=="systemd" && $2=="name=systemd") || (h=="unified" && $1=="0") {print $3}' /proc/self/cgroup)
+    echo "/sys/fs/cgroup/$1${rel%/}${E2E_CGROUP:+/$E2E_CGROUP}"
+}
 
 cmd=${1:?usage: role_e2e.sh boot|play|example-vars|exec|down WORK ...}
 work=${2:?WORK directory missing}
@@ -82,8 +94,17 @@ ansible_ssh_private_key_file: $work/id_ansible
 ansible_ssh_common_args: -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null
 EOF
     # --register=no --keep-unit: no systemd/machined/D-Bus on this host.
-    systemd-nspawn -D "$rootfs" -b -M role-e2e --register=no --keep-unit --console=passive \
-        > "$work/nspawn.log" 2>&1 &
+    # shellcheck disable=SC2086
+    (
+        if [ -n "$E2E_CGROUP" ]; then
+            for h in systemd unified; do
+                mkdir -p "$(cgroup_of $h)"
+                echo "$BASHPID" > "$(cgroup_of $h)/cgroup.procs"
+            done
+        fi
+        exec systemd-nspawn -D "$rootfs" -b -M "role-e2e${E2E_CGROUP:+-$E2E_CGROUP}" --register=no --keep-unit \
+            --console=passive ${E2E_NSPAWN_ARGS:-}
+    ) > "$work/nspawn.log" 2>&1 &
     echo $! > "$work/nspawn.pid"
     for _ in $(seq 300); do container_pid > /dev/null && break; sleep 0.1; done
     cpid=$(container_pid) || { echo "the container's systemd did not start:" >&2; cat "$work/nspawn.log" >&2; exit 1; }
@@ -130,12 +151,19 @@ down)
     rm -f "$work/nspawn.pid"
     # nspawn --keep-unit makes payload/ and supervisor/ cgroups under ours; an orderly poweroff
     # leaves them empty, a killed container leaves its whole tree. Remove them depth first.
-    for h in systemd unified; do
-        rel=$(awk -F: -v h=$h '(h=="systemd" && $2=="name=systemd") || (h=="unified" && $1=="0") {print $3}' /proc/self/cgroup)
-        cg=/sys/fs/cgroup/$h${rel%/}
-        for d in "$cg/payload" "$cg/supervisor"; do
-            [ -d "$d" ] && find "$d" -depth -type d -exec rmdir {} \; 2>/dev/null
+    # (The kernel may release them a moment after nspawn exits: a few tries.)
+    for _ in $(seq 25); do
+        left=
+        for h in systemd unified; do
+            cg=$(cgroup_of $h)
+            for d in "$cg/payload" "$cg/supervisor"; do
+                [ -d "$d" ] && find "$d" -depth -type d -exec rmdir {} \; 2>/dev/null
+                [ ! -d "$d" ] || left=1
+            done
+            [ -z "$E2E_CGROUP" ] || rmdir "$cg" 2>/dev/null || true
         done
+        [ -n "$left" ] || break
+        sleep 0.2
     done
     true
     ;;

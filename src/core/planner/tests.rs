@@ -2594,3 +2594,23 @@ fn an_unused_warm_vm_takes_any_repositorys_job_and_its_first_job_sets_the_bounda
         teardown(TeardownReason::Idle)
     );
 }
+
+// Mutation caught: the planner treating a canary's cycle.json as a cycle of the pool (applying it
+// again, or giving its VM the waiting job).
+#[test]
+fn a_canary_left_by_a_killed_check_is_torn_down_never_served() {
+    for phase in [Phase::Applying, Phase::Running] {
+        let mut st = state(phase);
+        st.canary = true;
+        st.boundary = None;
+        let o = obs(Some(vec![waiting_debian(JOB)]), vec![]);
+        assert_eq!(
+            plan(&st, &o, &ctx(), at(MIN)),
+            teardown(TeardownReason::Canary),
+            "{phase:?}"
+        );
+        // It counts neither way in the pool's failure backoff.
+        st.failure = Some(crate::core::backoff::FailureReason::ApplyFailed);
+        assert_eq!(st.outcome(), crate::core::backoff::CycleOutcome::Neutral);
+    }
+}

@@ -1,0 +1,454 @@
+#!/usr/bin/env bash
+# vm.sh create|destroy: one runner VM of examples/qemu, run by tofu's local-exec (main.tf) as the
+# user tofu runs as, with the settings in its environment (VM_*, set by main.tf).
+#
+# create: everything of the VM lives in $VM_DIR (0700): its login key and host key (new for each
+#   VM), the cloud-init NoCloud seed that carries them (seed.img, a FAT image labelled cidata), a
+#   copy-on-write overlay over the base image (overlay.qcow2), the console log, and vm.json, which
+#   main.tf turns into outputs. QEMU boots the image's kernel and initrd directly, supervised by
+#   systemd (a transient unit of the user's own manager, or of the system manager for root, with
+#   memory and CPU limits) or, without systemd, daemonized with a pid file. SSH is forwarded from
+#   a free port on 127.0.0.1. The apply succeeds only once the VM's own systemd has started
+#   (its console says so): a VM that does not boot, or whose QEMU died, is a failed apply, and
+#   then nothing of it is left (the create cleans up after itself, since tofu runs no destroy
+#   provisioner for a resource whose create failed).
+#   VM_ACCEL=auto tries KVM when /dev/kvm can be opened and keeps it only if the guest boots under
+#   it within VM_KVM_PROOF_SECONDS (a /dev/kvm whose guests hang exists); else it boots with TCG.
+#   The guest's CPU: VM_KVM_CPU (default host) under KVM, VM_TCG_CPU (default qemu64, which TCG
+#   runs faster than max) under TCG.
+#
+# destroy: stops the VM (its unit, or the pid in qemu.pid if it is this VM's QEMU), then ends any
+#   process left whose command line names this VM's directory, and removes the directory. Exits
+#   non-zero unless no such process is left: tofu then keeps the VM in its state and the next
+#   destroy tries again.
+set -eu
+action=${1:?usage: vm.sh create|destroy}
+: "${VM_DIR:?VM_DIR is not set (main.tf sets it)}"
+: "${VM_NAME:?VM_NAME is not set (main.tf sets it)}"
+case $VM_DIR in
+/*/*) ;;
+*) echo "vm.sh: VM_DIR '$VM_DIR' is not an absolute path below a directory" >&2; exit 1 ;;
+esac
+say() { echo "vm.sh: $VM_NAME: $*" >&2; }
+unit=ci-vm-$VM_NAME
+
+# How the VM's QEMU is supervised: systemd-user, systemd-system or pidfile (written by create).
+supervisor_of() {
+    want=${VM_SUPERVISOR:-auto}
+    if [ "$want" = auto ]; then
+        if [ "$(id -u)" != 0 ] && systemctl --user show-environment > /dev/null 2>&1; then
+            want=systemd-user
+        elif [ "$(id -u)" = 0 ] && [ -d /run/systemd/system ]; then
+            want=systemd-system
+        else
+            want=pidfile
+        fi
+    fi
+    echo "$want"
+}
+sctl() {
+    case $supervisor in
+    systemd-user) systemctl --user "$@" ;;
+    *) systemctl "$@" ;;
+    esac
+}
+
+# The processes whose command line names $VM_DIR (this VM's QEMU, whoever started it): one grep
+# over every /proc/PID/cmdline, its pattern written so that it never matches grep's own.
+ours() {
+    local esc
+    esc=$(printf '%s/' "$VM_DIR" | sed 's/[].[\*^$]/\\&/g')
+    grep -la -e "[${esc:0:1}]${esc:1}" /proc/[0-9]*/cmdline 2> /dev/null |
+        sed -n 's|^/proc/\([0-9]*\)/cmdline$|\1|p' | grep -vx -e "$$" || true
+}
+
+# Stops whatever runs of this VM; 0 once no process of it is left.
+stop_vm() {
+    supervisor=$(cat "$VM_DIR/supervisor" 2> /dev/null || supervisor_of)
+    case $supervisor in
+    systemd-user | systemd-system)
+        # Stops it if it runs (SIGTERM, SIGKILL after the unit's TimeoutStopSec=), forgets it.
+        sctl stop "$unit.service" > /dev/null 2>&1 || true
+        sctl reset-failed "$unit.service" > /dev/null 2>&1 || true
+        ;;
+    esac
+    pids=$(ours)
+    if [ -n "$pids" ]; then
+        # shellcheck disable=SC2086
+        kill -TERM $pids 2> /dev/null || true
+        n=0
+        while [ -n "$(ours)" ] && [ "$n" -lt 50 ]; do
+            sleep 0.2
+            n=$((n + 1))
+        done
+        pids=$(ours)
+        # shellcheck disable=SC2086
+        [ -z "$pids" ] || kill -KILL $pids 2> /dev/null || true
+        n=0
+        while [ -n "$(ours)" ] && [ "$n" -lt 25 ]; do
+            sleep 0.2
+            n=$((n + 1))
+        done
+    fi
+    left=$(ours)
+    if [ -n "$left" ]; then
+        say "processes $(echo $left) of this VM still run after SIGKILL"
+        return 1
+    fi
+    return 0
+}
+
+remove_vm() {
+    stop_vm || return 1
+    rm -rf -- "$VM_DIR"
+}
+
+if [ "$action" = destroy ]; then
+    if [ ! -e "$VM_DIR" ] && [ -z "$(ours)" ]; then
+        exit 0
+    fi
+    if ! remove_vm; then
+        say "not destroyed: a process of it is left (see above); the next destroy tries again"
+        exit 1
+    fi
+    say "destroyed: QEMU stopped, $VM_DIR removed"
+    exit 0
+fi
+[ "$action" = create ] || { echo "vm.sh: unknown action '$action' (create or destroy)" >&2; exit 2; }
+
+: "${VM_IMAGE_DIR:?VM_IMAGE_DIR is not set}"
+qemu=${VM_QEMU:-qemu-system-x86_64}
+for f in disk.qcow2 vmlinuz initrd.img; do
+    [ -r "$VM_IMAGE_DIR/$f" ] || {
+        say "the base image has no readable $VM_IMAGE_DIR/$f: build it with examples/qemu/build-image --out $VM_IMAGE_DIR (image_dir)"
+        exit 1
+    }
+done
+for tool in "$qemu" qemu-img ssh-keygen mformat mcopy; do
+    command -v "$tool" > /dev/null || {
+        say "$tool is not installed on this host (Debian: qemu-system-x86, qemu-utils, openssh-client, mtools)"
+        exit 1
+    }
+done
+
+# A create that runs again (tofu re-applies after a killed apply) starts from nothing.
+if [ -e "$VM_DIR" ] || [ -n "$(ours)" ]; then
+    say "removing what an earlier, unfinished create left"
+    remove_vm || exit 1
+fi
+supervisor=$(supervisor_of)
+umask 077
+mkdir -p "$VM_DIR"
+echo "$supervisor" > "$VM_DIR/supervisor"
+# From here on a failure removes everything this create made.
+created=no
+trap '[ "$created" = yes ] || remove_vm || true' EXIT
+trap 'exit 129' HUP
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+ssh-keygen -q -t ed25519 -N '' -C "login@$VM_NAME" -f "$VM_DIR/login"
+ssh-keygen -q -t ed25519 -N '' -C "root@$VM_NAME" -f "$VM_DIR/host"
+
+# The NoCloud seed. The user data puts the host key in place before sshd starts, creates the login
+# user with the login key, lets only that user in, by key; and the forwards to the host.
+indent() { sed 's/^/      /' "$1"; }
+{
+    cat << EOF
+#cloud-config
+# examples/qemu: VM $VM_NAME. ssh_keys: this VM's own host key (the launch checks it); the image
+# has none.
+ssh_deletekeys: true
+ssh_keys:
+  ed25519_private: |
+$(sed 's/^/    /' "$VM_DIR/host")
+  ed25519_public: $(cat "$VM_DIR/host.pub")
+ssh_pwauth: false
+disable_root: true
+users:
+  - name: $VM_SSH_USER
+    gecos: Forgejo runner
+    shell: /bin/bash
+    lock_passwd: true
+EOF
+    if [ "${VM_RUNNER_SUDO:-false}" = true ]; then
+        echo '    sudo: "ALL=(ALL) NOPASSWD:ALL"'
+    fi
+    cat << EOF
+    ssh_authorized_keys:
+      - $(cat "$VM_DIR/login.pub")
+write_files:
+  - path: /etc/ssh/sshd_config.d/10-forgejo-runner.conf
+    permissions: "0644"
+    content: |
+      HostKey /etc/ssh/ssh_host_ed25519_key
+      AllowUsers $VM_SSH_USER
+      PermitRootLogin no
+      PasswordAuthentication no
+      KbdInteractiveAuthentication no
+EOF
+    # Each forward: guest address N -> 10.0.2.(100+N) in QEMU's user network. A loopback address
+    # in the VM gets a socket-activated proxy to it; a name gets an /etc/hosts line.
+    i=0
+    printf '%s\n' "${VM_FORWARDS:-}" | while IFS=' ' read -r guest host; do
+        [ -n "$guest" ] || continue
+        gaddr=${guest%:*} gport=${guest##*:}
+        ip=10.0.2.$((100 + i))
+        case $gaddr in
+        127.*)
+            cat << EOF
+  - path: /etc/systemd/system/ci-forward-$i.socket
+    permissions: "0644"
+    content: |
+      [Unit]
+      Description=$guest in this VM is $host on the provisioner host (examples/qemu)
+      [Socket]
+      ListenStream=$guest
+      [Install]
+      WantedBy=sockets.target
+  - path: /etc/systemd/system/ci-forward-$i.service
+    permissions: "0644"
+    content: |
+      [Unit]
+      Description=$guest in this VM is $host on the provisioner host (examples/qemu)
+      [Service]
+      ExecStart=/lib/systemd/systemd-socket-proxyd $ip:$gport
+      DynamicUser=yes
+EOF
+            ;;
+        *)
+            cat << EOF
+  - path: /etc/hosts
+    append: true
+    content: |
+      $ip $gaddr
+EOF
+            ;;
+        esac
+        i=$((i + 1))
+    done
+    cat << EOF
+bootcmd:
+  - [install, -d, -m, "0700", -o, "0", -g, "0", /run/ci-ephemeral]
+runcmd:
+  - [install, -d, -m, "0700", -o, "$VM_SSH_USER", -g, "$VM_SSH_USER", "$VM_RUNNER_DIR"]
+EOF
+    i=0
+    printf '%s\n' "${VM_FORWARDS:-}" | while IFS=' ' read -r guest host; do
+        [ -n "$guest" ] || continue
+        case ${guest%:*} in
+        127.*) echo "  - [systemctl, enable, --now, ci-forward-$i.socket]" ;;
+        esac
+        i=$((i + 1))
+    done
+} > "$VM_DIR/user-data"
+printf 'instance-id: %s\nlocal-hostname: %s\n' "$VM_NAME" "${VM_HOSTNAME:-runner}" > "$VM_DIR/meta-data"
+mformat -i "$VM_DIR/seed.img" -C -T 2880 -v CIDATA :: > /dev/null
+mcopy -i "$VM_DIR/seed.img" "$VM_DIR/user-data" "$VM_DIR/meta-data" ::
+# The seed holds the host's private key; the VM's copy is all it needs.
+rm -f "$VM_DIR/user-data" "$VM_DIR/host"
+
+# Net: the user-mode network, SSH forwarded from 127.0.0.1:PORT; restrict=on when isolated.
+guestfwds=
+i=0
+while IFS=' ' read -r guest host; do
+    [ -n "$guest" ] || continue
+    guestfwds="$guestfwds,guestfwd=tcp:10.0.2.$((100 + i)):${guest##*:}-cmd:${VM_SOCAT:-socat} - TCP:$host"
+    i=$((i + 1))
+done << EOF
+${VM_FORWARDS:-}
+EOF
+restrict=off
+[ "${VM_ISOLATED:-false}" != true ] || restrict=on
+
+# Free port: a random one of the range that nothing answers on; QEMU binding it is the proof
+# (another process may take it meanwhile: then QEMU fails and the next port is tried).
+pick_port() {
+    lo=${VM_PORT_MIN:-20000} hi=${VM_PORT_MAX:-29999}
+    n=0
+    while [ "$n" -lt 50 ]; do
+        p=$((lo + $(od -An -N2 -tu2 /dev/urandom | tr -d ' ') % (hi - lo + 1)))
+        if ! (: < /dev/tcp/127.0.0.1/"$p") 2> /dev/null; then
+            echo "$p"
+            return 0
+        fi
+        n=$((n + 1))
+    done
+    return 1
+}
+
+cmdline="root=LABEL=root rw console=ttyS0 panic=-1 ${VM_KERNEL_ARGS:-}"
+# With a bridge, the user network card (MAC 52:54:00:c1:00:01) gives no route: the image's
+# 40-user-bridged.network matches it under ci.bridge.
+[ -z "${VM_BRIDGE:-}" ] || cmdline="$cmdline ci.bridge"
+# QEMU's argv for accel $1 and port $2 (one word per line; no word holds a newline).
+qemu_args() {
+    cat << EOF
+-name
+$VM_NAME
+-machine
+q35,accel=$1
+-cpu
+$([ "$1" = kvm ] && echo "${VM_KVM_CPU:-host}" || echo "${VM_TCG_CPU:-qemu64}")
+-smp
+$VM_CPUS
+-m
+$VM_MEMORY
+-nodefaults
+-no-user-config
+-display
+none
+-no-reboot
+-kernel
+$VM_IMAGE_DIR/vmlinuz
+-initrd
+$VM_IMAGE_DIR/initrd.img
+-append
+$cmdline
+-drive
+if=virtio,file=$VM_DIR/overlay.qcow2,format=qcow2,discard=unmap
+-drive
+if=virtio,file=$VM_DIR/seed.img,format=raw,readonly=on
+-netdev
+user,id=n0,restrict=$restrict,hostfwd=tcp:127.0.0.1:$2-:22$guestfwds
+-device
+virtio-net-pci,netdev=n0,mac=52:54:00:c1:00:01
+-serial
+file:$VM_DIR/console.log
+-device
+virtio-rng-pci
+EOF
+    if [ -n "${VM_BRIDGE:-}" ]; then
+        # A MAC of its own on the bridge's network, random (QEMU's prefix).
+        mac=52:54:00:$(od -An -N3 -tx1 /dev/urandom | sed 's/^ *//; s/ /:/g')
+        printf '%s\n' -netdev "bridge,id=n1,br=$VM_BRIDGE" -device "virtio-net-pci,netdev=n1,mac=$mac"
+    fi
+    if [ "$supervisor" = pidfile ]; then
+        printf '%s\n' -daemonize -pidfile "$VM_DIR/qemu.pid"
+    fi
+}
+
+# Starts QEMU (accel $1, port $2); 0 once it runs with its forwards set up.
+start_qemu() {
+    sq_port=$2
+    rm -f "$VM_DIR/overlay.qcow2" "$VM_DIR/console.log" "$VM_DIR/qemu.log"
+    qemu-img create -q -f qcow2 -F qcow2 -b "$VM_IMAGE_DIR/disk.qcow2" "$VM_DIR/overlay.qcow2"
+    : > "$VM_DIR/console.log"
+    args=$(qemu_args "$1" "$2")
+    old_ifs=$IFS
+    IFS='
+'
+    # shellcheck disable=SC2086
+    set -- $args
+    IFS=$old_ifs
+    case $supervisor in
+    systemd-user | systemd-system)
+        mem_max=$((VM_MEMORY + 512))
+        sctl reset-failed "$unit.service" > /dev/null 2>&1 || true
+        set -- --quiet --collect --unit="$unit" --description="examples/qemu runner VM $VM_NAME" \
+            -p MemoryMax="${mem_max}M" -p CPUQuota="$((VM_CPUS * 100))%" -p TasksMax=256 \
+            -p StandardOutput=file:"$VM_DIR/qemu.log" -p StandardError=file:"$VM_DIR/qemu.log" \
+            -- "$qemu" "$@"
+        [ "$supervisor" != systemd-user ] || set -- --user "$@"
+        if ! systemd-run "$@" > "$VM_DIR/systemd-run.log" 2>&1; then
+            say "systemd-run failed: $(tail -n 3 "$VM_DIR/systemd-run.log")"
+            return 1
+        fi
+        ;;
+    pidfile)
+        if ! "$qemu" "$@" > "$VM_DIR/qemu.log" 2>&1; then
+            return 1
+        fi
+        ;;
+    esac
+    # Up once the forward answers; gone if its process is.
+    n=0
+    while [ "$n" -lt 100 ]; do
+        if (: < /dev/tcp/127.0.0.1/"$sq_port") 2> /dev/null; then
+            [ -n "$(ours)" ] && return 0
+        fi
+        [ -n "$(ours)" ] || [ "$n" -lt 5 ] || return 1
+        sleep 0.1
+        n=$((n + 1))
+    done
+    return 1
+}
+
+# Waits (at most $1 seconds) for the VM's own systemd to start: its banner on the console.
+booted() {
+    n=0
+    while [ "$n" -lt $(($1 * 5)) ]; do
+        if grep -q -e '^Welcome to ' -e 'systemd\[1\]: ' "$VM_DIR/console.log" 2> /dev/null; then
+            return 0
+        fi
+        [ -n "$(ours)" ] || return 2
+        sleep 0.2
+        n=$((n + 1))
+    done
+    return 1
+}
+
+# Which accelerators to try, in order.
+case ${VM_ACCEL:-auto} in
+kvm) accels=kvm ;;
+tcg) accels=tcg ;;
+auto)
+    if [ -r /dev/kvm ] && [ -w /dev/kvm ]; then accels="kvm tcg"; else accels=tcg; fi
+    ;;
+*) say "VM_ACCEL '${VM_ACCEL:-}' is not auto, kvm or tcg"; exit 1 ;;
+esac
+
+port=
+accel=
+for a in $accels; do
+    tries=0
+    started=no
+    while [ "$tries" -lt 5 ]; do
+        tries=$((tries + 1))
+        p=$(pick_port) || { say "no free port in ${VM_PORT_MIN:-20000}-${VM_PORT_MAX:-29999} for SSH"; exit 1; }
+        if start_qemu "$a" "$p"; then
+            started=yes
+            break
+        fi
+        if grep -q -i 'forwarding rule' "$VM_DIR/qemu.log" 2> /dev/null; then
+            stop_vm || exit 1
+            continue # the port was taken meanwhile
+        fi
+        say "QEMU ($a) did not start: $(tail -n 5 "$VM_DIR/qemu.log" 2> /dev/null | tr '\n' ' ')"
+        stop_vm || exit 1
+        break
+    done
+    [ "$started" = yes ] || { [ "$a" = kvm ] && [ "${VM_ACCEL:-auto}" = auto ] && continue; exit 1; }
+    if [ "$a" = kvm ] && [ "${VM_ACCEL:-auto}" = auto ]; then
+        rc=0
+        booted "${VM_KVM_PROOF_SECONDS:-20}" || rc=$?
+        if [ "$rc" -ne 0 ]; then
+            say "KVM: the guest did not boot within ${VM_KVM_PROOF_SECONDS:-20}s under KVM (a /dev/kvm whose guests hang?); booting it with TCG"
+            stop_vm || exit 1
+            continue
+        fi
+    fi
+    port=$p
+    accel=$a
+    break
+done
+[ -n "$port" ] || { say "no accelerator booted the VM"; exit 1; }
+rc=0
+booted "${VM_BOOT_SECONDS:-120}" || rc=$?
+if [ "$rc" -ne 0 ]; then
+    if [ "$rc" -eq 2 ]; then
+        say "QEMU exited while the VM booted: $(tail -n 5 "$VM_DIR/qemu.log" 2> /dev/null | tr '\n' ' ')"
+    else
+        say "the VM's systemd did not start within ${VM_BOOT_SECONDS:-120}s ($accel)"
+    fi
+    say "the end of its console:"
+    tail -n 15 "$VM_DIR/console.log" | sed 's/^/    /' >&2
+    exit 1
+fi
+known_hosts="[127.0.0.1]:$port $(cut -d ' ' -f 1,2 "$VM_DIR/host.pub")"
+printf '{"ssh_port": %s, "accel": "%s", "supervisor": "%s", "known_hosts": "%s"}\n' \
+    "$port" "$accel" "$supervisor" "$known_hosts" > "$VM_DIR/vm.json.part"
+mv -f "$VM_DIR/vm.json.part" "$VM_DIR/vm.json"
+[ -n "$(ours)" ] || { say "QEMU exited right after the boot"; exit 1; }
+created=yes
+say "up: $accel, $supervisor, ssh on 127.0.0.1:$port"

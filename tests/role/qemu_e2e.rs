@@ -1,0 +1,445 @@
+//! Real VMs: the role deploys a pool of examples/qemu in a container of its own (beside the main
+//! test's, on another SSH port and cgroup), and QEMU boots the image that examples/qemu/build-image
+//! made (`ROLE_E2E_QEMU_IMAGE`, with the tests' stand-in forgejo-runner) under TCG. The play runs
+//! the canary (`canary_after_change`: `check --boot` through the role's launch command); then two
+//! jobs of one repository run on one VM, each taken by the runner inside the VM from the fake
+//! Forgejo over the VM's own network (QEMU's user network, `restrict=on`, one forward to the fake
+//! on the host's loopback); the cycle ends with the VM destroyed. Before the container: the
+//! module's KVM fallback on this host, whose /dev/kvm hangs guests.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use super::support::fake_forgejo::FakeForgejo;
+use super::support::harness::API_TOKEN;
+use super::support::tree::root;
+use super::{Host, Source, lap, required_env};
+
+const POOL: &str = "qemu";
+const UNIT: &str = "ci-ephemeral-provisioner@qemu.service";
+const CANARY: &str = "ci-ephemeral-provisioner-canary@qemu.service";
+const STATE: &str = "var/lib/ci-ephemeral-provisioner/qemu";
+/// Where the image is bound into the container (read-only).
+const IMAGE: &str = "/var/lib/ci-ephemeral-qemu/image";
+
+/// Polls `cond` for up to `secs` seconds (a hang guard: TCG on a shared 2-core machine is slow).
+fn wait(what: &str, host: &Host, secs: u64, mut cond: impl FnMut() -> bool) {
+    let start = Instant::now();
+    lap(&format!("qemu: waiting for {what}"));
+    while !cond() {
+        if start.elapsed() > Duration::from_secs(secs) {
+            let journal = host.journal(UNIT);
+            panic!("timed out waiting for {what}; journal of {UNIT}:\n{journal}");
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    lap(&format!(
+        "qemu:   after {:.1}s",
+        start.elapsed().as_secs_f64()
+    ));
+}
+
+/// A unit's journal since `since` (seconds since the epoch; a rootfs used before may keep older
+/// runs' lines).
+fn journal_since(host: &Host, unit: &str, since: u64) -> String {
+    host.sh_ok(&format!(
+        "journalctl -u {unit} --no-pager -o cat --since @{since}"
+    ))
+}
+
+/// The QEMU processes in the container (`pgrep -a`), one line each.
+fn qemus(host: &Host) -> Vec<String> {
+    host.sh("pgrep -a qemu-system || true")
+        .1
+        .lines()
+        .filter(|l| l.contains("qemu-system"))
+        .map(str::to_string)
+        .collect()
+}
+
+/// The pool's VM directories left (examples/qemu's vm_dir, ~/qemu-vms of the pool's user).
+fn vm_dirs(host: &Host) -> Vec<String> {
+    fs::read_dir(host.file(&format!("{STATE}/qemu-vms")))
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// examples/qemu's vm.sh on this host, as root without systemd (a pid file), with `env`.
+fn vm_sh(action: &str, env: &[(&str, String)]) -> (bool, String) {
+    let out = Command::new("bash")
+        .arg(root().join("examples/qemu/vm.sh"))
+        .arg(action)
+        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+        .output()
+        .expect("run examples/qemu/vm.sh");
+    (
+        out.status.success(),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    )
+}
+
+/// accel=auto on this host: /dev/kvm opens, but a guest hangs under it. The guest must be proven
+/// by booting: after kvm_proof_seconds without its systemd, the VM is started with TCG instead
+/// (cut short here: a boot timeout of 3 s fails it under TCG, which the message names; the
+/// containers' VMs show TCG booting). accel=kvm alone fails within its boot timeout. Each
+/// failed create leaves nothing behind.
+fn kvm_falls_back_to_tcg(image: &Path, work: &Path) {
+    if !Path::new("/dev/kvm").exists() {
+        eprintln!("qemu: no /dev/kvm on this host: the KVM fallback is not tried");
+        return;
+    }
+    let dir = work.join("kvm-vms");
+    let env = |name: &str, accel: &str, boot: u32| -> Vec<(&'static str, String)> {
+        vec![
+            ("VM_NAME", name.to_string()),
+            ("VM_DIR", dir.join(name).display().to_string()),
+            ("VM_IMAGE_DIR", image.display().to_string()),
+            ("VM_MEMORY", "1024".into()),
+            ("VM_CPUS", "1".into()),
+            ("VM_ACCEL", accel.into()),
+            ("VM_KVM_PROOF_SECONDS", "8".into()),
+            ("VM_BOOT_SECONDS", boot.to_string()),
+            ("VM_SUPERVISOR", "pidfile".into()),
+            ("VM_SSH_USER", "runner".into()),
+            ("VM_RUNNER_DIR", "/var/lib/forgejo-runner".into()),
+            ("VM_ISOLATED", "true".into()),
+            // Under this host's KVM (kvm_pvm), QEMU refuses `-cpu host` at once (an MSR it
+            // cannot set), which `auto` takes for no KVM too; with qemu64 it starts a guest that
+            // hangs: the case the proof by booting is for.
+            ("VM_KVM_CPU", "qemu64".into()),
+        ]
+    };
+    let nothing_left = |name: &str, out: &str| {
+        assert!(
+            !dir.join(name).exists(),
+            "a failed create left its directory behind:\n{out}"
+        );
+        let left = Command::new("pgrep")
+            .args(["-f", &dir.join(name).display().to_string()])
+            .output()
+            .unwrap();
+        assert!(
+            !left.status.success(),
+            "a failed create left QEMU running: {}",
+            String::from_utf8_lossy(&left.stdout)
+        );
+    };
+    lap("qemu: the KVM fallback (accel=auto) on this host");
+    let started = Instant::now();
+    let (ok, out) = vm_sh("create", &env("kvm-auto", "auto", 3));
+    eprintln!("  accel=auto: {:.1?}:\n{out}", started.elapsed());
+    if ok || out.contains("within 3s (kvm)") {
+        // A /dev/kvm that works: the proof passed, nothing to fall back from.
+        let _ = vm_sh("destroy", &env("kvm-auto", "auto", 3));
+        eprintln!("qemu: KVM works on this host: no fallback to try");
+        return;
+    }
+    assert!(
+        out.contains("the guest did not boot within 8s under KVM")
+            && out.contains("booting it with TCG")
+            && out.contains("did not start within 3s (tcg)"),
+        "accel=auto did not fall back to TCG after the KVM proof:\n{out}"
+    );
+    nothing_left("kvm-auto", &out);
+    let (ok, out) = vm_sh("create", &env("kvm-only", "kvm", 10));
+    assert!(!ok, "accel=kvm booted a guest that hangs:\n{out}");
+    assert!(
+        out.contains("did not start within 10s (kvm)"),
+        "accel=kvm failed for another reason:\n{out}"
+    );
+    nothing_left("kvm-only", &out);
+}
+
+/// A VM whose QEMU exits while it boots (its init exits at once, the kernel panics and, with
+/// `panic=-1` and `-no-reboot`, QEMU ends) is a failed create that leaves nothing: no directory,
+/// no process.
+fn a_vm_that_dies_is_a_failed_apply(image: &Path, work: &Path) {
+    lap("qemu: a VM that dies while it boots");
+    let dir = work.join("dying-vms");
+    let env: Vec<(&str, String)> = vec![
+        ("VM_NAME", "dies".into()),
+        ("VM_DIR", dir.join("dies").display().to_string()),
+        ("VM_IMAGE_DIR", image.display().to_string()),
+        ("VM_MEMORY", "1024".into()),
+        ("VM_CPUS", "1".into()),
+        ("VM_ACCEL", "tcg".into()),
+        ("VM_BOOT_SECONDS", "300".into()),
+        ("VM_SUPERVISOR", "pidfile".into()),
+        ("VM_SSH_USER", "runner".into()),
+        ("VM_RUNNER_DIR", "/var/lib/forgejo-runner".into()),
+        ("VM_KERNEL_ARGS", "init=/bin/false".into()),
+    ];
+    let (ok, out) = vm_sh("create", &env);
+    assert!(!ok, "a VM without a root file system was created:\n{out}");
+    assert!(
+        out.contains("QEMU exited while the VM booted"),
+        "the create failed for another reason:\n{out}"
+    );
+    assert!(!dir.join("dies").exists(), "it left its directory:\n{out}");
+    let left = Command::new("pgrep")
+        .args(["-f", &dir.display().to_string()])
+        .output()
+        .unwrap();
+    assert!(
+        !left.status.success(),
+        "it left QEMU running: {}",
+        String::from_utf8_lossy(&left.stdout)
+    );
+}
+
+/// The role's variables for the QEMU pool: examples/qemu, the role's launch command with the
+/// module's outputs, isolated VMs whose one forward reaches the fake Forgejo.
+fn qemu_vars(fake: &FakeForgejo, source: &Source) -> String {
+    let port = fake.url().rsplit(':').next().unwrap().to_string();
+    format!(
+        r#"---
+{source}
+ci_ephemeral_provisioner_forgejo_url: {url}
+ci_ephemeral_provisioner_forgejo_token: {API_TOKEN}
+ci_ephemeral_provisioner_timer_boot_delay: 1s
+ci_ephemeral_provisioner_timer_interval: 2s
+ci_ephemeral_provisioner_timer_accuracy: 100ms
+ci_ephemeral_provisioner_pools:
+  - name: {POOL}
+    runner_prefix: qemu-
+    labels: qemu:host
+    tofu_module_src: {module}
+    tofu_bin: /usr/local/bin/tofu
+    systemd_user_manager: true
+    canary_after_change: true
+    environment:
+      TF_VAR_image_dir: {IMAGE}
+      TF_VAR_memory: "1024"
+      TF_VAR_cpus: "1"
+      TF_VAR_isolated: "true"
+      TF_VAR_forwards: '[{{guest = "127.0.0.1:{port}", host = "127.0.0.1:{port}"}}]'
+    launch:
+      ssh_user: runner
+      ssh_port_output: ssh_port
+      known_hosts_output: known_hosts
+      runner_bin: forgejo-runner
+    launch_timeout: 10m
+    max_jobs_per_vm: 5
+    idle_timeout: 20s
+    registration_grace: 2m
+    poll_interval: 1s
+    http_timeout: 5s
+    verbose: true
+"#,
+        source = source.yaml(),
+        url = fake.url(),
+        module = root().join("examples/qemu").display(),
+    )
+}
+
+#[test]
+#[ignore = "needs root, systemd-container, QEMU, a rootfs, a VM image and ansible: run by .ci/role"]
+fn qemu_vms_boot_serve_two_jobs_and_are_destroyed() {
+    lap("qemu: start");
+    let rootfs = PathBuf::from(required_env("ROLE_E2E_QEMU_ROOTFS"));
+    let image = PathBuf::from(required_env("ROLE_E2E_QEMU_IMAGE"));
+    required_env("ANSIBLE_VENV");
+    let binary = std::env::var("ROLE_E2E_BINARY")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| root().join("dist/ci-ephemeral-provisioner"));
+    let tmp = tempfile::tempdir().unwrap();
+    let kept = std::env::var_os("ROLE_E2E_QEMU_WORK").map(PathBuf::from);
+    let work = kept.as_deref().unwrap_or(tmp.path());
+    fs::create_dir_all(work).unwrap();
+
+    // .ci/role builds the image beside everything else: wait for the end of its build.
+    let ready = PathBuf::from(format!("{}.ready", image.display()));
+    let failed = PathBuf::from(format!("{}.failed", image.display()));
+    let start = Instant::now();
+    lap("qemu: waiting for the VM image (examples/qemu/build-image)");
+    // (An image built by hand, with no build running, is taken as it is.)
+    let building = PathBuf::from(format!("{}.pid", image.display()));
+    let usable = || ready.exists() || (image.join("disk.qcow2").exists() && !building.exists());
+    while !usable() {
+        assert!(
+            !failed.exists(),
+            "examples/qemu/build-image failed:\n{}",
+            fs::read_to_string(format!("{}.log", image.display())).unwrap_or_default()
+        );
+        assert!(
+            start.elapsed() < Duration::from_secs(1200),
+            "the VM image was not built within 20 minutes"
+        );
+        std::thread::sleep(Duration::from_secs(1));
+    }
+    lap(&format!(
+        "qemu:   image ready after {:.1}s: {}",
+        start.elapsed().as_secs_f64(),
+        fs::read_to_string(image.join("manifest"))
+            .unwrap_or_default()
+            .replace('\n', "; ")
+    ));
+
+    kvm_falls_back_to_tcg(&image, work);
+    a_vm_that_dies_is_a_failed_apply(&image, work);
+
+    let fake = FakeForgejo::start(API_TOKEN);
+    let since = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    lap("qemu: booting its container");
+    let host = Host::boot_with(
+        work,
+        &rootfs,
+        vec![
+            ("SSH_PORT".into(), "2223".into()),
+            ("E2E_CGROUP".into(), "qemu-e2e".into()),
+            (
+                "E2E_NSPAWN_ARGS".into(),
+                format!("--bind-ro={}:{IMAGE}", image.display()),
+            ),
+        ],
+    );
+    let source = Source::Local(&binary);
+
+    lap("qemu: the play, with the canary (check --boot) of the new pool");
+    let (ok, out, _) = host.play("qemu", &qemu_vars(&fake, &source));
+    assert!(ok, "the role failed to deploy the QEMU pool:\n{out}");
+    assert!(!out.contains(API_TOKEN), "Ansible printed the token");
+    // The canary ran, through the role's launch command, and its VM is gone.
+    let canary = journal_since(&host, CANARY, since);
+    let boot = canary
+        .lines()
+        .rfind(|l| l.starts_with("ok    boot: ") || l.starts_with("FAIL  boot: "))
+        .filter(|l| l.starts_with("ok    "))
+        .unwrap_or_else(|| panic!("the canary did not pass:\n{canary}\n{out}"));
+    eprintln!("  {boot}");
+    assert!(
+        canary.contains(" destroy -input=false"),
+        "the canary ran no tofu destroy:\n{canary}"
+    );
+    for part in [
+        "forgejo-runner version v12.8.2",
+        "apply ",
+        "ready in ",
+        "destroy ",
+    ] {
+        assert!(boot.contains(part), "{part:?} missing: {boot}");
+    }
+    assert!(
+        out.contains("pool qemu: ok    boot: "),
+        "the play did not show the canary's line:\n{out}"
+    );
+    assert!(
+        qemus(&host).is_empty(),
+        "the canary's QEMU runs on: {:?}",
+        qemus(&host)
+    );
+    assert!(vm_dirs(&host).is_empty(), "{:?}", vm_dirs(&host));
+    assert!(!host.file(&format!("{STATE}/cycle.json")).exists());
+    let posts_before = fake
+        .requests()
+        .iter()
+        .filter(|r| r.method == "POST")
+        .count();
+    assert_eq!(posts_before, 0, "the canary registered a runner");
+
+    lap("qemu: two jobs of one repository, one VM");
+    let (job1, _) = fake.add_scoped_job(&["qemu"], super::TOKEN_USER_ID, 7);
+    let (job2, _) = fake.add_scoped_job(&["qemu"], super::TOKEN_USER_ID, 7);
+    let done = |id: i64| {
+        fake.jobs()
+            .iter()
+            .any(|j| j.id == id && j.status == "success")
+    };
+    // While the VM is up: its QEMU, in the pool user's own manager, isolated, one forward.
+    wait("the first job, run inside the VM", &host, 900, || {
+        assert_ne!(
+            host.show(UNIT)["ActiveState"],
+            "failed",
+            "a run of the QEMU pool failed:\n{}",
+            host.journal(UNIT)
+        );
+        done(job1) || done(job2)
+    });
+    let running = qemus(&host);
+    assert_eq!(running.len(), 1, "{running:?}");
+    let cmdline = &running[0];
+    let fake_port = fake.url().rsplit(':').next().unwrap().to_string();
+    for part in [
+        "restrict=on",
+        "hostfwd=tcp:127.0.0.1:",
+        &format!("guestfwd=tcp:10.0.2.100:{fake_port}-cmd:socat - TCP:127.0.0.1:{fake_port}"),
+        "accel=tcg",
+    ] {
+        assert!(cmdline.contains(part), "{part:?} missing: {cmdline}");
+    }
+    assert_eq!(cmdline.matches("guestfwd=").count(), 1, "{cmdline}");
+    let owner = host.sh_ok(&format!(
+        "ps -o user= -p {}",
+        cmdline.split_whitespace().next().unwrap()
+    ));
+    assert_eq!(owner.trim(), "ci-ephemeral-qemu", "QEMU runs as {owner}");
+    let uid = host.sh_ok("id -u ci-ephemeral-qemu").trim().to_string();
+    let units = host.sh_ok(&format!(
+        "XDG_RUNTIME_DIR=/run/user/{uid} setpriv --reuid={uid} --regid={uid} --clear-groups \
+         systemctl --user list-units --no-legend 'ci-vm-*'"
+    ));
+    assert!(
+        units.contains("ci-vm-ci-"),
+        "the VM is not a unit of the pool user's manager: {units}"
+    );
+    wait("both jobs and the pool back at rest", &host, 900, || {
+        let s = host.show(UNIT);
+        assert_ne!(
+            s["ActiveState"],
+            "failed",
+            "a run of the QEMU pool failed:\n{}",
+            host.journal(UNIT)
+        );
+        done(job1)
+            && done(job2)
+            && !host.file(&format!("{STATE}/cycle.json")).exists()
+            && s["ActiveState"] == "inactive"
+    });
+    let journal = journal_since(&host, UNIT, since);
+    // One VM for both jobs: one apply, two launches, one destroy.
+    let applies = journal.matches(" apply -input=false").count();
+    assert_eq!(
+        applies, 1,
+        "the jobs of one repository did not share a VM:\n{journal}"
+    );
+    assert_eq!(journal.matches("launching runner").count(), 2, "{journal}");
+    assert_eq!(
+        journal.matches(" destroy -input=false").count(),
+        1,
+        "{journal}"
+    );
+    // Nothing at rest: no QEMU, no overlay or seed, no unit, no registration.
+    assert!(qemus(&host).is_empty(), "QEMU runs on: {:?}", qemus(&host));
+    assert!(vm_dirs(&host).is_empty(), "{:?}", vm_dirs(&host));
+    let units = host.sh_ok(&format!(
+        "XDG_RUNTIME_DIR=/run/user/{uid} setpriv --reuid={uid} --regid={uid} --clear-groups \
+         systemctl --user list-units --all --no-legend 'ci-vm-*'"
+    ));
+    assert!(units.trim().is_empty(), "units left: {units}");
+    assert!(
+        fake.runners().iter().all(|r| !r.name.starts_with("qemu-")),
+        "registrations left: {:?}",
+        fake.runners()
+    );
+    let posts = fake
+        .requests()
+        .into_iter()
+        .filter(|r| r.method == "POST" && r.path.ends_with("/actions/runners"))
+        .count();
+    assert_eq!(posts, 2, "one registration per job");
+    drop(host);
+    lap("qemu: done; its container is down");
+}
