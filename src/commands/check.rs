@@ -70,6 +70,7 @@ pub fn cmd_check(CheckArgs { args: a, boot }: CheckArgs) -> Result<u8, Fatal> {
                 a.common.scope, a.common.runner_prefix
             )),
             warnings: loopback_warning(&url, &a).into_iter().collect(),
+            detail: None,
         },
         Line {
             name: "labels",
