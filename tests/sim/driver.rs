@@ -11,7 +11,6 @@ use std::time::Duration;
 
 use ci_ephemeral_provisioner::adapters::files::{StateDirError, lock_state_dir};
 use ci_ephemeral_provisioner::core::backoff::BackoffPolicy;
-use ci_ephemeral_provisioner::core::holds::Share;
 use ci_ephemeral_provisioner::core::planner::Policy;
 use ci_ephemeral_provisioner::core::planner::ReuseWithin;
 use ci_ephemeral_provisioner::core::report::Report;
@@ -61,14 +60,8 @@ fn lock_slot(slot: usize) -> Result<impl Sized + use<>, StateDirError> {
 /// The configuration every simulated invocation runs with (short durations keep seeds cheap;
 /// the decisions are the same as with the defaults). `--max-jobs-per-vm` is the seed's: 3, or 6
 /// (more than `MAX_START_FAILURES`, so that the broken-VM rule is not hidden by the job cap);
-/// the prefix, `--share` and `--warm` (with its max age and windows) are the host's.
-pub fn config(
-    max_jobs: u32,
-    prefix: &str,
-    share: Share,
-    slot: u32,
-    warm: WarmPolicy,
-) -> CycleConfig {
+/// the prefix and `--warm` (with its max age and windows) are the host's.
+pub fn config(max_jobs: u32, prefix: &str, slot: u32, warm: WarmPolicy) -> CycleConfig {
     let m = |n: u64| Duration::from_secs(60 * n);
     CycleConfig {
         policy: Policy {
@@ -82,8 +75,6 @@ pub fn config(
             intent_settle: Duration::from_millis(2 * HTTP_TIMEOUT_MS as u64),
             job_pickup_timeout: Duration::from_millis(PICKUP_MS as u64),
             sweep_min_age: Duration::from_secs(420),
-            share,
-            take_over_after: Duration::from_secs(120),
             reuse_within: ReuseWithin::Repo,
             warm,
         },
@@ -91,6 +82,7 @@ pub fn config(
         labels: format!("{LABEL}:host"),
         forgejo_url: "https://forgejo.sim".into(),
         sweep_max_deletions: 50,
+        host: String::new(),
         slot,
         backoff: BACKOFF,
     }
@@ -212,13 +204,7 @@ fn invoke_with(sim: &Shared, slot: usize, started: Started, instant: bool) {
         let host = &s.hosts[s.slots[slot].host];
         (
             inv,
-            config(
-                s.max_jobs,
-                host.prefix,
-                host.share,
-                s.slots[slot].k,
-                host.warm.clone(),
-            ),
+            config(s.max_jobs, host.prefix, s.slots[slot].k, host.warm.clone()),
         )
     };
     let port = Port {

@@ -761,7 +761,12 @@ impl SimStore {
             }
             let sl = &s.slots[k];
             let Some((_, state)) = &sl.disk else { continue };
-            o.add(sl.k, &format!("slot {} ({})", sl.k, sl.describe()), state);
+            o.add(
+                sl.k,
+                "",
+                &format!("slot {} ({})", sl.k, sl.describe()),
+                state,
+            );
         }
         Ok(o)
     }

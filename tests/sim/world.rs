@@ -16,7 +16,6 @@ use ci_ephemeral_provisioner::core::forgejo::Job;
 use ci_ephemeral_provisioner::core::forgejo::Runner;
 use ci_ephemeral_provisioner::core::forgejo::RunnerStatus;
 use ci_ephemeral_provisioner::core::holds::Holds;
-use ci_ephemeral_provisioner::core::holds::Share;
 use ci_ephemeral_provisioner::core::holds::parse_holds;
 use ci_ephemeral_provisioner::core::planner::MAX_START_FAILURES;
 use ci_ephemeral_provisioner::core::planner::TeardownReason;
@@ -428,10 +427,12 @@ struct VmStarts {
     uncertain: bool,
 }
 
-/// One host's pool (`--state-dir`, its prefix, `--share`).
+/// One host's pool (`--state-dir` and its prefix), or one host of a pool across hosts
+/// (`--store pg`).
 pub struct Host {
     pub prefix: &'static str,
-    pub share: Share,
+    /// The host is one of a pool across hosts (`--store pg`): one prefix, one store.
+    pub pg: bool,
     /// Its slots, in order (`--slot 1` first): indices into `Sim::slots`.
     pub slots: Vec<usize>,
     /// The pool's `backoff.json` (shared by its slots, written under its claims lock).
@@ -574,7 +575,7 @@ impl Sim {
         // Hosts and slots: one host of one slot in two seeds of five (the single pool of
         // before), up to two hosts of up to three slots.
         let n_hosts = if rng.chance(0.2) { 2 } else { 1 };
-        let share = n_hosts > 1 && rng.chance(0.5);
+        let pg = n_hosts > 1 && rng.chance(0.5);
         let mut hosts = Vec::new();
         let mut slots = Vec::new();
         for (h, prefix) in HOST_PREFIXES.iter().enumerate().take(n_hosts) {
@@ -585,14 +586,7 @@ impl Sim {
             };
             let mut host = Host {
                 prefix,
-                share: if share {
-                    Share {
-                        k: h as u32 + 1,
-                        h: n_hosts as u32,
-                    }
-                } else {
-                    Share::default()
-                },
+                pg,
                 slots: Vec::new(),
                 backoff: Backoff::new(),
                 cycle_starts: Vec::new(),
@@ -683,7 +677,7 @@ impl Sim {
         sim
     }
 
-    /// The seed's hosts and slots, e.g. `2 hosts: 3+1 slots, --share`.
+    /// The seed's hosts and slots, e.g. `2 hosts: 3+1 slots, --store pg`.
     pub fn topology(&self) -> String {
         let slots: Vec<String> = self
             .hosts
@@ -699,11 +693,7 @@ impl Sim {
             n => format!(
                 "{n} hosts: {} slots{}",
                 slots.join("+"),
-                if self.hosts[0].share.h > 1 {
-                    ", --share"
-                } else {
-                    ""
-                }
+                if self.hosts[0].pg { ", --store pg" } else { "" }
             ),
         }
     }
