@@ -6,8 +6,8 @@
 //!
 //! An idle tick costs one statement: `load` renews the lease and reads the slot's cycle, its
 //! holds, the other slots' claims, the hosts and the backoff at once; the `load_holds` and the
-//! first `others` (twice: `run`'s check of slots beyond `--slots`, then the observation) that
-//! follow it are answered from that read, until the first write.
+//! first `others` (the first observation) that follow it are answered from that read, unless a
+//! write came first.
 
 mod conn;
 mod schema;
@@ -825,7 +825,7 @@ impl StateStore for PgStore {
         self.snap = Some(Snapshot {
             holds,
             others,
-            others_left: 2,
+            others_left: 1,
         });
         Ok(state)
     }

@@ -77,6 +77,8 @@ struct Driver<'w, 'a> {
     no_handle: BTreeSet<i64>,
     /// When the other slots first saw each waiting job (their `held-jobs.json`), as last read.
     others_first_seen: BTreeMap<String, Timestamp>,
+    /// The slots beyond `--slots` with a cycle in progress were reported in this run.
+    beyond_reported: bool,
 }
 
 pub fn run(w: &mut World<'_>, cfg: &CycleConfig, report: &mut Report) -> End {
@@ -108,14 +110,6 @@ pub fn run(w: &mut World<'_>, cfg: &CycleConfig, report: &mut Report) -> End {
         report.fail(format!("{e}; {what}"));
         empty
     });
-    // A slot beyond --slots with a cycle in progress: its VM and registrations stay until that
-    // slot runs again, which no timer may do any more. Every slot says so, every run.
-    // (A failure to read the other slots is reported where it matters: at the jobs list.)
-    if let Ok(others) = w.store.others() {
-        for b in others.beyond {
-            report.fail(b);
-        }
-    }
     let mut d = Driver {
         w,
         cfg,
@@ -130,6 +124,7 @@ pub fn run(w: &mut World<'_>, cfg: &CycleConfig, report: &mut Report) -> End {
         seen: BTreeMap::new(),
         no_handle: Default::default(),
         others_first_seen: BTreeMap::new(),
+        beyond_reported: false,
     };
     // Nothing can be done for a cycle in progress without tofu, not even its teardown.
     if let Some(s) = &d.state
@@ -334,6 +329,14 @@ impl Driver<'_, '_> {
                 return true;
             }
         };
+        // A slot beyond --slots with a cycle in progress: its VM and registrations stay until
+        // that slot runs again, which no timer may do any more. Every slot says so, every run
+        // that looks for jobs.
+        if !std::mem::replace(&mut self.beyond_reported, true) {
+            for b in &o.beyond {
+                self.report.fail(b.clone());
+            }
+        }
         obs.claimed_elsewhere = o.claimed(self.w.clock.now());
         obs.warm_elsewhere = o.warm_elsewhere(self.cfg.slot, &self.cfg.host);
         self.others_first_seen = o.first_seen;

@@ -24,4 +24,5 @@ mod properties;
 mod reuse;
 mod secrets;
 mod slots;
+mod store;
 mod tls;
