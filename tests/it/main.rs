@@ -20,6 +20,7 @@ mod hostile;
 mod isolation;
 mod layering;
 mod observability;
+mod pool;
 mod properties;
 mod reuse;
 mod secrets;
