@@ -340,6 +340,7 @@ impl PgStore {
                 })
                 .collect(),
             events: Vec::new(),
+            backoff: backoff.as_deref().and_then(|b| parse_backoff(b).ok()),
         });
         Ok((cycles, others, my_holds, backoff))
     }
@@ -599,6 +600,36 @@ impl PgStore {
             None => Backoff::new(),
         };
         Ok((state, holds, others, backoff))
+    }
+
+    /// `check`'s line: the database answers, its schema is one this build knows (or none yet),
+    /// and this host id is live on no other machine. Writes nothing.
+    pub fn check(&mut self) -> Result<String> {
+        let pool = self.me.pool.clone();
+        let host = self.me.host.clone();
+        let row = self.client()?.query_one(
+            "SELECT to_regclass('ci_ephemeral_provisioner.schema_version') IS NOT NULL",
+            &[],
+        );
+        let exists: bool = row.map_err(|e| self.err("reading the schema", &e))?.get(0);
+        if !exists {
+            return Ok(format!(
+                "PostgreSQL {} answers; no pool store there yet: the first run creates it (schema {SCHEMA}, version {VERSION})",
+                self.spec.shown
+            ));
+        }
+        let (view, version) = self.inspect()?;
+        if let Some(holder) = self.host_conflict()? {
+            bail!(
+                "host id {host} of pool {pool} is live on another machine ({holder}): give each host its own --host-id"
+            );
+        }
+        Ok(format!(
+            "PostgreSQL {} answers, schema version {version}; pool {pool}: {} host(s), {} with a lapsed lease; host id {host} is live on no other machine",
+            self.spec.shown,
+            view.hosts.len(),
+            view.hosts.iter().filter(|h| h.lapsed).count()
+        ))
     }
 
     /// Whether this host id is live on another machine (`check`): its holder, if so.

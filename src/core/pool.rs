@@ -147,6 +147,9 @@ pub struct PoolView {
     pub hosts: Vec<HostView>,
     /// Recent events, newest first: `adopted`, `fenced`.
     pub events: Vec<String>,
+    /// The pool's failure backoff, as read.
+    #[serde(skip)]
+    pub backoff: Option<crate::core::backoff::Backoff>,
 }
 
 impl PoolView {

@@ -138,6 +138,7 @@ pub fn text(doc: &Value) -> String {
     cycle_lines(&mut o, doc);
     job_lines(&mut o, doc);
     backoff_lines(&mut o, doc);
+    pool_lines(&mut o, doc);
     last_run_lines(&mut o, doc);
     event_lines(&mut o, doc);
     // Names, statuses and errors come from Forgejo (and tofu): every line is one line, with
@@ -146,6 +147,47 @@ pub fn text(doc: &Value) -> String {
         .map(|l| crate::core::escape::escape_controls(l))
         .collect::<Vec<_>>()
         .join("\n")
+}
+
+/// `--store pg`: every host of the pool, its lease and cycles, and the recent adoptions and
+/// fenced runs.
+fn pool_lines(o: &mut Vec<String>, doc: &Value) {
+    let p = &doc["pool"];
+    if p.is_null() {
+        return;
+    }
+    let hosts = p["hosts"].as_array().cloned().unwrap_or_default();
+    o.push(format!(
+        "pool {} ({} host(s)):",
+        str_of(&p["pool"]),
+        hosts.len()
+    ));
+    for h in &hosts {
+        let cycles: Vec<String> = h["cycles"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(str_of)
+            .collect();
+        o.push(format!(
+            "  host {}: lease renewed {}s ago{}{}",
+            str_of(&h["host_id"]),
+            h["renewed_seconds_ago"].as_i64().unwrap_or(-1),
+            if h["lapsed"].as_bool() == Some(true) {
+                ", LAPSED"
+            } else {
+                ""
+            },
+            if cycles.is_empty() {
+                String::new()
+            } else {
+                format!("; {}", cycles.join(", "))
+            }
+        ));
+    }
+    for e in p["events"].as_array().into_iter().flatten() {
+        o.push(format!("  {}", str_of(e)));
+    }
 }
 
 /// A string field as it is, `?` when it is missing or not a string.
