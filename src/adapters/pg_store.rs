@@ -228,7 +228,8 @@ impl PgStore {
             }
         }
         Err(anyhow!(
-            "reading the pool in PostgreSQL {} failed twice",
+            "{} in PostgreSQL {} failed twice",
+            "reading the pool",
             self.spec.shown
         ))
     }
