@@ -197,6 +197,7 @@ impl CommandLauncher {
             env,
             stdin: token.cloned(),
             timeout: Some(self.timeout),
+            database: false,
         };
         Ok((program, spec))
     }

@@ -52,6 +52,7 @@ pub fn invocation(bin: &Path, module: &Path, cycle_id: &str, args: &[&str]) -> C
         ],
         stdin: None,
         timeout: None,
+        database: true,
     }
 }
 
