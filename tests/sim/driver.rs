@@ -180,6 +180,8 @@ fn invoke_with(sim: &Shared, slot: usize, started: Started, instant: bool) {
             ..Invocation::default()
         });
         s.stats.invocations += 1;
+        let h = s.slots[slot].host;
+        s.renew(h);
         if started == Started::Nested && instant {
             s.stats.slot_runs_nested += 1;
         } else if started == Started::Nested {
@@ -202,10 +204,11 @@ fn invoke_with(sim: &Shared, slot: usize, started: Started, instant: bool) {
             }
         ));
         let host = &s.hosts[s.slots[slot].host];
-        (
-            inv,
-            config(s.max_jobs, host.prefix, s.slots[slot].k, host.warm.clone()),
-        )
+        let mut cfg = config(s.max_jobs, host.prefix, s.slots[slot].k, host.warm.clone());
+        if host.pg {
+            cfg.host = format!("h{}", s.slots[slot].host + 1);
+        }
+        (inv, cfg)
     };
     let port = Port {
         sim: sim.clone(),
@@ -232,6 +235,11 @@ fn invoke_with(sim: &Shared, slot: usize, started: Started, instant: bool) {
     drop(lock);
     let mut s = sim.borrow_mut();
     s.stack.pop();
+    // Its lease was renewed until it ended (or died).
+    let h = s.slots[slot].host;
+    if !s.invs[inv].fenced {
+        s.renew(h);
+    }
     if started == Started::Nested && !instant {
         // The runs it interrupted did not see Forgejo meanwhile (the invariant on waits next
         // to an unserved job counts from now for them, as after an API fault).
@@ -335,7 +343,14 @@ pub fn run_seed_with(
         } else {
             sim.borrow_mut().rng.below(n_slots as u64) as usize
         };
-        invoke(&sim, slot, Started::Timer);
+        // A dead host's timers do not fire (`--store pg`: its lease lapses).
+        let dead = {
+            let s = sim.borrow();
+            s.dead(s.slots[slot].host)
+        };
+        if !dead {
+            invoke(&sim, slot, Started::Timer);
+        }
         runs += 1;
         gap(&sim, 30_000, 3 * MIN);
     }
@@ -350,8 +365,11 @@ pub fn run_seed_with(
         let order: Vec<usize> = {
             let s = sim.borrow();
             let n = s.hosts.len();
+            // A host dead for good stays so; one dead for a while is back.
             (0..n)
-                .flat_map(|h| s.hosts[(first + h) % n].slots.clone())
+                .map(|h| (first + h) % n)
+                .filter(|h| !s.hosts[*h].dead.is_some_and(|(_, until)| until.is_none()))
+                .flat_map(|h| s.hosts[h].slots.clone())
                 .collect()
         };
         for slot in order {
