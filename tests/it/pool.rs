@@ -537,3 +537,102 @@ fn the_pool_converges_after_a_database_restart_and_terminated_connections() {
         "a job attempt launched twice: {per:?} ({killed} connections terminated)"
     );
 }
+
+/// The statements our processes sent, as the server logged them (`.ci/pg` logs every statement
+/// of the test's role, each line after the client's application name).
+fn statements_logged(log: &Path, from: u64) -> Vec<String> {
+    let text = fs::read(log).unwrap_or_default();
+    String::from_utf8_lossy(&text[from.min(text.len() as u64) as usize..])
+        .lines()
+        .filter(|l| {
+            l.starts_with("ci-ephemeral-provisioner")
+                && (l.contains("LOG:  statement:") || l.contains("LOG:  execute "))
+        })
+        .map(String::from)
+        .collect()
+}
+
+/// The cost of the pool store: an idle tick is one statement beside the one GET (the files
+/// store's is the GET alone), and a job served costs a bounded number of statements. Prints
+/// the figures of BENCHMARKS.md ("Idle tick", "One pool across hosts"), each run's wall time
+/// beside the files store's.
+// Mutation caught: `load` reading the holds or the other slots with statements of their own.
+#[test]
+#[ignore = "needs PostgreSQL: bash .ci/pg runs it"]
+fn an_idle_tick_of_the_pool_store_is_one_statement_beside_its_get() {
+    let log = PathBuf::from(std::env::var("CI_EPHEMERAL_PROVISIONER_TEST_PG_LOG").expect(
+        "CI_EPHEMERAL_PROVISIONER_TEST_PG_LOG: the server's log, with every statement of the role",
+    ));
+    let env = Env::new();
+    let db = Db::new();
+    let pg = |c: &mut Command| {
+        c.args(["--store", "pg", "--pool", "p", "--host-id", "a"]);
+        c.env("PG_CONN_STR", &db.url);
+    };
+    // The first run creates the schema.
+    let mut first = env.cmd("run");
+    pg(&mut first);
+    assert_eq!(env.exec(first).code, Some(0));
+    let measure = |store_pg: bool| {
+        let from = fs::metadata(&log).map(|m| m.len()).unwrap_or(0);
+        env.fake.clear_requests();
+        let mut c = env.cmd("run");
+        if store_pg {
+            pg(&mut c);
+        }
+        let t = Instant::now();
+        let out = env.exec(c);
+        let wall = t.elapsed();
+        assert_eq!(out.code, Some(0), "{out:?}");
+        // The server writes its log lines as it executes; give it a moment to flush.
+        std::thread::sleep(Duration::from_millis(200));
+        (
+            statements_logged(&log, from),
+            env.fake.requests().len(),
+            wall,
+        )
+    };
+    let mut walls = (Vec::new(), Vec::new());
+    for _ in 0..10 {
+        let (stmts, requests, wall) = measure(true);
+        assert_eq!(stmts.len(), 1, "an idle tick's statements: {stmts:#?}");
+        assert_eq!(requests, 1, "an idle tick's requests");
+        walls.0.push(wall);
+        let (stmts, requests, wall) = measure(false);
+        assert!(stmts.is_empty() && requests == 1);
+        walls.1.push(wall);
+    }
+    let median = |v: &mut Vec<Duration>| {
+        v.sort();
+        v[v.len() / 2].as_secs_f64() * 1000.0
+    };
+    println!(
+        "BENCH idle tick: pg store 1 statement + 1 GET, median {:.1} ms; files store 0 statements + 1 GET, median {:.1} ms (10 runs each)",
+        median(&mut walls.0),
+        median(&mut walls.1)
+    );
+    // One job served from start to rest, in one run: its statements and requests.
+    env.fake.add_job(&["debian"]);
+    let from = fs::metadata(&log).map(|m| m.len()).unwrap_or(0);
+    env.fake.clear_requests();
+    let mut c = env.cmd("run");
+    pg(&mut c);
+    let out = env.exec(c);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    std::thread::sleep(Duration::from_millis(200));
+    let stmts = statements_logged(&log, from);
+    let requests = env.fake.requests();
+    let api = requests
+        .iter()
+        .filter(|r| !r.path.starts_with("/_fake"))
+        .count();
+    println!(
+        "BENCH one job served in one run: {} statements, {api} Forgejo API requests",
+        stmts.len()
+    );
+    assert!(
+        (5..=60).contains(&stmts.len()),
+        "a job served took {} statements: {stmts:#?}",
+        stmts.len()
+    );
+}
