@@ -100,6 +100,10 @@ struct HostRow {
     lapsed: bool,
 }
 
+/// What `pool_from` reads: every cycle row, the other slots' claims, this slot's holds and the
+/// pool's backoff (their JSON texts).
+type PoolRead = (Vec<CycleRow>, Others, Option<String>, Option<String>);
+
 /// The pool as one statement reads it (`$1` pool, `$2` host): every cycle (with whether its
 /// owner's lease lapsed), the holds of live hosts' slots, the hosts, the backoff.
 const POOL_READ: &str = "
@@ -311,11 +315,7 @@ impl PgStore {
     }
 
     /// The pool read from its columns (`POOL_READ`, starting at column `at`).
-    fn pool_from(
-        &mut self,
-        row: &postgres::Row,
-        at: usize,
-    ) -> Result<(Vec<CycleRow>, Others, Option<String>, Option<String>)> {
+    fn pool_from(&mut self, row: &postgres::Row, at: usize) -> Result<PoolRead> {
         let cycles: Vec<CycleRow> = serde_json::from_str(&row.get::<_, String>(at))?;
         let holds: Vec<HoldsRow> = serde_json::from_str(&row.get::<_, String>(at + 1))?;
         let hosts: Vec<HostRow> = serde_json::from_str(&row.get::<_, String>(at + 2))?;

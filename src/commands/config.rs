@@ -282,35 +282,6 @@ pub(crate) fn metrics_target(common: &ForgejoArgs) -> Option<MetricsTarget<'_>> 
     })
 }
 
-#[cfg(test)]
-mod name_tests {
-    use super::MAX_PREFIX_BYTES;
-    use crate::core::slots::MAX_SLOTS;
-    use crate::core::sweep::spare::{registered_at, registration_name};
-    use crate::core::time::Timestamp;
-    use forgejo_model::rules::{RUNNER_NAME_MAX_BYTES, stored_runner_name};
-
-    /// The longest name the product registers (the longest prefix, a cycle id of the last slot,
-    /// the largest sequence number) is stored by Forgejo as sent: its lost-POST lookup by exact
-    /// name and the sweep's reading of its time still work.
-    #[test]
-    fn the_longest_registration_name_is_stored_as_sent() {
-        let at = Timestamp::parse_rfc3339("2099-12-31T23:59:59Z").unwrap();
-        let prefix = "é".repeat(MAX_PREFIX_BYTES / 2);
-        assert_eq!(prefix.len(), MAX_PREFIX_BYTES);
-        assert!(super::check_prefix(&prefix).is_ok());
-        assert!(super::check_prefix(&format!("{prefix}x")).is_err());
-        let cycle_id = format!("{}-ffff-s{MAX_SLOTS}", at.compact());
-        let name = registration_name(&prefix, &cycle_id, u32::MAX, at);
-        assert!(name.len() <= RUNNER_NAME_MAX_BYTES, "{} bytes", name.len());
-        assert_eq!(stored_runner_name(&name), name);
-        assert_eq!(registered_at(&name), Some(Ok(at)));
-        // What Forgejo would do to a longer one: the time at its end would be lost.
-        let long = format!("{}{name}", "x".repeat(RUNNER_NAME_MAX_BYTES));
-        assert_eq!(registered_at(&stored_runner_name(&long)), None);
-    }
-}
-
 /// With `--store pg`: this slot of this host in the pool (`--pool`, `--host-id`, `--lease`),
 /// checked; `None` with the files store. `forgejo`: whose job attempts are claimed.
 pub(crate) fn pool_slot(
@@ -377,4 +348,33 @@ fn machine(state_dir: &Path, host: &str) -> String {
     let name = host_name().unwrap_or_else(|_| host.to_string());
     let dir = std::path::absolute(state_dir).unwrap_or_else(|_| state_dir.to_path_buf());
     format!("{name} {} {}", id.trim(), dir.display())
+}
+
+#[cfg(test)]
+mod name_tests {
+    use super::MAX_PREFIX_BYTES;
+    use crate::core::slots::MAX_SLOTS;
+    use crate::core::sweep::spare::{registered_at, registration_name};
+    use crate::core::time::Timestamp;
+    use forgejo_model::rules::{RUNNER_NAME_MAX_BYTES, stored_runner_name};
+
+    /// The longest name the product registers (the longest prefix, a cycle id of the last slot,
+    /// the largest sequence number) is stored by Forgejo as sent: its lost-POST lookup by exact
+    /// name and the sweep's reading of its time still work.
+    #[test]
+    fn the_longest_registration_name_is_stored_as_sent() {
+        let at = Timestamp::parse_rfc3339("2099-12-31T23:59:59Z").unwrap();
+        let prefix = "é".repeat(MAX_PREFIX_BYTES / 2);
+        assert_eq!(prefix.len(), MAX_PREFIX_BYTES);
+        assert!(super::check_prefix(&prefix).is_ok());
+        assert!(super::check_prefix(&format!("{prefix}x")).is_err());
+        let cycle_id = format!("{}-ffff-s{MAX_SLOTS}", at.compact());
+        let name = registration_name(&prefix, &cycle_id, u32::MAX, at);
+        assert!(name.len() <= RUNNER_NAME_MAX_BYTES, "{} bytes", name.len());
+        assert_eq!(stored_runner_name(&name), name);
+        assert_eq!(registered_at(&name), Some(Ok(at)));
+        // What Forgejo would do to a longer one: the time at its end would be lost.
+        let long = format!("{}{name}", "x".repeat(RUNNER_NAME_MAX_BYTES));
+        assert_eq!(registered_at(&stored_runner_name(&long)), None);
+    }
 }

@@ -212,8 +212,7 @@ fn a_lapsed_hosts_cycle_is_adopted_and_its_process_fenced() {
     fenced(a.save(&s).unwrap_err());
     fenced(
         a.save_claiming(&s, 6, "h6")
-            .err()
-            .expect("a claim of a fenced process"),
+            .expect_err("a claim of a fenced process"),
     );
     let now: String = db
         .client()

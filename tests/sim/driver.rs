@@ -368,7 +368,7 @@ pub fn run_seed_with(
             // A host dead for good stays so; one dead for a while is back.
             (0..n)
                 .map(|h| (first + h) % n)
-                .filter(|h| !s.hosts[*h].dead.is_some_and(|(_, until)| until.is_none()))
+                .filter(|h| s.hosts[*h].dead.is_none_or(|(_, until)| until.is_some()))
                 .flat_map(|h| s.hosts[h].slots.clone())
                 .collect()
         };
