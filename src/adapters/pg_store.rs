@@ -850,7 +850,8 @@ impl StateStore for PgStore {
             None => None,
         };
         let lapsed = cycles.iter().any(|c| c.lapsed && c.host != self.me.host);
-        if state.is_none() && lapsed {
+        // Only a `run` adopts (a `sweep` would leave the adopted cycle to the next run).
+        if state.is_none() && lapsed && self.renew {
             // Adopted into this slot: the reads that follow see the pool as it is now.
             return self.adopt();
         }
