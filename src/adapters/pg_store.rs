@@ -553,10 +553,23 @@ impl PgStore {
             "SELECT (SELECT version FROM ci_ephemeral_provisioner.schema_version), {POOL_READ}"
         );
         let (pool, host) = (self.me.pool.clone(), self.me.host.clone());
-        let row = self
-            .client()?
-            .query_one(sql.as_str(), &[&pool, &host])
-            .map_err(|e| self.err("reading the pool", &e))?;
+        let row = match self.client()?.query_one(sql.as_str(), &[&pool, &host]) {
+            Ok(r) => r,
+            // No tables yet: no run has made them, the pool has no host.
+            Err(e)
+                if e.code().is_some_and(|c| {
+                    *c == postgres::error::SqlState::UNDEFINED_TABLE
+                        || *c == postgres::error::SqlState::INVALID_SCHEMA_NAME
+                }) =>
+            {
+                let view = PoolView {
+                    pool,
+                    ..PoolView::default()
+                };
+                return Ok((view, 0));
+            }
+            Err(e) => return Err(self.err("reading the pool", &e)),
+        };
         let version: Option<i32> = row.get(0);
         self.check_version(version)?;
         self.pool_from(&row, 1)?;

@@ -619,4 +619,43 @@ mod tests {
         let failed = json!({"started_at": "2026-11-29T10:00:00Z", "finished_at": "2026-11-29T10:00:05Z", "exit_code": 1});
         assert_eq!(facts(None, Some(&failed), None, vec![]).last_success, None);
     }
+
+    /// `--store pg`: every host, its lease and cycles, a lapsed one marked, and the events.
+    #[test]
+    fn the_pool_is_shown_host_by_host() {
+        let view = crate::core::pool::PoolView {
+            pool: "debian".into(),
+            hosts: vec![
+                crate::core::pool::HostView {
+                    host_id: "a".into(),
+                    renewed_seconds_ago: 3,
+                    lapsed: false,
+                    cycles: vec!["slot 1: cycle c1".into()],
+                },
+                crate::core::pool::HostView {
+                    host_id: "b".into(),
+                    renewed_seconds_ago: 400,
+                    lapsed: true,
+                    cycles: vec![],
+                },
+            ],
+            events: vec!["t host a adopted cycle c0 of host b".into()],
+            backoff: None,
+        };
+        let doc = json!({"state_dir": "/s", "warnings": [], "cycle": null, "pool": view});
+        let text = text(&doc);
+        for want in [
+            "pool debian (2 host(s)):",
+            "  host a: lease renewed 3s ago; slot 1: cycle c1",
+            "  host b: lease renewed 400s ago, LAPSED",
+            "  t host a adopted cycle c0 of host b",
+        ] {
+            assert!(text.lines().any(|l| l == want), "{want:?} in:\n{text}");
+        }
+        assert_eq!(view_lapsed(&view), 0);
+    }
+
+    fn view_lapsed(v: &crate::core::pool::PoolView) -> u32 {
+        v.lapsed_with_cycles()
+    }
 }

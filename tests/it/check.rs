@@ -526,5 +526,8 @@ fn check_tries_the_pool_store_and_wants_the_modules_state_in_postgresql() {
     let mut c = env.cmd("check");
     c.args(["--store", "pg", "--pool", "p"]);
     let out = env.exec(c);
-    assert!(out.stdout.contains("PG_CONN_STR") || out.stderr.contains("PG_CONN_STR"), "{out:?}");
+    assert!(
+        out.stdout.contains("PG_CONN_STR") || out.stderr.contains("PG_CONN_STR"),
+        "{out:?}"
+    );
 }
