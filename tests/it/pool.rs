@@ -538,15 +538,16 @@ fn the_pool_converges_after_a_database_restart_and_terminated_connections() {
     );
 }
 
-/// The statements our processes sent, as the server logged them (`.ci/pg` logs every statement
-/// of the test's role, each line after the client's application name).
-fn statements_logged(log: &Path, from: u64) -> Vec<String> {
+/// The statements our processes sent to database `db`, as the server logged them (`.ci/pg` logs
+/// every statement of the tests' role, each line after the client's application name and the
+/// database; other tests' databases are others).
+fn statements_logged(log: &Path, from: u64, db: &str) -> Vec<String> {
     let text = fs::read(log).unwrap_or_default();
+    let ours = format!("ci-ephemeral-provisioner {db} ");
     String::from_utf8_lossy(&text[from.min(text.len() as u64) as usize..])
         .lines()
         .filter(|l| {
-            l.starts_with("ci-ephemeral-provisioner")
-                && (l.contains("LOG:  statement:") || l.contains("LOG:  execute "))
+            l.starts_with(&ours) && (l.contains("LOG:  statement:") || l.contains("LOG:  execute "))
         })
         .map(String::from)
         .collect()
@@ -587,7 +588,7 @@ fn an_idle_tick_of_the_pool_store_is_one_statement_beside_its_get() {
         // The server writes its log lines as it executes; give it a moment to flush.
         std::thread::sleep(Duration::from_millis(200));
         (
-            statements_logged(&log, from),
+            statements_logged(&log, from, &db.name),
             env.fake.requests().len(),
             wall,
         )
@@ -620,7 +621,7 @@ fn an_idle_tick_of_the_pool_store_is_one_statement_beside_its_get() {
     let out = env.exec(c);
     assert_eq!(out.code, Some(0), "{out:?}");
     std::thread::sleep(Duration::from_millis(200));
-    let stmts = statements_logged(&log, from);
+    let stmts = statements_logged(&log, from, &db.name);
     let requests = env.fake.requests();
     let api = requests
         .iter()
