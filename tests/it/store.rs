@@ -105,7 +105,8 @@ impl Db {
                 n,
                 lease,
             },
-            false,
+            // As a `run`: it adopts a lapsed host's cycle (and renews its lease meanwhile).
+            true,
         )
     }
 
