@@ -41,13 +41,13 @@ struct Host {
     /// The run in progress (its pid).
     current: Arc<Mutex<Option<u32>>>,
     runs: Arc<Mutex<Vec<Run>>>,
-    /// Environment for the next run only (a crash point).
-    next_env: Arc<Mutex<Vec<(String, String)>>>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
 impl Host {
-    fn start(env: &Env, db: &Db, name: &str, extra: &[&str]) -> Host {
+    /// `extra_env`: for every run of the host (a crash point: the host dies at its first run
+    /// that gets there; the test halts it then).
+    fn start(env: &Env, db: &Db, name: &str, extra: &[&str], extra_env: &[(&str, &str)]) -> Host {
         let dir = env.tmp.path().join(format!("host-{name}"));
         let module = dir.join("module");
         fs::create_dir_all(&module).unwrap();
@@ -78,16 +78,11 @@ impl Host {
         cmd.args(extra);
         cmd.env("PG_CONN_STR", &db.url);
         cmd.env("CHECKPOINT_DISABLE", "1");
+        cmd.envs(extra_env.iter().copied());
         let stop = Arc::new(AtomicBool::new(false));
         let current = Arc::new(Mutex::new(None));
         let runs = Arc::new(Mutex::new(Vec::new()));
-        let next_env: Arc<Mutex<Vec<(String, String)>>> = Arc::new(Mutex::new(Vec::new()));
-        let (s, c, r, n) = (
-            stop.clone(),
-            current.clone(),
-            runs.clone(),
-            next_env.clone(),
-        );
+        let (s, c, r) = (stop.clone(), current.clone(), runs.clone());
         let err = dir.join("stderr");
         let thread = std::thread::spawn(move || {
             let program = cmd.get_program().to_owned();
@@ -99,7 +94,6 @@ impl Host {
             while !s.load(Ordering::SeqCst) {
                 let mut one = Command::new(&program);
                 one.args(&args).env_clear().envs(envs.iter().cloned());
-                one.envs(std::mem::take(&mut *n.lock().unwrap()));
                 one.stdin(Stdio::null())
                     .stdout(Stdio::null())
                     .stderr(fs::File::create(&err).unwrap());
@@ -120,7 +114,6 @@ impl Host {
             stop,
             current,
             runs,
-            next_env,
             thread: Some(thread),
         }
     }
@@ -277,7 +270,7 @@ fn three_hosts_register_each_job_attempt_once() {
     let jobs: Vec<(i64, String)> = (0..6).map(|_| env.fake.add_job(&["debian"])).collect();
     let hosts: Vec<Host> = ["a", "b", "c"]
         .iter()
-        .map(|h| Host::start(&env, &db, h, &[]))
+        .map(|h| Host::start(&env, &db, h, &[], &[]))
         .collect();
     let refs: Vec<&Host> = hosts.iter().collect();
     wait_at_rest(&env, &db, &refs, 240);
@@ -309,7 +302,7 @@ fn three_hosts_register_each_job_attempt_once() {
 fn a_host_killed_at_a_crash_point_is_adopted_and_nothing_is_left() {
     let env = Env::new();
     let db = Db::new();
-    let mut live = Host::start(&env, &db, "live", &[]);
+    let mut live = Host::start(&env, &db, "live", &[], &[]);
     for (n, point) in [
         "apply-running-written",
         "register-intent-written",
@@ -324,11 +317,13 @@ fn a_host_killed_at_a_crash_point_is_adopted_and_nothing_is_left() {
         live.halt();
         let dead_name = format!("dead{n}");
         let (job, _) = env.fake.add_job(&["debian"]);
-        let mut dead = Host::start(&env, &db, &dead_name, &[]);
-        dead.next_env.lock().unwrap().push((
-            "CI_EPHEMERAL_PROVISIONER_TEST_CRASH_AT".into(),
-            point.to_string(),
-        ));
+        let mut dead = Host::start(
+            &env,
+            &db,
+            &dead_name,
+            &[],
+            &[("CI_EPHEMERAL_PROVISIONER_TEST_CRASH_AT", point)],
+        );
         wait(
             &format!("host {dead_name} to die at {point}"),
             120,
@@ -336,7 +331,7 @@ fn a_host_killed_at_a_crash_point_is_adopted_and_nothing_is_left() {
             || picture(&env, &db, &[&dead]),
         );
         dead.halt();
-        live = Host::start(&env, &db, "live", &[]);
+        live = Host::start(&env, &db, "live", &[], &[]);
         wait_at_rest(&env, &db, &[&live, &dead], 180);
         let job = env.fake.jobs().into_iter().find(|j| j.id == job).unwrap();
         assert_eq!(job.status, "success", "{point}");
@@ -382,7 +377,7 @@ fn a_paused_host_that_comes_back_after_adoption_does_no_harm() {
     // paused host would stop and delete.
     env.set_launch_mode("die");
     let grace = ["--registration-grace", "12s"];
-    let mut b = Host::start(&env, &db, "b", &grace);
+    let mut b = Host::start(&env, &db, "b", &grace, &[]);
     let (job, _) = env.fake.add_job(&["debian"]);
     // b's cycle: its runner launched and seen up.
     wait(
@@ -405,7 +400,7 @@ fn a_paused_host_that_comes_back_after_adoption_does_no_harm() {
     env.fake
         .inject("DELETE", "/runners/", Fault::Status(500), usize::MAX);
     env.set_launch_mode("one-job");
-    let c = Host::start(&env, &db, "c", &grace);
+    let c = Host::start(&env, &db, "c", &grace, &[]);
     wait(
         "host c to adopt b's cycle",
         60,
@@ -481,7 +476,7 @@ fn the_pool_converges_after_a_database_restart_and_terminated_connections() {
     }
     let hosts: Vec<Host> = ["a", "b"]
         .iter()
-        .map(|h| Host::start(&env, &db, h, &[]))
+        .map(|h| Host::start(&env, &db, h, &[], &[]))
         .collect();
     let refs: Vec<&Host> = hosts.iter().collect();
     wait(
