@@ -89,6 +89,13 @@ impl Command {
     }
 }
 
+/// `--store`: where the pool's state lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum StoreKind {
+    Files,
+    Pg,
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum OutputFormat {
     Text,
@@ -292,18 +299,6 @@ pub struct RunArgs {
     /// after, at most 1h (or this long, if it is longer).
     #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_JOB_PICKUP_TIMEOUT", default_value = "10m", value_parser = parse_duration, value_name = "DURATION", allow_hyphen_values = true)]
     pub job_pickup_timeout: Duration,
-
-    /// This host's share of the jobs, K/H, when H hosts serve the same labels: it serves at once
-    /// the jobs whose id is K-1 modulo H, and any other job only once it has waited
-    /// --take-over-after (so a dead host's share is still served). 1/1 serves every job at once.
-    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_SHARE", default_value = "1/1", value_parser = crate::core::holds::Share::parse, value_name = "K/H")]
-    pub share: crate::core::holds::Share,
-
-    /// With --share: how long a job of another host's share waits (since this host first saw it)
-    /// before this host serves it too. Longer than a VM start plus a launch, or live hosts
-    /// take each other's jobs.
-    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_TAKE_OVER_AFTER", default_value = "2m", value_parser = parse_duration, value_name = "DURATION", allow_hyphen_values = true)]
-    pub take_over_after: Duration,
 
     /// How often Forgejo is asked while a cycle runs.
     #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_POLL_INTERVAL", default_value = "5s", value_parser = parse_duration, value_name = "DURATION", allow_hyphen_values = true)]
@@ -532,6 +527,37 @@ pub struct LocalArgs {
         value_name = "K"
     )]
     pub slot: u32,
+
+    /// Where the pool's state lives: files (in --state-dir: a pool of one host) or pg (in
+    /// PostgreSQL, for a pool whose hosts serve one set of jobs with one --runner-prefix; the
+    /// connection from PG_CONN_STR in the environment, as OpenTofu's pg backend reads it, and
+    /// the module's tofu state must be in PostgreSQL too). With pg, every host of the pool
+    /// renews a lease there, and a live host adopts and tears down the cycles of a host whose
+    /// lease lapsed. last-run.json, events.jsonl, counters.json and the metrics stay local.
+    #[arg(
+        long,
+        env = "CI_EPHEMERAL_PROVISIONER_STORE",
+        value_enum,
+        default_value = "files",
+        value_name = "STORE"
+    )]
+    pub store: StoreKind,
+
+    /// With --store pg (required there): the pool this host serves, as every host of it names
+    /// it (1 to 63 of letters, digits, '-', '_', '.'). Its tofu workspaces are POOL-CYCLE_ID.
+    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_POOL", value_name = "NAME")]
+    pub pool: Option<String>,
+
+    /// With --store pg: this host's id in the pool [default: the host name]. Two live hosts (or
+    /// two state directories) with one id are refused.
+    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_HOST_ID", value_name = "NAME")]
+    pub host_id: Option<String>,
+
+    /// With --store pg: how long a host may be silent (no run renewing its lease, on the
+    /// database's clock) before another host adopts its cycles: several times the timer's
+    /// interval. A running process renews it every third of it.
+    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_LEASE", default_value = "2m", value_parser = parse_duration, value_name = "DURATION", allow_hyphen_values = true)]
+    pub lease: Duration,
 
     /// text (a short summary) or json (one JSON document on stdout).
     #[arg(

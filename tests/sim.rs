@@ -130,6 +130,7 @@ const FAULTS: &[&str] = &[
     "held-jobs.json write fails",
     "another slot's cycle.json read fails",
     "stop signal (SIGTERM)",
+    "process paused past its lease (SIGSTOP)",
 ];
 
 /// World events (Forgejo's clean-ups, runner processes) a large run must have seen.
@@ -248,6 +249,10 @@ fn simulation() {
         stats.warm_reloads
     );
     println!(
+        "  pool across hosts (--store pg): {} cycles adopted from a host whose lease lapsed, {} runs fenced after their cycle was adopted",
+        stats.adoptions, stats.fenced
+    );
+    println!(
         "  faults injected: {} in total",
         stats.faults.values().sum::<u64>()
     );
@@ -323,6 +328,12 @@ fn simulation() {
             stats.seeds
         );
         assert!(stats.races_refused > 0, "no racing invocation was tried");
+        assert!(
+            stats.adoptions > 0 && stats.fenced > 0,
+            "no cycle of a pool across hosts was adopted ({}) or no run fenced ({})",
+            stats.adoptions,
+            stats.fenced
+        );
         assert!(
             stats.broken_pool_starts > 0 && stats.backed_off > 0,
             "the failure backoff was never exercised ({} broken-pool starts, {} refused)",

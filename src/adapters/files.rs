@@ -571,10 +571,10 @@ impl StateStore for FileStore {
                         state.cycle_id, self.slot.n
                     ));
                 }
-                o.add(k, &name, &state);
+                o.add(k, "", &name, &state);
                 // No run of a slot beyond --slots polls for a job: its warm VM serves none.
                 if k > self.slot.n {
-                    o.warm.remove(&k);
+                    o.warm.remove(&(k, String::new()));
                 }
             }
             // Another slot's holds are advice like this slot's own: a file that cannot be read
@@ -1067,9 +1067,15 @@ mod tests {
             s.warm = true;
             FileStore::slot(slot(k)).save(&s).unwrap();
         }
-        let w = FileStore::slot(slot(4)).others().unwrap().warm_elsewhere(4);
+        let w = FileStore::slot(slot(4))
+            .others()
+            .unwrap()
+            .warm_elsewhere(4, "");
         assert_eq!((w.total, w.in_lower_slots), (2, 2));
-        let w = FileStore::slot(slot(2)).others().unwrap().warm_elsewhere(2);
+        let w = FileStore::slot(slot(2))
+            .others()
+            .unwrap()
+            .warm_elsewhere(2, "");
         assert_eq!((w.total, w.in_lower_slots), (2, 1));
         // A slot beyond --slots runs no more: its warm VM is no one's to count on.
         let mut s = CycleState::new("c5".into(), gate.now);
@@ -1082,7 +1088,7 @@ mod tests {
         take_lock(&five).map(drop).unwrap();
         FileStore::slot(five).save(&s).unwrap();
         let o = FileStore::slot(slot(2)).others().unwrap();
-        assert_eq!(o.warm.iter().copied().collect::<Vec<_>>(), [1, 3]);
+        assert_eq!(o.warm.iter().map(|w| w.0).collect::<Vec<_>>(), [1, 3]);
         assert_eq!(o.beyond.len(), 1);
     }
 }

@@ -225,6 +225,7 @@ impl CommandLauncher {
             env,
             stdin: None,
             timeout: Some(self.timeout),
+            database: false,
         };
         Ok((program, spec))
     }
@@ -255,6 +256,7 @@ impl CommandLauncher {
             env,
             stdin: token.cloned(),
             timeout: Some(self.timeout),
+            database: false,
         };
         Ok((program, spec))
     }

@@ -7,6 +7,7 @@ pub mod files;
 pub mod forgejo_http;
 pub mod launch_cmd;
 pub mod logging;
+pub mod pg_store;
 pub mod process;
 pub mod signals;
 pub mod tofu_cli;

@@ -60,11 +60,18 @@ pub fn close_inherited_fds() -> anyhow::Result<()> {
 }
 
 /// Variables never passed to a child: the credentials directory holds the Forgejo token, and our
-/// own configuration variables are none of the child's business.
-pub fn scrub_env(cmd: &mut Command) {
+/// own configuration variables are none of the child's business. The database's (`PG_CONN_STR`
+/// with its password, `PG_SCHEMA_NAME`, libpq's `PGPASSWORD` and the like) only to tofu, whose
+/// pg backend needs them (`database`).
+pub fn scrub_env(cmd: &mut Command, database: bool) {
     for (key, _) in std::env::vars_os() {
         let k = key.to_string_lossy();
-        if k == "CREDENTIALS_DIRECTORY" || k.starts_with("CI_EPHEMERAL_PROVISIONER_") {
+        let db = k.starts_with("PG_")
+            || (k.starts_with("PG") && k[2..].starts_with(|c: char| c.is_ascii_uppercase()));
+        if k == "CREDENTIALS_DIRECTORY"
+            || k.starts_with("CI_EPHEMERAL_PROVISIONER_")
+            || (db && !database)
+        {
             cmd.env_remove(&key);
         }
     }
@@ -91,6 +98,8 @@ pub struct ChildSpec {
     pub env: Vec<(String, String)>,
     pub stdin: Option<Secret>,
     pub timeout: Option<Duration>,
+    /// The child is tofu, whose pg backend gets the database's variables (`scrub_env`).
+    pub database: bool,
 }
 
 #[derive(Debug)]
@@ -333,7 +342,7 @@ pub fn run_child(spec: &ChildSpec, stop: &StopFlag) -> std::io::Result<ChildResu
 fn spawn(spec: &ChildSpec) -> std::io::Result<std::process::Child> {
     let mut cmd = Command::new(&spec.program);
     cmd.args(&spec.args);
-    scrub_env(&mut cmd);
+    scrub_env(&mut cmd, spec.database);
     for (k, v) in &spec.env {
         cmd.env(k, v);
     }
@@ -420,6 +429,7 @@ mod tests {
             env: vec![],
             stdin: None,
             timeout: None,
+            database: false,
         }
     }
 

@@ -52,6 +52,7 @@ pub fn invocation(bin: &Path, module: &Path, cycle_id: &str, args: &[&str]) -> C
         ],
         stdin: None,
         timeout: None,
+        database: true,
     }
 }
 
@@ -67,20 +68,41 @@ pub struct CliTofu {
     pub pinned: bool,
     /// `TF_DATA_DIR` for slot K ≥ 2; slot 1 keeps the module directory's own `.terraform`.
     pub data_dir: Option<PathBuf>,
+    /// `--store pg`: the pool, whose cycles each have a workspace of their own,
+    /// `POOL-CYCLE_ID` (`core::pool::workspace`), that any host of the pool can address.
+    pub pool: Option<String>,
     pub stop: StopFlag,
+}
+
+/// How often an apply or destroy is tried while another host creates a workspace (the pg
+/// backend's creation lock) or the backend's schema.
+const CREATION_TRIES: u32 = 6;
+
+/// What tofu's pg backend prints when another host creates a workspace (its lock on key -1) or
+/// its schema at the same moment: tried again after a pause.
+fn creation_race(message: &str) -> bool {
+    message.contains("locked for workspace creation")
+        || message.contains("duplicate key value violates unique constraint")
 }
 
 impl CliTofu {
     /// `init` before every apply and destroy: idempotent and quick when nothing changed, and the
     /// only way to recover from an interrupted init or a module that changed since the last one.
+    /// With a workspace per cycle it runs in `default` (which the pg backend always lists): an
+    /// init naming a workspace that does not exist yet fails once the schema holds any other.
     fn init(&self, cycle_id: &str) -> Result<(), StepError> {
-        self.run(cycle_id, &["init", "-input=false", "-no-color"])
-            .map(|_| ())
+        self.run_in(
+            cycle_id,
+            self.pool.as_ref().map(|_| "default"),
+            &["init", "-input=false", "-no-color"],
+        )
+        .map(|_| ())
     }
 
-    /// `init`, then `apply` or `destroy`, unattended.
+    /// `init`, then `apply` or `destroy`, unattended. With a workspace per cycle, the apply or
+    /// destroy creates the cycle's workspace when it has none (taking the backend's creation
+    /// lock: tried again while another host holds it), and a destroy that worked deletes it.
     fn change(&self, cycle_id: &str, verb: &str) -> Result<(), StepError> {
-        self.init(cycle_id)?;
         let args = [
             verb,
             "-input=false",
@@ -88,7 +110,36 @@ impl CliTofu {
             "-no-color",
             LOCK_TIMEOUT,
         ];
-        self.run(cycle_id, &args).map(|_| ())
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            let r = self.init(cycle_id).and_then(|()| self.run(cycle_id, &args));
+            match r {
+                Err(e) if !e.interrupted && tries < CREATION_TRIES && creation_race(&e.message) => {
+                    log::warn!(
+                        "{}; another host is creating a workspace or the backend's schema: trying again",
+                        e.message
+                    );
+                    std::thread::sleep(std::time::Duration::from_millis(500 * u64::from(tries)));
+                }
+                Err(e) => return Err(e),
+                Ok(_) => break,
+            }
+        }
+        if verb == "destroy"
+            && let Some(pool) = &self.pool
+        {
+            let ws = crate::core::pool::workspace(pool, cycle_id);
+            self.run_in(cycle_id, Some("default"), &["workspace", "delete", "-no-color", &ws])
+                .map_err(|e| StepError {
+                    message: format!(
+                        "the VM is destroyed, but deleting its empty workspace {ws} failed: {}; the next run tries again",
+                        e.message
+                    ),
+                    interrupted: e.interrupted,
+                })?;
+        }
+        Ok(())
     }
 
     /// `tofu show -json` of this slot's state: it reads the state and changes nothing (no init,
@@ -103,14 +154,25 @@ impl CliTofu {
         })
     }
 
-    /// What this slot adds to tofu's environment: `TF_VAR_slot`, its workspace, and (slot K ≥ 2)
-    /// its own data directory.
-    fn slot_env(&self) -> Vec<(String, String)> {
+    /// What this slot adds to tofu's environment: `TF_VAR_slot`, its workspace (`workspace`, or
+    /// the cycle's, or the slot's), and (slot K ≥ 2) its own data directory.
+    fn slot_env(&self, cycle_id: &str, workspace: Option<&str>) -> Vec<(String, String)> {
         let mut env = vec![("TF_VAR_slot".into(), self.slot.to_string())];
-        match crate::core::slots::slot_dir_name(self.slot) {
-            Some(workspace) => env.push(("TF_WORKSPACE".into(), workspace)),
-            None if self.pinned => env.push(("TF_WORKSPACE".into(), "default".into())),
-            None => {}
+        match (
+            workspace,
+            &self.pool,
+            crate::core::slots::slot_dir_name(self.slot),
+        ) {
+            (Some(w), _, _) => env.push(("TF_WORKSPACE".into(), w.to_string())),
+            (None, Some(pool), _) => env.push((
+                "TF_WORKSPACE".into(),
+                crate::core::pool::workspace(pool, cycle_id),
+            )),
+            (None, None, Some(workspace)) => env.push(("TF_WORKSPACE".into(), workspace)),
+            (None, None, None) if self.pinned => {
+                env.push(("TF_WORKSPACE".into(), "default".into()))
+            }
+            (None, None, None) => {}
         }
         if let Some(d) = &self.data_dir {
             env.push(("TF_DATA_DIR".into(), d.display().to_string()));
@@ -123,9 +185,19 @@ impl CliTofu {
     }
 
     fn run(&self, cycle_id: &str, args: &[&str]) -> Result<Vec<u8>, StepError> {
+        self.run_in(cycle_id, None, args)
+    }
+
+    /// `run` in the workspace `workspace` (else the cycle's or the slot's).
+    fn run_in(
+        &self,
+        cycle_id: &str,
+        workspace: Option<&str>,
+        args: &[&str],
+    ) -> Result<Vec<u8>, StepError> {
         let dir = self.dir()?;
         let mut spec = invocation(&self.bin, dir, cycle_id, args);
-        spec.env.extend(self.slot_env());
+        spec.env.extend(self.slot_env(cycle_id, workspace));
         let shown = format!(
             "{} {}",
             self.bin.display(),

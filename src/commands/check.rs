@@ -88,6 +88,10 @@ pub fn cmd_check(CheckArgs { args: a, boot }: CheckArgs) -> Result<u8, Fatal> {
             .map_err(|Fatal(_, msg)| msg)
             .and_then(|slot| shown(check_state_dir(&slot.dir()))),
     ));
+    if a.common.local.store == crate::cli::StoreKind::Pg {
+        lines.push(Line::new("pool store", shown(check_pool_store(&a, &url))));
+        lines.push(Line::new("tofu backend", shown(check_tofu_backend(&a))));
+    }
     if let Some(path) = &a.common.metrics_file {
         lines.push(Line::new("metrics file", shown(check_metrics_dir(path))));
     }
@@ -439,6 +443,46 @@ fn lock_state(dir: &Path) -> anyhow::Result<&'static str> {
         Err(std::fs::TryLockError::WouldBlock) => Ok(" (a run in progress holds its lock)"),
         Err(std::fs::TryLockError::Error(e)) => Err(anyhow!("cannot lock {}: {e}", path.display())),
     }
+}
+
+/// `--store pg`: the database answers (`PG_CONN_STR`), its schema is one this build knows,
+/// this host id is live on no other machine; the connection string's TLS is said.
+fn check_pool_store(a: &RunArgs, url: &str) -> anyhow::Result<String> {
+    let store = wiring::pg_store(&a.common.local, url, false).map_err(|Fatal(_, m)| anyhow!(m))?;
+    let Some(mut store) = store else {
+        bail!("--store pg is not set");
+    };
+    store.check()
+}
+
+/// `--store pg`: the module keeps its tofu state in PostgreSQL too (`backend "pg"`), so that
+/// any host of the pool can destroy a cycle's VM.
+fn check_tofu_backend(a: &RunArgs) -> anyhow::Result<String> {
+    let dir = a
+        .tofu_dir
+        .as_deref()
+        .ok_or_else(|| anyhow!("--tofu-dir is not set"))?;
+    let entries =
+        std::fs::read_dir(dir).map_err(|e| anyhow!("cannot list {}: {e}", dir.display()))?;
+    for e in entries.flatten() {
+        let p = e.path();
+        if p.extension().is_some_and(|x| x == "tf")
+            && let Ok(text) = std::fs::read_to_string(&p)
+            && text
+                .lines()
+                .map(|l| l.split('#').next().unwrap_or("").replace(' ', ""))
+                .any(|l| l.starts_with("backend\"pg\""))
+        {
+            return Ok(format!(
+                "{} keeps its state in PostgreSQL (backend \"pg\"), workspaces POOL-CYCLE_ID",
+                p.display()
+            ));
+        }
+    }
+    bail!(
+        "with --store pg the module's tofu state must be in PostgreSQL too, or only the host that made a VM could destroy it: add `terraform {{ backend \"pg\" {{}} }}` to the module in {} (its connection from PG_CONN_STR, docs/operating.md)",
+        dir.display()
+    )
 }
 
 /// The directory node_exporter reads must take our temporary file and rename.

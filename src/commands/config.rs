@@ -169,8 +169,6 @@ pub(crate) fn policy(a: &RunArgs, labels: &Labels) -> Policy {
         hard_deadline: a.hard_deadline,
         intent_settle: intent_settle(&a.common),
         job_pickup_timeout: a.job_pickup_timeout,
-        share: a.share,
-        take_over_after: a.take_over_after,
         sweep_min_age: sweep_min_age(a.registration_grace, a.launch_timeout, &a.common),
         reuse_within: a.reuse_within,
         warm: WarmPolicy {
@@ -193,6 +191,7 @@ pub(crate) fn cycle_config(
         labels: labels.given().to_string(),
         forgejo_url,
         sweep_max_deletions: a.common.sweep_max_deletions,
+        host: String::new(),
         slot: a.common.local.slot,
         backoff: backoff_policy(a),
     }
@@ -286,6 +285,74 @@ pub(crate) fn metrics_target(common: &ForgejoArgs) -> Option<MetricsTarget<'_>> 
             pool: state_dir(&common.local.state_dir),
         }
     })
+}
+
+/// With `--store pg`: this slot of this host in the pool (`--pool`, `--host-id`, `--lease`),
+/// checked; `None` with the files store. `forgejo`: whose job attempts are claimed.
+pub(crate) fn pool_slot(
+    local: &LocalArgs,
+    forgejo: &str,
+) -> Result<Option<crate::adapters::pg_store::PoolSlot>, Fatal> {
+    if local.store == crate::cli::StoreKind::Files {
+        for (flag, given) in [
+            ("--pool", local.pool.is_some()),
+            ("--host-id", local.host_id.is_some()),
+        ] {
+            if given {
+                return Err(usage(format!(
+                    "{flag} is for --store pg; with --store files a pool is this host's --state-dir"
+                )));
+            }
+        }
+        return Ok(None);
+    }
+    let pool = local.pool.clone().ok_or_else(|| {
+        usage("--store pg needs --pool NAME: the pool this host serves, named alike on every host of it")
+    })?;
+    crate::core::pool::check_name("--pool", &pool).map_err(usage)?;
+    let host = match &local.host_id {
+        Some(h) => h.clone(),
+        None => host_name().map_err(|e| usage(format!("{e:#}; pass --host-id NAME")))?,
+    };
+    crate::core::pool::check_name("--host-id", &host).map_err(usage)?;
+    if local.lease < crate::core::pool::MIN_LEASE {
+        return Err(usage(format!(
+            "--lease {} is too short: at least {} (several times the timer's interval)",
+            format_duration(local.lease),
+            format_duration(crate::core::pool::MIN_LEASE)
+        )));
+    }
+    let slot = slot_dir(local)?;
+    Ok(Some(crate::adapters::pg_store::PoolSlot {
+        pool,
+        machine: machine(&slot.pool, &host),
+        host,
+        forgejo: forgejo.to_string(),
+        k: slot.k,
+        n: slot.n,
+        lease: local.lease,
+    }))
+}
+
+/// The host name (`/proc/sys/kernel/hostname`), the default `--host-id`.
+fn host_name() -> anyhow::Result<String> {
+    let name = std::fs::read_to_string("/proc/sys/kernel/hostname").map_err(|e| {
+        anyhow::anyhow!("cannot read the host name (/proc/sys/kernel/hostname): {e}")
+    })?;
+    let name = name.trim().split('.').next().unwrap_or("").to_string();
+    if name.is_empty() {
+        anyhow::bail!("the host name is empty");
+    }
+    Ok(name)
+}
+
+/// What tells two hosts with one id apart: the host name, `/etc/machine-id` and the state
+/// directory (two state directories are two hosts).
+fn machine(state_dir: &Path, host: &str) -> String {
+    let id = std::fs::read_to_string("/etc/machine-id").unwrap_or_default();
+    let name = host_name().unwrap_or_else(|_| host.to_string());
+    let dir = std::path::absolute(state_dir).unwrap_or_else(|_| state_dir.to_path_buf());
+    format!("{name} {} {}", id.trim(), dir.display())
 }
 
 #[cfg(test)]

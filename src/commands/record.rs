@@ -17,6 +17,7 @@ use crate::commands::exit::Fatal;
 use crate::core::backoff::{BACKOFF_FILE, Backoff};
 use crate::core::escape::escape_controls;
 use crate::core::metrics::{Counters, CycleView};
+use crate::core::report::PoolReport;
 use crate::core::report::{Outcome, Report};
 use crate::core::state::{CycleState, STATE_FILE};
 use crate::core::time::Timestamp;
@@ -40,20 +41,28 @@ pub(crate) fn announce_run(dir: &Path, metrics: Option<MetricsTarget<'_>>, start
         log::warn!("{e:#}; the metrics file shows the counters from zero until a run rewrites it");
         Counters::default()
     });
-    if let Err(e) = write_metrics(dir, &target, &counters, Some(started)) {
+    if let Err(e) = write_metrics(dir, &target, &counters, Some(started), None) {
         log::warn!("--metrics-file: {e:#}");
     }
 }
 
 /// Renders the metrics (`started`: a run in progress since then) and writes the file.
+/// `pool`: with `--store pg`, the run's cycle and the pool's backoff (neither is in the state
+/// directory).
 fn write_metrics(
     dir: &Path,
     target: &MetricsTarget<'_>,
     counters: &Counters,
     started: Option<Timestamp>,
+    pool: Option<&PoolReport>,
 ) -> anyhow::Result<()> {
-    let cycle = read_state_file(&dir.join(STATE_FILE));
-    let backoff = pool_backoff(&target.pool);
+    let (cycle, backoff) = match pool {
+        Some(p) => (Ok(p.cycle.clone()), p.view.backoff.clone()),
+        None => (
+            read_state_file(&dir.join(STATE_FILE)),
+            pool_backoff(&target.pool),
+        ),
+    };
     let text = crate::core::metrics::render(
         counters,
         &cycle_view(&cycle),
@@ -93,7 +102,7 @@ fn record_run(dir: &Path, metrics: Option<MetricsTarget<'_>>, report: &mut Repor
     let mut counters = before.clone();
     counters.record(report);
     if let Some(target) = metrics
-        && let Err(e) = write_metrics(dir, &target, &counters, None)
+        && let Err(e) = write_metrics(dir, &target, &counters, None, report.pool.as_ref())
     {
         report.fail(format!("--metrics-file: {e:#}"));
         report.settle();

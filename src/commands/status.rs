@@ -12,6 +12,7 @@ use crate::adapters::files::{
     load_counters, read_backoff_file, read_holds_file, read_state_file, read_state_text,
     writable_by_others,
 };
+use crate::adapters::pg_store::PgStore;
 use crate::cli::{OutputFormat, StatusArgs};
 use crate::commands::config::slot_dir;
 use crate::commands::exit::{EXIT_FAILED, EXIT_OK, Fatal, usage};
@@ -19,6 +20,7 @@ use crate::commands::record::LAST_RUN_FILE;
 use crate::core::backoff::{BACKOFF_FILE, Backoff};
 use crate::core::holds::{HOLDS_FILE, Hold};
 use crate::core::metrics::Counters;
+use crate::core::pool::PoolView;
 use crate::core::state::{CycleState, STATE_FILE};
 use crate::core::status::{EVENTS_SHOWN, Limits, MAX_LAST_RUN_BYTES, facts, warnings};
 use crate::core::time::Timestamp;
@@ -53,11 +55,13 @@ pub fn cmd_status(a: StatusArgs) -> Result<u8, Fatal> {
         max_success_age: a.max_success_age,
         max_cycle_duration: a.max_cycle_duration,
     };
+    let mut pg = crate::commands::wiring::pg_store(&a.local, "", false)?;
     let mut doc = gather(
         &dir,
         &slot.pool,
         &limits,
         crate::adapters::clock::wall_now(),
+        pg.as_mut(),
     );
     // A run refuses such a directory (exit 2): as much a warning as a failed run.
     if let Some(why) = unsafe_mode
@@ -97,7 +101,17 @@ pub fn cmd_status(a: StatusArgs) -> Result<u8, Fatal> {
 
 /// Everything `status` shows, as one JSON document (the text form is rendered from it).
 /// `dir` is the slot's directory, `pool` the pool's (where `backoff.json` is).
-pub fn gather(dir: &Path, pool: &Path, limits: &Limits, now: Timestamp) -> Value {
+/// With `--store pg` (`pg`), the slot's cycle, holds and the backoff come from the pool store,
+/// and the pool's hosts, their leases and its recent adoptions are shown.
+pub fn gather(
+    dir: &Path,
+    pool: &Path,
+    limits: &Limits,
+    now: Timestamp,
+    pg: Option<&mut PgStore>,
+) -> Value {
+    let mut found = Found::read(dir, pool, now);
+    let pool_view = pg.map(|pg| found.read_pg(pg, now));
     let Found {
         unreadable,
         cycle,
@@ -108,7 +122,7 @@ pub fn gather(dir: &Path, pool: &Path, limits: &Limits, now: Timestamp) -> Value
         counters_error,
         held,
         backoff,
-    } = Found::read(dir, pool, now);
+    } = found;
     let (events, events_skipped, events_error) =
         match crate::adapters::events_file::tail(dir, EVENTS_SHOWN) {
             Ok(t) => (t.records, t.skipped, None),
@@ -127,7 +141,17 @@ pub fn gather(dir: &Path, pool: &Path, limits: &Limits, now: Timestamp) -> Value
         unreadable,
     );
     f.backoff = backoff.as_ref().and_then(|b| b.closed(now));
-    let warnings = warnings(&f, limits, now);
+    let mut warnings = warnings(&f, limits, now);
+    for h in pool_view.iter().flatten().flat_map(|v| &v.hosts) {
+        if h.lapsed && !h.cycles.is_empty() {
+            warnings.push(format!(
+                "host {}'s lease lapsed (last renewed {}s ago) with {}: a live host of the pool adopts and tears it down at its next run",
+                h.host_id,
+                h.renewed_seconds_ago,
+                h.cycles.join(", ")
+            ));
+        }
+    }
     let secs_since = |t: Option<Timestamp>| t.map(|t| now.since(t).as_secs());
     let last_run_end = last_run
         .as_ref()
@@ -155,6 +179,7 @@ pub fn gather(dir: &Path, pool: &Path, limits: &Limits, now: Timestamp) -> Value
         "events": events,
         "events_skipped": events_skipped,
         "events_error": events_error,
+        "pool": pool_view,
     })
 }
 
@@ -175,6 +200,33 @@ struct Found {
 }
 
 impl Found {
+    /// The slot's cycle, holds and the pool's backoff from the pool store instead of the state
+    /// directory; the pool's hosts and recent events (`None` when they cannot be read: named in
+    /// `unreadable`).
+    fn read_pg(&mut self, pg: &mut PgStore, now: Timestamp) -> Option<PoolView> {
+        match pg.read_slot() {
+            Ok((cycle, holds, _, backoff)) => {
+                self.cycle = cycle;
+                self.cycle_error = None;
+                self.held = holds.active(now).cloned().collect();
+                self.backoff = Some(backoff);
+            }
+            Err(e) => {
+                self.unreadable
+                    .push(format!("the pool store is unreadable: {e:#}"));
+                self.cycle_error = Some(format!("{e:#}"));
+            }
+        }
+        match pg.inspect() {
+            Ok((view, _)) => Some(view),
+            Err(e) => {
+                self.unreadable
+                    .push(format!("the pool's hosts are unreadable: {e:#}"));
+                None
+            }
+        }
+    }
+
     fn read(dir: &Path, pool: &Path, now: Timestamp) -> Found {
         let mut unreadable = Vec::new();
         let (cycle, cycle_error) = match read_state_file(&dir.join(STATE_FILE)) {

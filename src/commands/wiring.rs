@@ -18,10 +18,11 @@ use crate::adapters::files::{
 use crate::adapters::forgejo_http::{HttpForgejo, Scope, load_ca_file};
 use crate::adapters::launch_cmd::CommandLauncher;
 use crate::adapters::logging::log_config;
+use crate::adapters::pg_store::{ConnSpec, PgStore};
 use crate::adapters::signals::{ReloadFlag, StopFlag};
 use crate::adapters::tofu_cli::{CliTofu, TOFU_DATA_DIR};
 use crate::cli::{DryRunArgs, ForgejoArgs, RunArgs, SweepArgs};
-use crate::commands::config::{forgejo_target, metrics_target, read_token, slot_dir};
+use crate::commands::config::{forgejo_target, metrics_target, pool_slot, read_token, slot_dir};
 use crate::commands::exit::{EXIT_FAILED, EXIT_OK, EXIT_USAGE, Fatal, failed, usage};
 use crate::commands::record::{announce_run, events_file, finish, print_plan};
 use crate::core::backoff::Backoff;
@@ -130,7 +131,8 @@ pub(crate) fn cycle(
         slot,
         dir,
         lock,
-    } = live(a, c, label_names)?;
+        store,
+    } = live(a, c, label_names, true)?;
     let stop = StopFlag::install().map_err(failed)?;
     let reload = ReloadFlag::install().map_err(failed)?;
     let clock = RealClock::new(stop.clone(), reload);
@@ -140,7 +142,7 @@ pub(crate) fn cycle(
             forgejo: Box::new(forgejo),
             tofu: Box::new(tofu(a, &slot, stop.clone())),
             launcher: Box::new(launcher(a, stop)),
-            store: Box::new(FileStore::slot(slot)),
+            store,
             clock: Box::new(clock),
         },
         report,
@@ -175,7 +177,7 @@ fn dry_cycle(a: &RunArgs, flags: &DryRunArgs, label_names: &[String]) -> Result<
             others: Others::default(),
             backoff: Backoff::new(),
         }),
-        DrySource::Slot(slot) => read_slot(slot),
+        DrySource::Slot(slot) => read_slot(slot, &c.local),
     })?;
     Ok(CycleRun {
         ports: Ports {
@@ -197,8 +199,18 @@ fn dry_cycle(a: &RunArgs, flags: &DryRunArgs, label_names: &[String]) -> Result<
     })
 }
 
-/// A slot's files as a dry-run's store: read once, never written.
-fn read_slot(slot: &SlotDir) -> Result<MemoryStore, Fatal> {
+/// A slot's files (or its rows in the pool store) as a dry-run's store: read once, never
+/// written.
+fn read_slot(slot: &SlotDir, local: &crate::cli::LocalArgs) -> Result<MemoryStore, Fatal> {
+    if let Some(mut pg) = pg_store(local, "", false)? {
+        let (state, holds, others, backoff) = pg.read_slot().map_err(failed)?;
+        return Ok(MemoryStore {
+            state,
+            holds,
+            others,
+            backoff,
+        });
+    }
     let dir = slot.dir();
     let state = read_state_file(&dir.join(STATE_FILE)).map_err(failed)?;
     let holds =
@@ -251,6 +263,13 @@ pub(crate) fn sweep(a: &SweepArgs) -> Result<SweepRun, Fatal> {
                 Ok((licence.map_err(refused)?, store))
             }
             DrySource::Slot(slot) => {
+                if let Some(pg) = pg_store(&c.local, "", false)? {
+                    let source = pg.describe();
+                    let found = read_slot(slot, &c.local)?;
+                    let licence = sweep_licence(Ok(found.state.clone()), &source, || None);
+                    let store: Box<dyn StateStore> = Box::new(found);
+                    return Ok((licence.map_err(refused)?, store));
+                }
                 let path = slot.dir().join(STATE_FILE);
                 let cycle = read_state_file(&path);
                 let licence = sweep_licence(cycle, &path.display().to_string(), || None);
@@ -270,20 +289,22 @@ pub(crate) fn sweep(a: &SweepArgs) -> Result<SweepRun, Fatal> {
     }
     let Live {
         forgejo,
-        slot,
         dir,
         lock,
+        mut store,
         ..
-    } = live(a, c, &[])?;
+    } = live(a, c, &[], false)?;
     let clock = RealClock::new(StopFlag::default(), ReloadFlag::default());
     let report = live_report("sweep", &clock, &dir, c);
     let path = dir.join(STATE_FILE);
-    let licence = sweep_licence(read_state_file(&path), &path.display().to_string(), || {
-        last_destroy(&dir)
-    });
+    let source = match c.local.store {
+        crate::cli::StoreKind::Files => path.display().to_string(),
+        crate::cli::StoreKind::Pg => store.describe(),
+    };
+    let licence = sweep_licence(store.load(), &source, || last_destroy(&dir));
     Ok(SweepRun {
         forgejo: Box::new(forgejo),
-        store: Box::new(FileStore::slot(slot)),
+        store,
         clock: Box::new(clock),
         report,
         outlet: Outlet::Live { dir, _lock: lock },
@@ -343,24 +364,53 @@ struct Live {
     /// The slot's directory.
     dir: PathBuf,
     lock: Lock,
+    /// The slot's files, or its rows in the pool store (`--store pg`).
+    store: Box<dyn StateStore>,
 }
 
-fn live(args: &dyn Debug, c: &ForgejoArgs, label_names: &[String]) -> Result<Live, Fatal> {
+/// `run`: the pool store renews the host's lease while the run lasts and adopts a lapsed
+/// host's cycle into a slot that has none.
+fn live(
+    args: &dyn Debug,
+    c: &ForgejoArgs,
+    label_names: &[String],
+    run: bool,
+) -> Result<Live, Fatal> {
     let (url, scope) = forgejo_target(c)?;
     let slot = slot_dir(&c.local)?;
+    let pg = pg_store(&c.local, &url, run)?;
     let token = read_token(&c.token_file)?;
     let dir = slot.dir();
     log_config(args, Some(&token), Some(&dir));
     let forgejo = http_forgejo(c, &url, scope, &token, label_names)?;
     drop(token);
     let lock = take_lock(&slot)?;
+    let store: Box<dyn StateStore> = match pg {
+        Some(pg) => Box::new(pg),
+        None => Box::new(FileStore::slot(slot.clone())),
+    };
     Ok(Live {
         url,
         forgejo,
         slot,
         dir,
         lock,
+        store,
     })
+}
+
+/// The pool store of this slot with `--store pg` (`PG_CONN_STR` read and checked; nothing
+/// connected yet), `None` with the files store. `run`: it renews the lease and adopts.
+pub(crate) fn pg_store(
+    local: &crate::cli::LocalArgs,
+    forgejo: &str,
+    run: bool,
+) -> Result<Option<PgStore>, Fatal> {
+    let Some(me) = pool_slot(local, forgejo)? else {
+        return Ok(None);
+    };
+    let spec = ConnSpec::from_env().map_err(|e| usage(format!("{e:#}")))?;
+    Ok(Some(PgStore::new(spec, me, run)))
 }
 
 /// Where a dry-run reads what it finds beside Forgejo.
@@ -449,16 +499,27 @@ pub(crate) fn http_forgejo(
 
 /// The tofu CLI of a live run (and of `check`'s probe of it).
 pub(crate) fn tofu(a: &RunArgs, slot: &SlotDir, stop: StopFlag) -> CliTofu {
-    slot_tofu(&a.tofu_bin, a.tofu_dir.as_deref(), slot, stop)
+    let pool = (a.common.local.store == crate::cli::StoreKind::Pg)
+        .then(|| a.common.local.pool.clone())
+        .flatten();
+    slot_tofu(&a.tofu_bin, a.tofu_dir.as_deref(), slot, pool, stop)
 }
 
-/// The tofu CLI of a slot: `bin` on the module in `dir` (also `status --remote`'s).
-pub(crate) fn slot_tofu(bin: &Path, dir: Option<&Path>, slot: &SlotDir, stop: StopFlag) -> CliTofu {
+/// The tofu CLI of a slot: `bin` on the module in `dir`; `pool` with `--store pg` (also
+/// `status --remote`'s).
+pub(crate) fn slot_tofu(
+    bin: &Path,
+    dir: Option<&Path>,
+    slot: &SlotDir,
+    pool: Option<String>,
+    stop: StopFlag,
+) -> CliTofu {
     CliTofu {
         bin: bin.to_path_buf(),
         dir: dir.map(Path::to_path_buf),
         slot: slot.k,
         pinned: slot.n > 1,
+        pool,
         // Absolute: tofu runs with -chdir into the module directory.
         data_dir: (slot.k != 1).then(|| {
             let d = slot.dir().join(TOFU_DATA_DIR);

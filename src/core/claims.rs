@@ -12,7 +12,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use crate::core::state::{CycleState, Phase};
+use crate::core::state::CycleState;
 use crate::core::time::Timestamp;
 
 /// The job attempts this slot leaves alone: claimed or held by another slot.
@@ -49,44 +49,40 @@ pub struct Others {
     /// Slots beyond `--slots` whose cycle is still in progress, each said in words: its VM and
     /// registrations stay until that slot runs again.
     pub beyond: Vec<String>,
-    /// The slots (numbers) whose cycle is an unused warm VM (`core::warm::is_unused_warm`).
-    pub warm: BTreeSet<u32>,
+    /// The slots (number, host; `""` for this host with the files store) whose cycle is an
+    /// unused warm VM (`core::warm::is_unused_warm`).
+    pub warm: BTreeSet<(u32, String)>,
     /// When another slot first saw each waiting job attempt (by handle), the earliest of them
     /// (their `held-jobs.json`): where the pool's pickup time of a job starts.
     pub first_seen: BTreeMap<String, Timestamp>,
 }
 
 impl Others {
-    /// Adds what the cycle of slot `k` (`slot`: its name, for messages) holds.
-    pub fn add(&mut self, k: u32, slot: &str, state: &CycleState) {
+    /// Adds what the cycle of slot `k` of host `host` (`""`: this host, with the files store;
+    /// `slot`: its name, for messages) holds.
+    pub fn add(&mut self, k: u32, host: &str, slot: &str, state: &CycleState) {
         if crate::core::warm::is_unused_warm(state) {
-            self.warm.insert(k);
+            self.warm.insert((k, host.to_string()));
         }
         for r in &state.registrations {
-            // A runner that took a job claims none: the job it was registered for, if it still
-            // waits, will go to another runner.
-            if !r.busy {
-                self.claimed.insert(r.job_handle.clone(), slot.to_string());
-            }
             self.names.insert(r.name.clone());
         }
-        // The job a cycle was started for, until its first registration: only while the cycle
-        // may still register (a cycle being torn down starts no runner).
-        if let Some(job) = state.claim
-            && matches!(state.phase, Phase::Applying | Phase::Running)
-        {
-            match &state.claim_handle {
-                Some(handle) => self.claimed.insert(handle.clone(), slot.to_string()),
+        // A runner that took a job claims none (its job, if it still waits, goes to another
+        // runner); the job a cycle was started for is claimed only while it may still register.
+        for (job, handle) in crate::core::pool::claims_of(state) {
+            match handle {
+                Some(h) => self.claimed.insert(h, slot.to_string()),
                 None => self.claimed_any_attempt.insert(job, slot.to_string()),
             };
         }
     }
 
-    /// The other slots' unused warm VMs, as slot `me` counts them.
-    pub fn warm_elsewhere(&self, me: u32) -> crate::core::warm::WarmElsewhere {
+    /// The other slots' unused warm VMs, as slot `me` of host `host` counts them: the slots
+    /// below it are those of a lower number, or of the same number on a host that sorts first.
+    pub fn warm_elsewhere(&self, me: u32, host: &str) -> crate::core::warm::WarmElsewhere {
         crate::core::warm::WarmElsewhere {
             total: self.warm.len() as u32,
-            in_lower_slots: self.warm.range(..me.max(1)).count() as u32,
+            in_lower_slots: self.warm.range(..(me.max(1), host.to_string())).count() as u32,
         }
     }
 
@@ -127,7 +123,7 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
-    use crate::core::state::Registration;
+    use crate::core::state::{Phase, Registration};
 
     fn ts(s: &str) -> Timestamp {
         Timestamp::parse_rfc3339(s).unwrap()
@@ -146,7 +142,7 @@ mod tests {
         s.registrations
             .push(Registration::intent("p-c1-1-x".into(), 5, "h5".into(), now));
         let mut o = Others::default();
-        o.add(2, "slot 2", &s);
+        o.add(2, "", "slot 2", &s);
         assert_eq!(handles(&o.claimed(now)), ["h5", "h7"]);
         assert_eq!(o.names, ["p-c1-1-x".to_string()].into());
         // A claim is on the attempt: a rerun of job 5 (a new handle) is not claimed.
@@ -157,19 +153,19 @@ mod tests {
         // A start claim without a handle covers every attempt of its job.
         s.claim_handle = None;
         let mut o = Others::default();
-        o.add(2, "slot 2", &s);
+        o.add(2, "", "slot 2", &s);
         assert!(o.claimed(now).covers(7, "any"));
         assert_eq!(o.claimant(7, "any").map(String::as_str), Some("slot 2"));
         // Torn down: the job it started for is free; its registration still holds its job.
         s.phase = Phase::TearingDown;
         let mut o = Others::default();
-        o.add(2, "slot 2", &s);
+        o.add(2, "", "slot 2", &s);
         assert_eq!(handles(&o.claimed(now)), ["h5"]);
         assert!(o.claimed(now).jobs.is_empty());
         // A runner that took a job (any job) claims none; its name is still held.
         s.registrations[0].busy = true;
         let mut o = Others::default();
-        o.add(2, "slot 2", &s);
+        o.add(2, "", "slot 2", &s);
         assert_eq!(o.claimed(now), Default::default());
         assert_eq!(o.names.len(), 1);
         // Another slot's hold counts until it ends, for that attempt.

@@ -39,9 +39,8 @@ pub struct Hold {
     pub times: u32,
 }
 
-/// A waiting job of our labels, and when this slot first saw it waiting: a job of another host's
-/// share (`--share`) is served here only once it has waited `--take-over-after` (its host may be
-/// gone), and the job's pickup time counts from the pool's earliest sight (`first_seen`).
+/// A waiting job of our labels, and when this slot first saw it waiting: the job's pickup time
+/// counts from the pool's earliest sight (`first_seen`).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Seen {
     pub job_id: i64,
@@ -54,7 +53,7 @@ pub struct Holds {
     pub version: u32,
     pub jobs: Vec<Hold>,
     /// Jobs of our labels this slot has seen waiting, while they wait. Read also from
-    /// `others_shares`, a list of other hosts' shares only.
+    /// `others_shares` (the name of an older version).
     #[serde(
         default,
         skip_serializing_if = "Vec::is_empty",
@@ -73,47 +72,6 @@ impl Default for Holds {
     }
 }
 
-/// `--share K/H`: this host serves at once the jobs whose id is `K - 1` modulo `H`; the others
-/// only once they have waited `--take-over-after`. `1/1` (the default) serves every job at once.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Share {
-    pub k: u32,
-    pub h: u32,
-}
-
-impl Default for Share {
-    fn default() -> Share {
-        Share { k: 1, h: 1 }
-    }
-}
-
-impl Share {
-    /// Most hosts one share may split the jobs between.
-    pub const MAX_HOSTS: u32 = 64;
-
-    /// Parses `K/H` (1 ≤ K ≤ H ≤ 64).
-    pub fn parse(s: &str) -> Result<Share> {
-        let bad = || {
-            anyhow!(
-                "{s:?} is not a share like 1/2: this host's number K and the number of hosts H, 1 <= K <= H <= {}",
-                Share::MAX_HOSTS
-            )
-        };
-        let (k, h) = s.split_once('/').ok_or_else(bad)?;
-        let k: u32 = k.trim().parse().map_err(|_| bad())?;
-        let h: u32 = h.trim().parse().map_err(|_| bad())?;
-        if k == 0 || k > h || h > Share::MAX_HOSTS {
-            return Err(bad());
-        }
-        Ok(Share { k, h })
-    }
-
-    /// Whether the job is in this host's share.
-    pub fn owns(self, job_id: i64) -> bool {
-        job_id.rem_euclid(i64::from(self.h)) == i64::from(self.k - 1)
-    }
-}
-
 impl Holds {
     /// Nothing held and no waiting job remembered: no file.
     pub fn is_empty(&self) -> bool {
@@ -128,8 +86,8 @@ impl Holds {
             if !j.has_handle() || self.seen.iter().any(|s| s.handle == j.handle) {
                 continue;
             }
-            // Full: the newest wait for room. Evicting the oldest would restart the very waits
-            // closest to their take-over, and a dead host's share would never be served.
+            // Full: the newest wait for room (evicting the oldest would restart the pickup
+            // times that are longest already).
             if self.seen.len() >= MAX_HOLDS {
                 break;
             }
@@ -141,22 +99,6 @@ impl Holds {
             added = true;
         }
         added
-    }
-
-    /// Whether this host may serve the job now: it is in `share`, or it has waited
-    /// `take_over_after` since this host first saw it (never before it was seen).
-    pub fn may_serve(
-        &self,
-        job: &Job,
-        share: Share,
-        take_over_after: Duration,
-        now: Timestamp,
-    ) -> bool {
-        share.owns(job.id)
-            || self
-                .seen
-                .iter()
-                .any(|s| s.handle == job.handle && now.since(s.first_seen) >= take_over_after)
     }
 
     /// The job attempt with this handle is held at `now`.
@@ -360,35 +302,19 @@ mod tests {
     }
 
     #[test]
-    fn a_job_of_another_share_is_served_only_after_it_waited_the_take_over_time() {
-        let share = Share::parse("2/3").unwrap();
-        assert!(share.owns(4) && share.owns(7) && !share.owns(5) && !share.owns(6));
-        let wait = Duration::from_secs(2 * MIN);
+    fn a_waiting_job_is_remembered_from_when_it_was_first_seen_until_it_is_taken() {
         let (mine, other) = (job(4, "waiting"), job(5, "waiting"));
         let mut h = Holds::default();
-        assert!(h.may_serve(&mine, share, wait, t(0)));
-        assert!(
-            !h.may_serve(&other, share, wait, t(100)),
-            "never before it was seen"
-        );
         assert!(h.note_waiting(&[&mine, &other], t(0)));
         assert!(!h.note_waiting(&[&other], t(1)), "first seen stays");
-        assert_eq!(h.seen.len(), 2, "every waiting job, its own share's too");
-        assert!(!h.may_serve(&other, share, wait, t(1)));
-        assert!(h.may_serve(&other, share, wait, t(2)));
-        // Taken by its host (running) or gone: forgotten.
+        assert_eq!(h.seen.len(), 2);
+        // Taken (running) or gone: forgotten.
         assert!(h.prune(&[job(5, "running")]));
         assert!(h.is_empty());
-        // 1/1 owns every job.
-        assert!((0..10).all(|id| Share::default().owns(id)));
-        for bad in ["0/2", "3/2", "1/65", "1", "a/b", "1/0", ""] {
-            assert!(Share::parse(bad).is_err(), "{bad}");
-        }
     }
 
     #[test]
-    fn a_full_list_of_other_shares_keeps_its_oldest_so_their_take_over_comes() {
-        let share = Share::parse("1/2").unwrap();
+    fn a_full_list_of_sightings_keeps_its_oldest() {
         let jobs: Vec<Job> = (0..(MAX_HOLDS as i64 + 10))
             .map(|i| job(2 * i + 1, "waiting"))
             .collect();
@@ -398,7 +324,6 @@ mod tests {
         assert_eq!(h.seen.len(), MAX_HOLDS);
         assert!(!h.note_waiting(&waiting, t(1)));
         assert!(h.seen.iter().all(|s| s.first_seen == t(0)));
-        assert!(h.may_serve(&jobs[0], share, Duration::from_secs(MIN), t(1)));
     }
 
     #[test]

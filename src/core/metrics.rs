@@ -49,6 +49,14 @@ pub struct Counters {
     pub jobs_held: BTreeMap<String, u64>,
     /// The pickup times of the jobs this slot's runners took (`take_job` events).
     pub pickups: Pickups,
+    /// `--store pg`: cycles this slot adopted from a host whose lease lapsed (`adopt_cycle`).
+    pub adoptions: u64,
+    /// `--store pg`: runs that stopped because another host had adopted their cycle.
+    pub fenced_runs: u64,
+    /// `--store pg`: hosts of the pool whose lease had lapsed with a cycle, as the last run saw
+    /// them (none with the files store).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pool_hosts_lapsed: Option<u32>,
 }
 
 /// Upper bounds, in seconds, of the pickup histogram's buckets (`+Inf` follows).
@@ -145,6 +153,9 @@ impl Default for Counters {
             sweep_left_over_cap: 0,
             jobs_held: BTreeMap::new(),
             pickups: Pickups::default(),
+            adoptions: 0,
+            fenced_runs: 0,
+            pool_hosts_lapsed: None,
         }
     }
 }
@@ -185,6 +196,17 @@ impl Counters {
             .filter_map(|e| e.pickup_ms)
         {
             self.pickups.add(ms);
+        }
+        self.adoptions += report
+            .events
+            .iter()
+            .filter(|e| e.step == "adopt_cycle" && e.ok)
+            .count() as u64;
+        if report.outcome == crate::core::report::Outcome::Fenced {
+            self.fenced_runs += 1;
+        }
+        if let Some(p) = &report.pool {
+            self.pool_hosts_lapsed = Some(p.view.lapsed_with_cycles());
         }
         // The last destroy of the run decides whether destroys are failing.
         for e in report.events.iter().filter(|e| e.step == "tofu_destroy") {
@@ -277,7 +299,33 @@ pub fn render(
     render_cycle(&mut o, cycle, backoff);
     render_deletions(&mut o, c);
     render_pickups(&mut o, c);
+    render_pool(&mut o, c);
     o.0
+}
+
+/// `--store pg`: adoptions, fenced runs and hosts whose lease lapsed (nothing with files).
+fn render_pool(o: &mut Out, c: &Counters) {
+    let Some(lapsed) = c.pool_hosts_lapsed else {
+        return;
+    };
+    o.one(
+        "pool_hosts_lapsed",
+        "gauge",
+        "Hosts of the pool whose lease had lapsed with a cycle in progress, as the last run saw them (a live host adopts and tears those cycles down).",
+        lapsed,
+    );
+    o.one(
+        "adoptions_total",
+        "counter",
+        "Cycles this slot adopted from a host of the pool whose lease had lapsed (and tore down).",
+        c.adoptions,
+    );
+    o.one(
+        "fenced_runs_total",
+        "counter",
+        "Runs that stopped before any further side effect because another host had adopted their cycle.",
+        c.fenced_runs,
+    );
 }
 
 /// The binary, the last run and the run in progress, and the runs by command and exit status.

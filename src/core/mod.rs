@@ -12,6 +12,7 @@ pub mod holds;
 pub mod labels;
 pub mod metrics;
 pub mod planner;
+pub mod pool;
 pub mod ports;
 pub mod report;
 pub mod resolve;

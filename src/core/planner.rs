@@ -9,7 +9,7 @@ use serde::Serialize;
 use crate::core::backoff::FailureReason;
 use crate::core::claims::Claimed;
 use crate::core::forgejo::{Job, Runner, RunnerStatus, job_matches, waiting_jobs};
-use crate::core::holds::{Holds, Share};
+use crate::core::holds::Holds;
 use crate::core::state::{
     Boundary, CycleState, Launch, NotServed, Phase, ProcessState, Registration,
 };
@@ -58,10 +58,6 @@ pub struct Policy {
     /// How young a registration (by the time in its name) the sweep spares
     /// (`core::sweep::spare::sweep_min_age`).
     pub sweep_min_age: Duration,
-    /// This host's share of the jobs (`--share`), and how long another share's job waits before
-    /// this host serves it too (`--take-over-after`).
-    pub share: Share,
-    pub take_over_after: Duration,
     /// Warm capacity (`--warm`, `--warm-max-age`, `--warm-during`).
     pub warm: WarmPolicy,
 }
@@ -371,8 +367,8 @@ fn who(reg: &Registration, id: i64) -> String {
     format!("runner {id} {}", reg.name)
 }
 
-/// The waiting jobs a runner of ours could take, that are not held, that no other slot of the
-/// pool holds and that are this host's to serve now (`--share`), oldest (lowest id) first.
+/// The waiting jobs a runner of ours could take, that are not held and that no other slot of
+/// the pool holds, oldest (lowest id) first.
 pub fn servable_jobs<'a>(
     jobs: &'a [Job],
     obs: &Observation,
@@ -383,10 +379,6 @@ pub fn servable_jobs<'a>(
     let mut w = waiting_jobs(jobs, &policy.label_names);
     w.retain(|j| {
         !ctx.holds.is_held(&j.handle, now) && !obs.claimed_elsewhere.covers(j.id, &j.handle)
-    });
-    w.retain(|j| {
-        ctx.holds
-            .may_serve(j, policy.share, policy.take_over_after, now)
     });
     w
 }

@@ -12,6 +12,7 @@ use crate::core::backoff::{Backoff, BackoffPolicy, Change, Closed, CycleOutcome,
 use crate::core::claims::Others;
 use crate::core::forgejo::{Job, Runner};
 use crate::core::holds::{Holds, HoldsError};
+use crate::core::pool::{Adoption, PoolView};
 use crate::core::secret::Secret;
 use crate::core::state::CycleState;
 use crate::core::sweep::gate::Deletable;
@@ -186,7 +187,7 @@ pub struct ProbeRequest<'a> {
 }
 
 /// Where cycle.json (and the held jobs, which outlive a cycle) live. Chosen once in `commands`: a
-/// directory on disk, or memory for dry-runs.
+/// directory on disk, PostgreSQL for a pool across hosts (`--store pg`), or memory for dry-runs.
 pub trait StateStore {
     fn load(&mut self) -> Result<Option<CycleState>>;
     fn save(&mut self, state: &CycleState) -> Result<()>;
@@ -249,6 +250,21 @@ pub trait StateStore {
     ) -> Result<(Backoff, Change)> {
         record_outcome_in(self, gate, cycle_id, outcome)
     }
+    /// Before an irreversible step (`step`: a tofu apply or destroy, a DELETE, a stop, the
+    /// sweep's deletions): this process still owns its cycle, and its lease outlasts the step
+    /// (renewed first). `Err` (a [`crate::core::pool::Fenced`] when another host adopted the
+    /// cycle): the step must not happen. A store of one host has nothing to check.
+    fn guard(&mut self, _step: &str) -> Result<()> {
+        Ok(())
+    }
+    /// The cycle `load` adopted from a host whose lease lapsed, told once.
+    fn adopted(&mut self) -> Option<Adoption> {
+        None
+    }
+    /// The pool across hosts as last read (`--store pg`), for the report and the metrics.
+    fn pool_view(&mut self) -> Option<PoolView> {
+        None
+    }
 }
 
 /// What the backoff of a run goes by: the flags, the slot, the time.
@@ -294,7 +310,13 @@ pub fn save_starting_warm_in<S: StateStore + ?Sized>(
 ) -> Result<Start> {
     let warm = store.others()?.warm;
     if warm.len() as u32 >= wanted {
-        let slots: Vec<String> = warm.iter().map(|k| format!("slot {k}")).collect();
+        let slots: Vec<String> = warm
+            .iter()
+            .map(|(k, host)| match host.as_str() {
+                "" => format!("slot {k}"),
+                h => format!("slot {k} of host {h}"),
+            })
+            .collect();
         return Ok(Start::Claim(Claim::HeldBy(format!(
             "the warm VMs of {}",
             slots.join(", ")

@@ -143,6 +143,7 @@ pub fn text(doc: &Value) -> String {
     cycle_lines(&mut o, doc);
     job_lines(&mut o, doc);
     backoff_lines(&mut o, doc);
+    pool_lines(&mut o, doc);
     last_run_lines(&mut o, doc);
     event_lines(&mut o, doc);
     // Names, statuses and errors come from Forgejo (and tofu): every line is one line, with
@@ -151,6 +152,47 @@ pub fn text(doc: &Value) -> String {
         .map(|l| crate::core::escape::escape_controls(l))
         .collect::<Vec<_>>()
         .join("\n")
+}
+
+/// `--store pg`: every host of the pool, its lease and cycles, and the recent adoptions and
+/// fenced runs.
+fn pool_lines(o: &mut Vec<String>, doc: &Value) {
+    let p = &doc["pool"];
+    if p.is_null() {
+        return;
+    }
+    let hosts = p["hosts"].as_array().cloned().unwrap_or_default();
+    o.push(format!(
+        "pool {} ({} host(s)):",
+        str_of(&p["pool"]),
+        hosts.len()
+    ));
+    for h in &hosts {
+        let cycles: Vec<String> = h["cycles"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(str_of)
+            .collect();
+        o.push(format!(
+            "  host {}: lease renewed {}s ago{}{}",
+            str_of(&h["host_id"]),
+            h["renewed_seconds_ago"].as_i64().unwrap_or(-1),
+            if h["lapsed"].as_bool() == Some(true) {
+                ", LAPSED"
+            } else {
+                ""
+            },
+            if cycles.is_empty() {
+                String::new()
+            } else {
+                format!("; {}", cycles.join(", "))
+            }
+        ));
+    }
+    for e in p["events"].as_array().into_iter().flatten() {
+        o.push(format!("  {}", str_of(e)));
+    }
 }
 
 /// A string field as it is, `?` when it is missing or not a string.
@@ -581,5 +623,44 @@ mod tests {
         assert_eq!(f.runs_began, Some(t(1)));
         let failed = json!({"started_at": "2026-11-29T10:00:00Z", "finished_at": "2026-11-29T10:00:05Z", "exit_code": 1});
         assert_eq!(facts(None, Some(&failed), None, vec![]).last_success, None);
+    }
+
+    /// `--store pg`: every host, its lease and cycles, a lapsed one marked, and the events.
+    #[test]
+    fn the_pool_is_shown_host_by_host() {
+        let view = crate::core::pool::PoolView {
+            pool: "debian".into(),
+            hosts: vec![
+                crate::core::pool::HostView {
+                    host_id: "a".into(),
+                    renewed_seconds_ago: 3,
+                    lapsed: false,
+                    cycles: vec!["slot 1: cycle c1".into()],
+                },
+                crate::core::pool::HostView {
+                    host_id: "b".into(),
+                    renewed_seconds_ago: 400,
+                    lapsed: true,
+                    cycles: vec![],
+                },
+            ],
+            events: vec!["t host a adopted cycle c0 of host b".into()],
+            backoff: None,
+        };
+        let doc = json!({"state_dir": "/s", "warnings": [], "cycle": null, "pool": view});
+        let text = text(&doc);
+        for want in [
+            "pool debian (2 host(s)):",
+            "  host a: lease renewed 3s ago; slot 1: cycle c1",
+            "  host b: lease renewed 400s ago, LAPSED",
+            "  t host a adopted cycle c0 of host b",
+        ] {
+            assert!(text.lines().any(|l| l == want), "{want:?} in:\n{text}");
+        }
+        assert_eq!(view_lapsed(&view), 0);
+    }
+
+    fn view_lapsed(v: &crate::core::pool::PoolView) -> u32 {
+        v.lapsed_with_cycles()
     }
 }

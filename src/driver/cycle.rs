@@ -30,6 +30,9 @@ pub struct CycleConfig {
     pub labels: String,
     pub forgejo_url: String,
     pub sweep_max_deletions: usize,
+    /// This host's id in a pool across hosts (`--host-id` with `--store pg`; empty with the
+    /// files store): which warm VMs of the pool count as in lower slots.
+    pub host: String,
     /// The pool's slot this run serves (`--slot`): slot K ≥ 2's cycle ids end in `-sK`, so that
     /// two slots' cycles (and their registrations' names) never share an id, whatever the clock
     /// and the random part say.
@@ -74,6 +77,8 @@ struct Driver<'w, 'a> {
     no_handle: BTreeSet<i64>,
     /// When the other slots first saw each waiting job (their `held-jobs.json`), as last read.
     others_first_seen: BTreeMap<String, Timestamp>,
+    /// The slots beyond `--slots` with a cycle in progress were reported in this run.
+    beyond_reported: bool,
 }
 
 pub fn run(w: &mut World<'_>, cfg: &CycleConfig, report: &mut Report) -> End {
@@ -86,6 +91,10 @@ pub fn run(w: &mut World<'_>, cfg: &CycleConfig, report: &mut Report) -> End {
         }
     };
     report.cycle_id = state.as_ref().map(|s| s.cycle_id.clone());
+    if let Some(a) = w.store.adopted() {
+        log::warn!("{}", a.describe());
+        report.event("adopt_cycle", true, a.describe());
+    }
     // Held jobs are advice, not a safety record: a file that cannot be read is a failure of
     // this run, which goes on without holds (at worst a held job gets a runner once more); one
     // that is unusable is also removed, or every run would fail the same way.
@@ -101,14 +110,6 @@ pub fn run(w: &mut World<'_>, cfg: &CycleConfig, report: &mut Report) -> End {
         report.fail(format!("{e}; {what}"));
         empty
     });
-    // A slot beyond --slots with a cycle in progress: its VM and registrations stay until that
-    // slot runs again, which no timer may do any more. Every slot says so, every run.
-    // (A failure to read the other slots is reported where it matters: at the jobs list.)
-    if let Ok(others) = w.store.others() {
-        for b in others.beyond {
-            report.fail(b);
-        }
-    }
     let mut d = Driver {
         w,
         cfg,
@@ -123,6 +124,7 @@ pub fn run(w: &mut World<'_>, cfg: &CycleConfig, report: &mut Report) -> End {
         seen: BTreeMap::new(),
         no_handle: Default::default(),
         others_first_seen: BTreeMap::new(),
+        beyond_reported: false,
     };
     // Nothing can be done for a cycle in progress without tofu, not even its teardown.
     if let Some(s) = &d.state
@@ -130,7 +132,17 @@ pub fn run(w: &mut World<'_>, cfg: &CycleConfig, report: &mut Report) -> End {
     {
         return End::Config(format!("cycle {} is in progress but {e:#}", s.cycle_id));
     }
-    d.drive()
+    let end = d.drive();
+    let cycle = d.state.clone();
+    if let Some(view) = d.w.store.pool_view() {
+        d.report.pool = Some(crate::core::report::PoolReport { view, cycle });
+    }
+    end
+}
+
+/// Whether `e` says that another host adopted this process's cycle.
+fn is_fenced(e: &anyhow::Error) -> bool {
+    e.downcast_ref::<crate::core::pool::Fenced>().is_some()
 }
 
 /// The request naming an earlier runner to the launch command (check, stop): its
@@ -174,13 +186,32 @@ fn write<T>(
                 "cannot write {}: {e:#}; stopping before any further side effect",
                 store.describe()
             ));
-            report.outcome = Outcome::Failed;
+            report.outcome = if is_fenced(&e) {
+                Outcome::Fenced
+            } else {
+                Outcome::Failed
+            };
             Err(SaveFailed)
         }
     }
 }
 
 impl Driver<'_, '_> {
+    /// Before an irreversible step: the store makes sure this process still owns its cycle and
+    /// that its lease outlasts the step (`StateStore::guard`). `Some(end)` when it could not
+    /// (reported): the step must not happen, and the run ends.
+    fn guard(&mut self, step: &str) -> Option<End> {
+        let e = self.w.store.guard(step).err()?;
+        if is_fenced(&e) {
+            self.report.fail(format!("{e:#}"));
+            return Some(self.end(Outcome::Fenced));
+        }
+        self.report.fail(format!(
+            "cannot make sure this host still owns its cycle before {step}: {e:#}; stopping before it"
+        ));
+        Some(self.end(Outcome::Failed))
+    }
+
     /// Writes cycle.json. `Err` when that failed: the failure is in the report already, and the
     /// run must stop before any further side effect.
     fn save(&mut self) -> Result<(), SaveFailed> {
@@ -298,12 +329,19 @@ impl Driver<'_, '_> {
                 return true;
             }
         };
+        // A slot beyond --slots with a cycle in progress: its VM and registrations stay until
+        // that slot runs again, which no timer may do any more. Every slot says so, every run
+        // that looks for jobs.
+        if !std::mem::replace(&mut self.beyond_reported, true) {
+            for b in &o.beyond {
+                self.report.fail(b.clone());
+            }
+        }
         obs.claimed_elsewhere = o.claimed(self.w.clock.now());
-        obs.warm_elsewhere = o.warm_elsewhere(self.cfg.slot);
+        obs.warm_elsewhere = o.warm_elsewhere(self.cfg.slot, &self.cfg.host);
         self.others_first_seen = o.first_seen;
         // A held job that is no longer listed (done, cancelled, re-run) is forgotten; a waiting
-        // job is remembered from when it was first seen (another host's share waits for its
-        // take-over from then; a pickup time counts from then).
+        // job is remembered from when it was first seen (its pickup time counts from then).
         self.warn_without_handle(&jobs);
         let pruned = self.ctx.holds.prune(&jobs);
         let waiting = waiting_jobs(&jobs, &self.cfg.policy.label_names);
@@ -366,7 +404,7 @@ impl Driver<'_, '_> {
             let end = match step {
                 Step::Idle => {
                     log::info!(
-                        "no waiting job to serve (none matches the labels, or each is held, claimed by another slot or another host's share); nothing to do"
+                        "no waiting job to serve (none matches the labels, or each is held or claimed by another slot); nothing to do"
                     );
                     Some(self.end(Outcome::Idle))
                 }
@@ -546,7 +584,12 @@ impl Driver<'_, '_> {
         let spare = sweep::Spare {
             now: self.w.clock.now(),
             min_age: self.cfg.policy.sweep_min_age,
-            others: &mut || store.others(),
+            // Read once the listing is complete, after the guard: a process whose cycle was
+            // adopted deletes nothing.
+            others: &mut || {
+                store.guard("the sweep's deletions")?;
+                store.others()
+            },
         };
         let ok = sweep::sweep_into(
             self.report,
@@ -682,8 +725,6 @@ mod tests {
                 intent_settle: Duration::from_secs(10),
                 job_pickup_timeout: Duration::from_secs(600),
                 sweep_min_age: Duration::from_secs(420),
-                share: Default::default(),
-                take_over_after: Duration::from_secs(120),
                 reuse_within: crate::core::planner::ReuseWithin::Repo,
                 warm: Default::default(),
             },
@@ -691,6 +732,7 @@ mod tests {
             labels: "debian".into(),
             forgejo_url: "https://forgejo.invalid".into(),
             sweep_max_deletions: 50,
+            host: String::new(),
             slot: 1,
             backoff: BackoffPolicy {
                 max_failed_cycles: 3,

@@ -554,3 +554,59 @@ fn version_names_the_version_and_the_commit_of_this_checkout() {
     );
     assert_eq!(text, want);
 }
+
+/// `--store pg`: `check` tries the pool store (here a database that is not there: it fails,
+/// naming it but never the password) and refuses a module whose tofu state is not in
+/// PostgreSQL; with the backend block, that line passes. The pool store's passing line:
+/// `tests/it/secrets.rs` (it needs `.ci/pg`'s PostgreSQL).
+// Mutation caught: check_tofu_backend that passes any module.
+#[test]
+fn check_tries_the_pool_store_and_wants_the_modules_state_in_postgresql() {
+    let env = Env::new();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let run = |env: &Env| {
+        let mut c = env.cmd("check");
+        c.args(["--store", "pg", "--pool", "p", "--host-id", "a"]);
+        c.env(
+            "PG_CONN_STR",
+            format!("postgres://ci:s3cret-pw-0123@127.0.0.1:{port}/ci?sslmode=disable"),
+        );
+        env.exec(c)
+    };
+    let out = run(&env);
+    assert_eq!(out.code, Some(1), "{out:?}");
+    let store = line(&out.stdout, "pool store");
+    assert!(
+        store.starts_with("FAIL") && store.contains("cannot connect to PostgreSQL ci@127.0.0.1"),
+        "{store}"
+    );
+    assert!(!out.stdout.contains("s3cret") && !out.stderr.contains("s3cret"));
+    let backend = line(&out.stdout, "tofu backend");
+    assert!(
+        backend.starts_with("FAIL") && backend.contains("must be in PostgreSQL too"),
+        "{backend}"
+    );
+    fs::write(
+        env.module.join("backend.tf"),
+        "terraform {\n  backend \"pg\" {}\n}\n",
+    )
+    .unwrap();
+    let out = run(&env);
+    assert!(
+        line(&out.stdout, "tofu backend").starts_with("ok"),
+        "{}",
+        out.stdout
+    );
+    // Without PG_CONN_STR: a usage error naming the variable.
+    let mut c = env.cmd("check");
+    c.args(["--store", "pg", "--pool", "p"]);
+    let out = env.exec(c);
+    assert!(
+        out.stdout.contains("PG_CONN_STR") || out.stderr.contains("PG_CONN_STR"),
+        "{out:?}"
+    );
+}

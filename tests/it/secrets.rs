@@ -762,3 +762,92 @@ fn an_inherited_descriptor_reaches_no_child() {
     assert!(control.contains(&shown), "{control}");
     drop(file);
 }
+
+/// `--store pg`: the database's password (in `PG_CONN_STR`) appears in nothing the binary
+/// printed, wrote or passed on, but for tofu's environment (its pg backend needs it; the test
+/// module's `vm.sh` records it as `tofu-env.*`): not in
+/// the launch command's environment, logs, reports, `status`, `check`, events or errors, also
+/// when the database refuses the password (a wrong one that holds the right one) or is not there.
+// Mutation caught: the launch command given PG_CONN_STR (scrub_env keeps the database's variables).
+#[test]
+#[ignore = "needs PostgreSQL: bash .ci/pg runs it"]
+fn the_database_password_appears_nowhere_but_in_tofus_environment() {
+    let db = crate::store::Db::new();
+    let env = wrapped_env();
+    fs::write(
+        env.module.join("backend.tf"),
+        "terraform {\n  backend \"pg\" {}\n}\n",
+    )
+    .unwrap();
+    let userinfo = db
+        .url
+        .split_once("://")
+        .unwrap()
+        .1
+        .split_once('@')
+        .unwrap()
+        .0;
+    let password = userinfo.split_once(':').unwrap().1.to_string();
+    assert!(password.len() >= 12, "a password the scan can find");
+    let pg = |c: &mut Command, url: &str| {
+        c.args(["--store", "pg", "--pool", "p", "--host-id", "h", "-v"]);
+        c.env("PG_CONN_STR", url);
+        c.env(
+            "RUST_LOG",
+            "trace,ureq=trace,ureq_proto=trace,rustls=trace,tokio_postgres=trace,postgres=trace",
+        );
+        c.env("TOFU_REAL", tofu_bin());
+    };
+    env.fake.add_job(&["debian"]);
+    let mut outs = Vec::new();
+    for sub in ["run", "status", "check", "sweep"] {
+        let mut c = env.cmd(sub);
+        pg(&mut c, &db.url);
+        outs.push(env.exec(c));
+    }
+    assert_eq!(outs[0].code, Some(0), "{:?}", outs[0]);
+    assert_eq!(outs[2].code, Some(0), "{:?}", outs[2]);
+    let wrong = db.url.replacen(&password, &format!("{password}x"), 1);
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let (head, tail) = db.url.split_once('@').unwrap();
+    let nowhere = format!(
+        "{head}@127.0.0.1:{port}/{}",
+        tail.split_once('/').unwrap().1
+    );
+    for url in [&wrong, &nowhere] {
+        for sub in ["run", "status", "check"] {
+            let mut c = env.cmd(sub);
+            pg(&mut c, url);
+            if sub == "status" {
+                c.arg("--check");
+            }
+            let out = env.exec(c);
+            assert_ne!(out.code, Some(0), "{sub} with a bad database: {out:?}");
+            outs.push(out);
+        }
+    }
+    assert!(env.live_vms().is_empty(), "{}", env.vm_log());
+    let all = haystacks(&env, &outs);
+    let (tofu_env, rest): (Vec<_>, Vec<_>) = all
+        .into_iter()
+        .partition(|(n, _)| n.contains("tofu-wrapper-env.") || n.contains("/tofu-env."));
+    let secret = vec![("the database password".to_string(), password.clone())];
+    assert!(
+        !scan(&tofu_env, &secret).is_empty(),
+        "tofu was not given PG_CONN_STR: {:?}",
+        tofu_env.iter().map(|(n, _)| n).collect::<Vec<_>>()
+    );
+    assert!(
+        rest.iter().any(|(n, _)| n.contains("launch-env.")),
+        "the launch command's environment was recorded"
+    );
+    let found = scan(&rest, &secret);
+    assert!(
+        found.is_empty(),
+        "the database password found in: {found:?}"
+    );
+}

@@ -11,7 +11,6 @@ use std::time::Duration;
 
 use ci_ephemeral_provisioner::adapters::files::{StateDirError, lock_state_dir};
 use ci_ephemeral_provisioner::core::backoff::BackoffPolicy;
-use ci_ephemeral_provisioner::core::holds::Share;
 use ci_ephemeral_provisioner::core::planner::Policy;
 use ci_ephemeral_provisioner::core::planner::ReuseWithin;
 use ci_ephemeral_provisioner::core::report::Report;
@@ -61,14 +60,8 @@ fn lock_slot(slot: usize) -> Result<impl Sized + use<>, StateDirError> {
 /// The configuration every simulated invocation runs with (short durations keep seeds cheap;
 /// the decisions are the same as with the defaults). `--max-jobs-per-vm` is the seed's: 3, or 6
 /// (more than `MAX_START_FAILURES`, so that the broken-VM rule is not hidden by the job cap);
-/// the prefix, `--share` and `--warm` (with its max age and windows) are the host's.
-pub fn config(
-    max_jobs: u32,
-    prefix: &str,
-    share: Share,
-    slot: u32,
-    warm: WarmPolicy,
-) -> CycleConfig {
+/// the prefix and `--warm` (with its max age and windows) are the host's.
+pub fn config(max_jobs: u32, prefix: &str, slot: u32, warm: WarmPolicy) -> CycleConfig {
     let m = |n: u64| Duration::from_secs(60 * n);
     CycleConfig {
         policy: Policy {
@@ -82,8 +75,6 @@ pub fn config(
             intent_settle: Duration::from_millis(2 * HTTP_TIMEOUT_MS as u64),
             job_pickup_timeout: Duration::from_millis(PICKUP_MS as u64),
             sweep_min_age: Duration::from_secs(420),
-            share,
-            take_over_after: Duration::from_secs(120),
             reuse_within: ReuseWithin::Repo,
             warm,
         },
@@ -91,6 +82,7 @@ pub fn config(
         labels: format!("{LABEL}:host"),
         forgejo_url: "https://forgejo.sim".into(),
         sweep_max_deletions: 50,
+        host: String::new(),
         slot,
         backoff: BACKOFF,
     }
@@ -188,6 +180,8 @@ fn invoke_with(sim: &Shared, slot: usize, started: Started, instant: bool) {
             ..Invocation::default()
         });
         s.stats.invocations += 1;
+        let h = s.slots[slot].host;
+        s.renew(h);
         if started == Started::Nested && instant {
             s.stats.slot_runs_nested += 1;
         } else if started == Started::Nested {
@@ -210,16 +204,11 @@ fn invoke_with(sim: &Shared, slot: usize, started: Started, instant: bool) {
             }
         ));
         let host = &s.hosts[s.slots[slot].host];
-        (
-            inv,
-            config(
-                s.max_jobs,
-                host.prefix,
-                host.share,
-                s.slots[slot].k,
-                host.warm.clone(),
-            ),
-        )
+        let mut cfg = config(s.max_jobs, host.prefix, s.slots[slot].k, host.warm.clone());
+        if host.pg {
+            cfg.host = format!("h{}", s.slots[slot].host + 1);
+        }
+        (inv, cfg)
     };
     let port = Port {
         sim: sim.clone(),
@@ -246,6 +235,11 @@ fn invoke_with(sim: &Shared, slot: usize, started: Started, instant: bool) {
     drop(lock);
     let mut s = sim.borrow_mut();
     s.stack.pop();
+    // Its lease was renewed until it ended (or died).
+    let h = s.slots[slot].host;
+    if !s.invs[inv].fenced {
+        s.renew(h);
+    }
     if started == Started::Nested && !instant {
         // The runs it interrupted did not see Forgejo meanwhile (the invariant on waits next
         // to an unserved job counts from now for them, as after an API fault).
@@ -349,7 +343,14 @@ pub fn run_seed_with(
         } else {
             sim.borrow_mut().rng.below(n_slots as u64) as usize
         };
-        invoke(&sim, slot, Started::Timer);
+        // A dead host's timers do not fire (`--store pg`: its lease lapses).
+        let dead = {
+            let s = sim.borrow();
+            s.dead(s.slots[slot].host)
+        };
+        if !dead {
+            invoke(&sim, slot, Started::Timer);
+        }
         runs += 1;
         gap(&sim, 30_000, 3 * MIN);
     }
@@ -364,8 +365,11 @@ pub fn run_seed_with(
         let order: Vec<usize> = {
             let s = sim.borrow();
             let n = s.hosts.len();
+            // A host dead for good stays so; one dead for a while is back.
             (0..n)
-                .flat_map(|h| s.hosts[(first + h) % n].slots.clone())
+                .map(|h| (first + h) % n)
+                .filter(|h| s.hosts[*h].dead.is_none_or(|(_, until)| until.is_some()))
+                .flat_map(|h| s.hosts[h].slots.clone())
                 .collect()
         };
         for slot in order {

@@ -15,6 +15,7 @@ use ci_ephemeral_provisioner::core::forgejo::RunnerStatus;
 use ci_ephemeral_provisioner::core::holds::Holds;
 use ci_ephemeral_provisioner::core::holds::HoldsError;
 use ci_ephemeral_provisioner::core::holds::parse_holds;
+use ci_ephemeral_provisioner::core::pool::Fenced;
 use ci_ephemeral_provisioner::core::ports::ApiError;
 use ci_ephemeral_provisioner::core::ports::BackoffGate;
 use ci_ephemeral_provisioner::core::ports::Claim;
@@ -114,6 +115,7 @@ impl Port {
             let nest = if on && s.rng.chance(cfg.interleave) {
                 let idle: Vec<usize> = (0..s.slots.len())
                     .filter(|k| !s.stack.iter().any(|i| s.invs[*i].slot == *k))
+                    .filter(|k| !s.dead(s.slots[*k].host))
                     .collect();
                 (!idle.is_empty()).then(|| idle[s.rng.below(idle.len() as u64) as usize])
             } else {
@@ -147,6 +149,76 @@ impl Port {
         if kill {
             std::panic::panic_any(Killed);
         }
+        self.maybe_pause(when, point);
+    }
+
+    /// `--store pg`: at a boundary where a process may stand still for minutes (its poll wait,
+    /// or a long child it waited on), it is stopped (SIGSTOP) past its lease; another host's
+    /// timer fires meanwhile (and may adopt its cycle); then it goes on (SIGCONT).
+    fn maybe_pause(&self, when: &str, point: &str) {
+        let pausable = matches!(
+            (when, point),
+            ("", "sleep") | ("after", "tofu apply" | "tofu destroy" | "launch")
+        );
+        let other = {
+            let mut s = self.sim.borrow_mut();
+            let slot = s.slot_of(self.inv);
+            let host = s.slots[slot].host;
+            let p = s.cfg.pause;
+            if !pausable
+                || !s.faults_on
+                || !s.hosts[host].pg
+                || s.invs[self.inv].instant
+                || s.invs[self.inv].paused
+                || !s.rng.chance(p)
+            {
+                return;
+            }
+            s.count_fault("process paused past its lease (SIGSTOP)");
+            s.invs[self.inv].paused = true;
+            let to = s.now + super::world::LEASE_MS + s.rng.range(1_000, 120_000);
+            s.log(format!(
+                "SIGSTOP {when} {point}, until t+{} s",
+                (to - super::world::T0) / 1000
+            ));
+            s.advance(to, true);
+            let idle: Vec<usize> = s
+                .pool_slots(slot)
+                .into_iter()
+                .filter(|k| {
+                    s.slots[*k].host != host
+                        && s.hosts[s.slots[*k].host].dead.is_none()
+                        && !s.stack.iter().any(|i| s.invs[*i].slot == *k)
+                })
+                .collect();
+            (!idle.is_empty()).then(|| idle[s.rng.below(idle.len() as u64) as usize])
+        };
+        if let Some(other) = other {
+            super::driver::invoke(&self.sim, other, Started::Nested);
+        }
+        let mut s = self.sim.borrow_mut();
+        s.invs[self.inv].paused = false;
+        let fenced = s.invs[self.inv].fenced;
+        s.log(format!(
+            "SIGCONT{}",
+            if fenced {
+                ": its cycle was adopted meanwhile"
+            } else {
+                ""
+            }
+        ));
+    }
+
+    /// Before a side effect (a POST or DELETE, tofu apply or destroy, a launch or stop): a
+    /// process whose cycle another host adopted makes none.
+    fn side_effect(&self, what: &str) {
+        let mut s = self.sim.borrow_mut();
+        if s.invs[self.inv].fenced {
+            let who = s.slot_name(s.slot_of(self.inv));
+            s.violate(format!(
+                "{who}'s run made a side effect ({what}) after another host had adopted its cycle"
+            ));
+        }
     }
 
     /// After a step: the invariants on what is stored.
@@ -175,6 +247,9 @@ impl Port {
     ) -> Result<T, ApiError> {
         let post = late_name.is_some();
         self.boundary("before", point);
+        if write {
+            self.side_effect(&format!("{method} {what}"));
+        }
         let result = {
             let mut s = self.sim.borrow_mut();
             let fault = match s.forced_faults.iter().position(|(p, _)| p == point) {
@@ -268,6 +343,17 @@ impl Port {
         self.checked(point);
         self.boundary("after", point);
         result
+    }
+}
+
+/// How the pool store names a slot's host in claims and warm VMs: `hN` in a pool across hosts,
+/// empty (this host) with the files store.
+fn host_id(s: &Sim, slot: usize) -> String {
+    let h = s.slots[slot].host;
+    if s.hosts[h].pg {
+        format!("h{}", h + 1)
+    } else {
+        String::new()
     }
 }
 
@@ -444,6 +530,7 @@ impl Tofu for SimTofu {
 
     fn apply(&mut self, cycle_id: &str) -> Result<(), StepError> {
         self.0.boundary("before", "tofu apply");
+        self.0.side_effect("tofu apply");
         if let Some(e) = self.cut("apply") {
             return Err(e);
         }
@@ -525,6 +612,7 @@ impl Tofu for SimTofu {
 
     fn destroy(&mut self, cycle_id: &str, _reason: &str) -> Result<(), StepError> {
         self.0.boundary("before", "tofu destroy");
+        self.0.side_effect("tofu destroy");
         if let Some(e) = self.cut("destroy") {
             return Err(e);
         }
@@ -581,6 +669,7 @@ impl Launcher for SimLauncher {
 
     fn launch(&mut self, req: &LaunchRequest<'_>, token: &Secret) -> Result<(), StepError> {
         self.0.boundary("before", "launch");
+        self.0.side_effect("launch");
         let stop = self.0.stop();
         let result = {
             let mut s = self.0.sim.borrow_mut();
@@ -663,6 +752,7 @@ impl Launcher for SimLauncher {
     /// the provisioner is killed meanwhile); fails now and then.
     fn stop(&mut self, req: &LaunchRequest<'_>) -> Result<(), StepError> {
         self.0.boundary("before", "stop");
+        self.0.side_effect("RUNNER_ACTION=stop");
         let result = {
             let mut s = self.0.sim.borrow_mut();
             let slot = s.slot_of(self.0.inv);
@@ -755,13 +845,18 @@ impl SimStore {
         let s = self.0.sim.borrow();
         let me = s.slot_of(self.0.inv);
         let mut o = Others::default();
-        for &k in &s.hosts[s.slots[me].host].slots {
+        for k in s.pool_slots(me) {
             if k == me {
                 continue;
             }
             let sl = &s.slots[k];
             let Some((_, state)) = &sl.disk else { continue };
-            o.add(sl.k, &format!("slot {} ({})", sl.k, sl.describe()), state);
+            o.add(
+                sl.k,
+                &host_id(&s, k),
+                &format!("{} ({})", s.slot_name(k), sl.describe()),
+                state,
+            );
         }
         Ok(o)
     }
@@ -771,7 +866,49 @@ impl SimStore {
     fn alone(&self) -> bool {
         let s = self.0.sim.borrow();
         let me = s.slot_of(self.0.inv);
-        s.hosts[s.slots[me].host].slots.len() == 1
+        s.pool_slots(me).len() == 1
+    }
+
+    /// `--store pg`: this run renews its host's lease; `Err` (fenced) once another host adopted
+    /// its cycle: every write of the cycle is refused from then on (its epoch is stale).
+    fn pool_write(&self) -> anyhow::Result<()> {
+        let mut s = self.0.sim.borrow_mut();
+        let slot = s.slot_of(self.0.inv);
+        let h = s.slots[slot].host;
+        if !s.hosts[h].pg {
+            return Ok(());
+        }
+        if s.invs[self.0.inv].fenced {
+            s.stats.fenced += 1;
+            s.log("fenced: the cycle was adopted by another host");
+            return Err(anyhow::Error::new(Fenced {
+                cycle_id: "(adopted)".into(),
+                by: None,
+                at: None,
+            }));
+        }
+        s.renew(h);
+        Ok(())
+    }
+
+    /// `--store pg`: a new cycle's id must be unique in the pool (the table's key).
+    fn unique_id(&self, state: &CycleState) -> anyhow::Result<()> {
+        let s = self.0.sim.borrow();
+        let me = s.slot_of(self.0.inv);
+        let taken = s.pool_slots(me).into_iter().any(|k| {
+            k != me
+                && s.slots[k]
+                    .disk
+                    .as_ref()
+                    .is_some_and(|(_, o)| o.cycle_id == state.cycle_id)
+        });
+        if taken && s.hosts[s.slots[me].host].pg {
+            bail!(
+                "starting a cycle in PostgreSQL sim failed: duplicate key value (cycle {})",
+                state.cycle_id
+            );
+        }
+        Ok(())
     }
 
     /// cycle.json written (after the boundary before it and a write fault were passed).
@@ -812,6 +949,13 @@ impl StateStore for SimStore {
             bail!("cannot read sim/cycle.json: I/O error");
         }
         let slot = self.0.slot();
+        self.pool_write()?;
+        {
+            let mut s = self.0.sim.borrow_mut();
+            if s.hosts[s.slots[slot].host].pg && s.slots[slot].disk.is_none() {
+                s.adopt(slot);
+            }
+        }
         let s = self.0.sim.borrow();
         let text = s.slots[slot]
             .disk
@@ -830,6 +974,7 @@ impl StateStore for SimStore {
     fn save(&mut self, state: &CycleState) -> anyhow::Result<()> {
         let what = format!("save({})", phase_name(state.phase));
         self.0.boundary("before", &what);
+        self.pool_write()?;
         if self.disk_fault("cycle.json write fails") {
             return Err(self.write_failed(&what));
         }
@@ -853,6 +998,7 @@ impl StateStore for SimStore {
         }
         let what = format!("save({})", phase_name(state.phase));
         self.0.boundary("before", &what);
+        self.pool_write()?;
         let others = self.read_others().inspect_err(|_| {
             self.0
                 .sim
@@ -879,13 +1025,13 @@ impl StateStore for SimStore {
     fn load_backoff(&mut self) -> anyhow::Result<Backoff> {
         let s = self.0.sim.borrow();
         let me = s.slot_of(self.0.inv);
-        Ok(s.hosts[s.slots[me].host].backoff.clone())
+        Ok(s.hosts[s.pool_of(s.slots[me].host)].backoff.clone())
     }
 
     fn save_backoff(&mut self, backoff: &Backoff) -> anyhow::Result<()> {
         let mut s = self.0.sim.borrow_mut();
         let me = s.slot_of(self.0.inv);
-        let h = s.slots[me].host;
+        let h = s.pool_of(s.slots[me].host);
         s.hosts[h].backoff = backoff.clone();
         let text = format!(
             "save(backoff) {} failed, until {:?}",
@@ -907,6 +1053,8 @@ impl StateStore for SimStore {
     ) -> anyhow::Result<Start> {
         let what = format!("save({}) starting", phase_name(state.phase));
         self.0.boundary("before", &what);
+        self.pool_write()?;
+        self.unique_id(state)?;
         if !self.alone() {
             let others = self.read_others().inspect_err(|_| {
                 self.0
@@ -962,6 +1110,8 @@ impl StateStore for SimStore {
     ) -> anyhow::Result<Start> {
         let what = format!("save({}) starting warm", phase_name(state.phase));
         self.0.boundary("before", &what);
+        self.pool_write()?;
+        self.unique_id(state)?;
         let backoff = self.load_backoff()?;
         let r = save_starting_warm_in(&mut Locked(SimStore(self.0.clone())), state, wanted, gate);
         {
@@ -1008,6 +1158,7 @@ impl StateStore for SimStore {
         outcome: CycleOutcome,
     ) -> anyhow::Result<(Backoff, Change)> {
         self.0.boundary("before", "record outcome");
+        self.pool_write()?;
         let r = record_outcome_in(self, gate, cycle_id, outcome);
         self.0
             .sim
@@ -1044,6 +1195,7 @@ impl StateStore for SimStore {
 
     fn remove(&mut self) -> anyhow::Result<()> {
         self.0.boundary("before", "remove");
+        self.pool_write()?;
         if self.disk_fault("cycle.json remove fails") {
             self.0.sim.borrow_mut().log("remove -> err");
             bail!("cannot remove sim/cycle.json: I/O error");
@@ -1062,6 +1214,10 @@ impl StateStore for SimStore {
     fn describe(&self) -> String {
         let s = self.0.sim.borrow();
         s.slots[s.slot_of(self.0.inv)].describe()
+    }
+
+    fn guard(&mut self, _step: &str) -> anyhow::Result<()> {
+        self.pool_write()
     }
 
     fn load_holds(&mut self) -> Result<Holds, HoldsError> {

@@ -16,7 +16,6 @@ use ci_ephemeral_provisioner::core::forgejo::Job;
 use ci_ephemeral_provisioner::core::forgejo::Runner;
 use ci_ephemeral_provisioner::core::forgejo::RunnerStatus;
 use ci_ephemeral_provisioner::core::holds::Holds;
-use ci_ephemeral_provisioner::core::holds::Share;
 use ci_ephemeral_provisioner::core::holds::parse_holds;
 use ci_ephemeral_provisioner::core::planner::MAX_START_FAILURES;
 use ci_ephemeral_provisioner::core::planner::TeardownReason;
@@ -28,6 +27,7 @@ use ci_ephemeral_provisioner::core::warm::{WarmPolicy, is_unused_warm};
 
 use super::rng::Rng;
 use super::warm::{self, WarmPlan};
+use ci_ephemeral_provisioner::core::pool::{Adoption, adopted_state};
 use forgejo_model::{Forgejo, JobRow, NewRunner, RunnerRow, Scope, rules};
 
 /// The prefix of the first host's pool (and of the legacy registrations from before).
@@ -37,6 +37,8 @@ pub const OTHER_PREFIX: &str = "ephemeral-b-";
 /// hosts"), and none with `OTHER_PREFIX`.
 pub const HOST_PREFIXES: &[&str] = &[PREFIX, "ephemeral-c-"];
 pub const LABEL: &str = "debian";
+/// `--lease` of a pool across hosts (`--store pg`).
+pub const LEASE_MS: i64 = 2 * MIN;
 pub const HTTP_TIMEOUT_MS: i64 = 30_000;
 /// `--poll-interval` and `--job-pickup-timeout` of every simulated run (`driver::config`).
 pub const POLL_MS: i64 = 10_000;
@@ -200,6 +202,9 @@ pub struct FaultCfg {
     /// At a step boundary: a run of another slot (of any host) starts, nested, and runs while
     /// this one waits (0 with a single slot).
     pub interleave: f64,
+    /// `--store pg`: at a boundary where a process may stand still (its wait, a long child), it
+    /// is stopped past its lease while another host's timer fires.
+    pub pause: f64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -276,6 +281,10 @@ pub const EV_RACED_DELETE_ACTIVE: &str =
 #[derive(Default, Clone)]
 pub struct Stats {
     pub seeds: u64,
+    /// `--store pg`: cycles adopted from a host whose lease lapsed, and runs fenced after
+    /// their cycle was adopted.
+    pub adoptions: u64,
+    pub fenced: u64,
     pub invocations: u64,
     pub steps: u64,
     pub faults: BTreeMap<&'static str, u64>,
@@ -332,6 +341,8 @@ pub struct Stats {
 impl Stats {
     pub fn merge(&mut self, o: &Stats) {
         self.seeds += o.seeds;
+        self.adoptions += o.adoptions;
+        self.fenced += o.fenced;
         self.invocations += o.invocations;
         self.steps += o.steps;
         self.races_refused += o.races_refused;
@@ -415,6 +426,11 @@ pub struct Invocation {
     pub holds_read_failed: bool,
     /// Its `--warm`, `--warm-max-age`, `--warm-during` (its host's when it started).
     pub warm: WarmPolicy,
+    /// `--store pg`: the process is stopped (SIGSTOP): it renews no lease.
+    pub paused: bool,
+    /// `--store pg`: its cycle was adopted by another host (its epoch is stale): from now on it
+    /// must make no side effect.
+    pub fenced: bool,
 }
 
 /// What the world knows of the starts on one VM.
@@ -428,10 +444,12 @@ struct VmStarts {
     uncertain: bool,
 }
 
-/// One host's pool (`--state-dir`, its prefix, `--share`).
+/// One host's pool (`--state-dir` and its prefix), or one host of a pool across hosts
+/// (`--store pg`).
 pub struct Host {
     pub prefix: &'static str,
-    pub share: Share,
+    /// The host is one of a pool across hosts (`--store pg`): one prefix, one store.
+    pub pg: bool,
     /// Its slots, in order (`--slot 1` first): indices into `Sim::slots`.
     pub slots: Vec<usize>,
     /// The pool's `backoff.json` (shared by its slots, written under its claims lock).
@@ -443,6 +461,12 @@ pub struct Host {
     pub warm: WarmPolicy,
     /// The pool's unused warm VMs after the last step (`Sim::check_warm`).
     pub warm_last: u32,
+    /// `--store pg`: until when its lease holds (renewed by every run of its slots, and all the
+    /// time while one runs and is not paused).
+    pub lease_until: i64,
+    /// `--store pg`: from when its timers no longer fire (the host died), and until when (none:
+    /// for good).
+    pub dead: Option<(i64, Option<i64>)>,
     /// Its warm VMs started in a broken pool that are still unused: when each passed the gate
     /// (`Sim::cycle_started`).
     pub warm_pending: BTreeMap<String, (i64, BackoffPolicy)>,
@@ -570,14 +594,17 @@ impl Sim {
             queued: levels(&mut rng, &[0.0, 0.1, 0.3]),
             broken_vm: levels(&mut rng, &[0.0, 0.0, 0.1, 0.3]),
             interleave: 0.0,
+            pause: 0.0,
         };
         // Hosts and slots: one host of one slot in two seeds of five (the single pool of
         // before), up to two hosts of up to three slots.
         let n_hosts = if rng.chance(0.2) { 2 } else { 1 };
-        let share = n_hosts > 1 && rng.chance(0.5);
+        let pg = n_hosts > 1 && rng.chance(0.5);
         let mut hosts = Vec::new();
         let mut slots = Vec::new();
         for (h, prefix) in HOST_PREFIXES.iter().enumerate().take(n_hosts) {
+            // One pool across hosts has one prefix.
+            let prefix = if pg { &HOST_PREFIXES[0] } else { prefix };
             let n = if h == 0 {
                 rng.pick(&[1, 1, 1, 1, 1, 2, 2, 2, 3, 3])
             } else {
@@ -585,14 +612,9 @@ impl Sim {
             };
             let mut host = Host {
                 prefix,
-                share: if share {
-                    Share {
-                        k: h as u32 + 1,
-                        h: n_hosts as u32,
-                    }
-                } else {
-                    Share::default()
-                },
+                pg,
+                lease_until: 0,
+                dead: None,
                 slots: Vec::new(),
                 backoff: Backoff::new(),
                 cycle_starts: Vec::new(),
@@ -612,6 +634,18 @@ impl Sim {
         }
         if slots.len() > 1 {
             cfg.interleave = levels(&mut rng, &[0.005, 0.02, 0.05]);
+        }
+        if pg {
+            // A pool across hosts: its processes stop now and then past their lease, and its
+            // second host dies (for good, or for a while) in one seed of two.
+            cfg.pause = levels(&mut rng, &[0.002, 0.01]);
+            if rng.chance(0.5) {
+                let from = T0 + rng.range(5 * MIN, 90 * MIN);
+                let until = rng
+                    .chance(0.5)
+                    .then(|| from + LEASE_MS + rng.range(MIN, 40 * MIN));
+                hosts[1].dead = Some((from, until));
+            }
         }
         // A broken pool in one seed of ten: while faults are on, no runner on any VM ever
         // connects, and no job goes away by itself: every start fails (the backoff's invariant).
@@ -674,6 +708,11 @@ impl Sim {
         sim.stats.topologies.insert(topology, 1);
         let per_host: Vec<u32> = sim.hosts.iter().map(|h| h.slots.len() as u32).collect();
         sim.warm = warm::plan(seed, &per_host);
+        if sim.hosts.iter().any(|h| h.pg) {
+            // A pool across hosts keeps no warm VMs in the simulation (their count and order
+            // are those of one host's slots here).
+            sim.warm = WarmPlan::default();
+        }
         for (h, p) in sim.warm.policies.iter().enumerate() {
             sim.hosts[h].warm = p.clone();
         }
@@ -683,7 +722,7 @@ impl Sim {
         sim
     }
 
-    /// The seed's hosts and slots, e.g. `2 hosts: 3+1 slots, --share`.
+    /// The seed's hosts and slots, e.g. `2 hosts: 3+1 slots, --store pg`.
     pub fn topology(&self) -> String {
         let slots: Vec<String> = self
             .hosts
@@ -699,13 +738,98 @@ impl Sim {
             n => format!(
                 "{n} hosts: {} slots{}",
                 slots.join("+"),
-                if self.hosts[0].share.h > 1 {
-                    ", --share"
-                } else {
-                    ""
-                }
+                if self.hosts[0].pg { ", --store pg" } else { "" }
             ),
         }
+    }
+
+    /// The pool of host `h`: the hosts of a pool across hosts (`--store pg`) are one, host 0's.
+    pub fn pool_of(&self, h: usize) -> usize {
+        if self.hosts[h].pg { 0 } else { h }
+    }
+
+    /// The slots of `slot`'s pool (of every host of it), in order.
+    pub fn pool_slots(&self, slot: usize) -> Vec<usize> {
+        let pool = self.pool_of(self.slots[slot].host);
+        (0..self.slots.len())
+            .filter(|k| self.pool_of(self.slots[*k].host) == pool)
+            .collect()
+    }
+
+    /// `--store pg`: host `h`'s lease lapsed: none of its runs is going (or each is paused) and
+    /// its last renewal is older than the lease.
+    pub fn lapsed(&self, h: usize) -> bool {
+        self.hosts[h].pg
+            && self.now > self.hosts[h].lease_until
+            && !self
+                .stack
+                .iter()
+                .any(|i| self.slots[self.invs[*i].slot].host == h && !self.invs[*i].paused)
+    }
+
+    /// `--store pg`: host `h` is dead at `now` (its timers do not fire).
+    pub fn dead(&self, h: usize) -> bool {
+        self.hosts[h]
+            .dead
+            .is_some_and(|(from, until)| self.now >= from && until.is_none_or(|u| self.now < u))
+    }
+
+    /// `--store pg`: a run of host `h` renews its lease (on the database's clock: the world's).
+    pub fn renew(&mut self, h: usize) {
+        if self.hosts[h].pg {
+            self.hosts[h].lease_until = self.now + LEASE_MS;
+        }
+    }
+
+    /// `--store pg`: slot `into` (no cycle) adopts the cycle of a slot of another host of its
+    /// pool whose lease lapsed: the cycle (its state torn down from now on), its VM (its
+    /// workspace is the cycle's, any host addresses it) and its registrations become `into`'s;
+    /// the runs of the old slot still going (paused) are fenced. What the pool store does in one
+    /// transaction.
+    pub fn adopt(&mut self, into: usize) -> Option<CycleState> {
+        let host = self.slots[into].host;
+        let from = self.pool_slots(into).into_iter().find(|&k| {
+            self.slots[k].host != host
+                && self.slots[k].disk.is_some()
+                && self.lapsed(self.slots[k].host)
+        })?;
+        let (_, state) = self.slots[from].disk.take().expect("a cycle");
+        let old = self.slots[from].host;
+        let a = Adoption {
+            cycle_id: state.cycle_id.clone(),
+            from_host: format!("h{}", old + 1),
+            from_slot: self.slots[from].k,
+            lapsed_at: format!("t+{} s", (self.hosts[old].lease_until - T0) / 1000),
+        };
+        let state = adopted_state(state, &a);
+        let vms = std::mem::take(&mut self.slots[from].vms);
+        self.slots[into].vms.extend(vms);
+        for by in self.ours.values_mut() {
+            if *by == from {
+                *by = into;
+            }
+        }
+        for l in self.launches.values_mut() {
+            for (s, _) in l.iter_mut() {
+                if *s == from {
+                    *s = into;
+                }
+            }
+        }
+        for i in self.stack.clone() {
+            if self.invs[i].slot == from {
+                self.invs[i].fenced = true;
+            }
+        }
+        self.write_disk(into, &state);
+        self.stats.adoptions += 1;
+        let text = format!(
+            "ADOPTED by {}: {} (its lease lapsed)",
+            self.slot_name(into),
+            a.describe()
+        );
+        self.log(text);
+        Some(state)
     }
 
     /// `slot K` or, with several hosts, `host H slot K`, for messages.
@@ -772,7 +896,7 @@ impl Sim {
         if !(self.broken_pool && self.faults_on) {
             return;
         }
-        let h = self.slots[slot].host;
+        let h = self.pool_of(self.slots[slot].host);
         self.stats.broken_pool_starts += 1;
         match warm {
             Some(cycle_id) => {
@@ -789,7 +913,13 @@ impl Sim {
         self.hosts[h].cycle_starts.push(at);
         let mut starts = self.hosts[h].cycle_starts.clone();
         starts.sort_unstable();
-        let s = self.hosts[h].slots.len() as i64;
+        let s = self
+            .hosts
+            .iter()
+            .enumerate()
+            .filter(|(o, _)| self.pool_of(*o) == h)
+            .map(|(_, x)| x.slots.len())
+            .sum::<usize>() as i64;
         let n = i64::from(policy.max_failed_cycles);
         let b = policy.initial.as_millis() as i64;
         for (i, &from) in starts.iter().enumerate() {
@@ -1430,7 +1560,10 @@ impl Sim {
     /// cycle id, and with several slots by its slot too (each slot's workspace has a state of
     /// its own; two hosts' slots K make cycle ids of one form, which can be the same).
     pub fn vm_key(&self, slot: usize, cycle_id: &str) -> String {
-        if self.slots.len() == 1 {
+        if self.hosts[self.slots[slot].host].pg {
+            // A pool across hosts: a workspace per cycle, the same from any host.
+            format!("{cycle_id} (pool)")
+        } else if self.slots.len() == 1 {
             cycle_id.to_string()
         } else {
             format!("{cycle_id} ({})", self.slot_name(slot))
@@ -1724,7 +1857,7 @@ impl Sim {
             && by != slot
         {
             let (me, them) = (self.slot_name(slot), self.slot_name(by));
-            if self.slots[by].host != host {
+            if self.pool_of(self.slots[by].host) != self.pool_of(host) {
                 self.violate(format!(
                     "{me} deleted runner {id} ({name}), which another host's {them} registered (reason {reason})"
                 ));
@@ -1890,7 +2023,7 @@ impl Sim {
             l.iter()
                 .find(|(s, other)| {
                     *other != id
-                        && self.slots[*s].host == host
+                        && self.pool_of(self.slots[*s].host) == self.pool_of(host)
                         && self.forgejo.live(*other).is_some()
                 })
                 .copied()
@@ -1922,17 +2055,26 @@ impl Sim {
     pub fn check_hold_written(&mut self, after: &str) {
         for slot in 0..self.slots.len() {
             let sl = &self.slots[slot];
-            if sl.holds_lost {
+            if self
+                .pool_slots(slot)
+                .iter()
+                .any(|k| self.slots[*k].holds_lost)
+            {
                 continue;
             }
             let Some((_, st)) = &sl.disk else { continue };
+            // Held by this slot, or (`--store pg`: a cycle adopted with its record) by the slot
+            // of the pool that recorded it.
+            let pool = self.pool_slots(slot);
             let missing = st.registrations.iter().find(|g| {
                 g.not_served == Some(NotServed::PickupTimeout)
                     && self.listed(g.job_id, &g.job_handle).is_some()
-                    && !sl
-                        .holds_disk
-                        .as_ref()
-                        .is_some_and(|(_, h)| h.jobs.iter().any(|h| h.handle == g.job_handle))
+                    && !pool.iter().any(|k| {
+                        self.slots[*k]
+                            .holds_disk
+                            .as_ref()
+                            .is_some_and(|(_, h)| h.jobs.iter().any(|h| h.handle == g.job_handle))
+                    })
             });
             if let Some(g) = missing {
                 let what = format!(
@@ -2089,7 +2231,10 @@ impl Sim {
             } else if reason == TeardownReason::WarmNotWanted.describe() {
                 self.stats.warm_not_wanted += 1;
             }
-            let (h, vm) = (self.slots[slot].host, self.vm_key(slot, &parsed.cycle_id));
+            let (h, vm) = (
+                self.pool_of(self.slots[slot].host),
+                self.vm_key(slot, &parsed.cycle_id),
+            );
             self.warm_start_ends(h, &vm, &parsed);
         }
         self.slots[slot].disk = Some((bytes, parsed));
@@ -2200,6 +2345,13 @@ impl Sim {
             let Some((_, h)) = &sl.holds_disk else {
                 continue;
             };
+            // A dead host's holds are read by no live one (its lease lapsed).
+            if self.hosts[sl.host]
+                .dead
+                .is_some_and(|(_, until)| until.is_none())
+            {
+                continue;
+            }
             let stale: Vec<String> = h
                 .jobs
                 .iter()

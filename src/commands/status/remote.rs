@@ -99,7 +99,7 @@ fn tofu_state(a: &RemoteArgs, slot: &SlotDir) -> Value {
         return json!({"skipped": "no --tofu-dir: the module directory holds the state (or names its backend)"});
     };
     let shown = dir.display().to_string();
-    let tofu = slot_tofu(&a.tofu_bin, Some(dir), slot, StopFlag::default());
+    let tofu = slot_tofu(&a.tofu_bin, Some(dir), slot, None, StopFlag::default());
     if let Err(e) = tofu.check_config() {
         return json!({"tofu_dir": shown, "error": format!("{e:#}")});
     }

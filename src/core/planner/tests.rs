@@ -44,8 +44,6 @@ fn policy() -> Policy {
         intent_settle: Duration::ZERO,
         job_pickup_timeout: Duration::from_secs(PICKUP as u64 / 1000),
         sweep_min_age: Duration::from_secs(420),
-        share: Default::default(),
-        take_over_after: Duration::from_secs(120),
         reuse_within: ReuseWithin::Repo,
         warm: Default::default(),
     }
@@ -2384,24 +2382,6 @@ fn a_claim_on_one_attempt_leaves_the_rerun_free() {
     );
     o.claimed_elsewhere.jobs.insert(5);
     assert_eq!(no_state(&o), Step::Idle);
-}
-
-#[test]
-fn another_hosts_share_is_served_only_after_the_take_over_wait() {
-    let mut p = policy();
-    p.share = crate::core::holds::Share::parse("1/2").unwrap();
-    p.take_over_after = Duration::from_secs(120);
-    // Job 6 is this host's (6 mod 2 = 0), job 5 the other host's.
-    let both = obs(Some(vec![waiting_debian(5), waiting_debian(6)]), vec![]);
-    let mut c = ctx();
-    assert_eq!(decide(None, &both, &c, &p, at(0)), start(6));
-    let other = obs(Some(vec![waiting_debian(5)]), vec![]);
-    assert_eq!(decide(None, &other, &c, &p, at(0)), Step::Idle);
-    let jobs = [waiting_debian(5)];
-    let waiting: Vec<&Job> = jobs.iter().collect();
-    assert!(c.holds.note_waiting(&waiting, at(0)));
-    assert_eq!(decide(None, &other, &c, &p, at(MIN)), Step::Idle);
-    assert_eq!(decide(None, &other, &c, &p, at(2 * MIN)), start(5));
 }
 
 /// A runner whose stop failed may still come up on the VM between the reading that found it

@@ -182,6 +182,10 @@ pub struct Report {
     /// The pool's failure backoff kept this run from starting a VM: since, until and why.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub backoff: Option<crate::core::backoff::Closed>,
+    /// `--store pg`: the pool as the run last read it, and the run's cycle at its end (for the
+    /// metrics: with the pool store neither is in the state directory).
+    #[serde(skip)]
+    pub pool: Option<PoolReport>,
     #[serde(skip)]
     audit: AuditTrail,
     #[serde(skip)]
@@ -190,6 +194,13 @@ pub struct Report {
 
 /// A run that keeps failing the same way (Forgejo down for hours) must not grow its report
 /// without bound.
+/// What a run of a pool across hosts knew of the pool at its end.
+#[derive(Clone, Debug)]
+pub struct PoolReport {
+    pub view: crate::core::pool::PoolView,
+    pub cycle: Option<crate::core::state::CycleState>,
+}
+
 pub const MAX_FAILURES: usize = 100;
 
 impl Report {
@@ -210,6 +221,7 @@ impl Report {
             duration_ms: 0,
             summary: Summary::default(),
             backoff: None,
+            pool: None,
             audit: AuditTrail::default(),
             clock: ReportClock::default(),
         }

@@ -41,6 +41,9 @@ pub enum Outcome {
     CycleFinishedWithErrors,
     /// `Unset`, with failures.
     RunWithErrors,
+    /// Another host adopted this run's cycle (its lease had lapsed): the run stopped before any
+    /// further side effect (`--store pg`).
+    Fenced,
 }
 
 impl Outcome {
@@ -83,6 +86,7 @@ impl Outcome {
             Outcome::SweepFailed => "sweep_failed",
             Outcome::CycleFinishedWithErrors => "cycle_finished_with_errors",
             Outcome::RunWithErrors => "run_with_errors",
+            Outcome::Fenced => "fenced",
         }
     }
 }
@@ -132,6 +136,7 @@ mod tests {
                 "cycle_finished_with_errors",
             ),
             (Outcome::RunWithErrors, "run_with_errors"),
+            (Outcome::Fenced, "fenced"),
         ];
         for (o, text) in texts {
             assert_eq!(o.to_string(), text);

@@ -52,6 +52,9 @@ impl Driver<'_, '_> {
         now: Timestamp,
     ) -> Option<End> {
         let id = target.id();
+        if let Some(end) = self.guard("a DELETE") {
+            return Some(end);
+        }
         if reason == DeleteReason::NeverConnected
             && let Some(end) = self.never_connected(id)
         {
@@ -167,6 +170,9 @@ impl Driver<'_, '_> {
     /// registration is gone; `stop` when it still runs. Anything short of "gone" tears the VM
     /// down instead of reusing it.
     pub(super) fn check_previous(&mut self, id: i64) -> Option<End> {
+        if let Some(end) = self.guard("checking an earlier runner") {
+            return Some(end);
+        }
         let prev = self
             .state
             .as_ref()?
@@ -302,6 +308,9 @@ impl Driver<'_, '_> {
     /// A POST whose answer was lost: list everything, delete the registrations with exactly this
     /// name (they can only be offline: nobody ever got their token), then forget it.
     pub(super) fn resolve_intent(&mut self, name: &str) -> Option<End> {
+        if let Some(end) = self.guard("a lost registration's lookup and DELETE") {
+            return Some(end);
+        }
         let listing = match sweep::list_all(self.w.forgejo, &could_be(name)) {
             Ok(l) => l,
             Err(e) => {

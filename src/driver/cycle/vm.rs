@@ -118,6 +118,9 @@ impl Driver<'_, '_> {
 
     pub(super) fn apply(&mut self) -> Option<End> {
         let cycle_id = self.state.as_ref()?.cycle_id.clone();
+        if let Some(end) = self.guard("tofu apply") {
+            return Some(end);
+        }
         let sw = Stopwatch::start(&*self.w.clock);
         let result = self
             .w
@@ -196,6 +199,9 @@ impl Driver<'_, '_> {
             .unwrap_or_else(|| "teardown".to_string());
         if s.destroy_failed() {
             reason = format!("retrying a failed destroy ({reason})");
+        }
+        if let Some(end) = self.guard("tofu destroy") {
+            return Some(end);
         }
         let sw = Stopwatch::start(&*self.w.clock);
         match self.w.tofu.destroy(&cycle_id, &reason) {

@@ -42,7 +42,56 @@ CASES = {
     ),
     "distinct": (True, ["ci-1.example.org           : ok=3 ", "ci-10.example.org          : ok=3 "]),
     "single": (True, ["ci-a.example.org           : ok=3 "]),
+    # One pool across hosts on PostgreSQL shares its prefix; a files pool may not join it.
+    "pg_pool": (True, ["ci-a.example.org           : ok=3 ", "ci-b.example.org           : ok=3 "]),
+    "pg_mixed": (
+        False,
+        [
+            "Pool debian on host ci-a.example.org (runner_prefix ephemeral-debian-) and pool debian on "
+            "host ci-b.example.org (runner_prefix ephemeral-debian-): the prefixes are equal.",
+        ],
+    ),
 }
+
+
+def provisioner_env(pool):
+    """role/templates/provisioner.env.j2 rendered for one merged pool, as the role writes it."""
+    import jinja2
+
+    env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+    env.filters["comment"] = lambda s: "# " + s
+    defaults = yaml.safe_load((HERE.parents[2] / "role/defaults/main.yml").read_text())
+    item = dict(defaults["ci_ephemeral_provisioner_pool_defaults"], **pool)
+    text = (HERE.parents[2] / "role/templates/provisioner.env.j2").read_text()
+    return env.from_string(text).render(
+        item=item,
+        ansible_managed="managed",
+        ci_ephemeral_provisioner_forgejo_url="https://forgejo.example.org",
+        ci_ephemeral_provisioner_ca_file="",
+        ci_ephemeral_provisioner_metrics_dir="",
+        _ci_ephemeral_provisioner_pools_dir="/etc/ci-ephemeral-provisioner/pools",
+    )
+
+
+def store_variables_reach_the_unit():
+    """The pool store's variables reach the unit's environment (provisioner.env), the
+    connection string never (it is secret_environment's, in secret.env)."""
+    pg = provisioner_env({"name": "debian", "store": "pg", "host_id": "ci-a", "lease": "3m",
+                          "secret_environment": {"PG_CONN_STR": "postgres://u:s3cret@db/ci"}})
+    want = ['CI_EPHEMERAL_PROVISIONER_STORE="pg"', 'CI_EPHEMERAL_PROVISIONER_POOL="debian"',
+            'CI_EPHEMERAL_PROVISIONER_HOST_ID="ci-a"', 'CI_EPHEMERAL_PROVISIONER_LEASE="3m"']
+    problems = [f"missing {w}" for w in want if w not in pg.splitlines()]
+    if "s3cret" in pg:
+        problems.append("the connection string is in provisioner.env")
+    files = provisioner_env({"name": "debian"})
+    if 'CI_EPHEMERAL_PROVISIONER_STORE="files"' not in files.splitlines() or "POOL=" in files:
+        problems.append("the files store's environment names a pool")
+    if problems:
+        print("FAIL provisioner.env: " + "; ".join(problems) + "\n" + pg, file=sys.stderr)
+        return False
+    print("ok   provisioner.env carries the store, pool, host id and lease")
+    return True
+
 
 
 def main():
@@ -84,7 +133,9 @@ def main():
     else:
         failures.append("preflight")
         print("FAIL role/tasks/preflight.yml does not import crosshost.yml", file=sys.stderr)
-    print(f"{len(CASES) + 1 - len(failures)} passed, {len(failures)} failed")
+    if not store_variables_reach_the_unit():
+        failures.append("provisioner.env")
+    print(f"{len(CASES) + 2 - len(failures)} passed, {len(failures)} failed")
     return 1 if failures else 0
 
 

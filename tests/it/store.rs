@@ -1,0 +1,368 @@
+//! The state stores against their conformance suite (`tests/common/store_suite.rs`): the files
+//! store always; the pool store on a real PostgreSQL (`bash .ci/pg` starts one and runs these,
+//! which are ignored by a plain `cargo test`), with what only it does: leases, adoption,
+//! fencing, host ids, the schema version, TLS, the database down.
+
+use std::fs;
+use std::os::unix::fs::DirBuilderExt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use ci_ephemeral_provisioner::adapters::files::{FileStore, SlotDir};
+use ci_ephemeral_provisioner::adapters::pg_store::{ConnSpec, PgStore, PoolSlot};
+use ci_ephemeral_provisioner::core::pool::Fenced;
+use ci_ephemeral_provisioner::core::ports::{Claim, Start, StateStore};
+use ci_ephemeral_provisioner::core::state::Phase;
+
+#[path = "../common/store_suite.rs"]
+mod suite;
+
+// --- the files store --------------------------------------------------------------------------
+
+fn files(pool: &Path) -> impl Fn(&str, u32, u32) -> Box<dyn StateStore + Send> + Sync + '_ {
+    move |_host, k, n| {
+        let slot = SlotDir {
+            pool: pool.to_path_buf(),
+            k,
+            n,
+        };
+        fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(slot.dir())
+            .unwrap();
+        Box::new(FileStore::slot(slot))
+    }
+}
+
+#[test]
+fn the_files_store_conforms() {
+    let dir = tempfile::tempdir().unwrap();
+    let make = files(dir.path());
+    let make1 = |h: &str, k, n| -> Box<dyn StateStore> { make(h, k, n) };
+    suite::a_cycle_round_trips(&make1);
+    suite::a_claim_is_refused_to_every_other_slot(&make1, &["a"]);
+    suite::another_slots_claims_names_and_holds_are_seen(&make1, "a");
+    suite::the_failure_backoff_is_the_pools(&make1, "a");
+    suite::of_slots_racing_for_one_job_exactly_one_claims_it(&make, &["a"], 10);
+}
+
+// --- the pool store on PostgreSQL ---------------------------------------------------------------
+
+/// A connection string of a role that may create databases (`.ci/pg` sets it): each test gets a
+/// database of its own.
+const ADMIN: &str = "CI_EPHEMERAL_PROVISIONER_TEST_PG";
+
+pub struct Db {
+    /// The test's database, as `PG_CONN_STR` names it.
+    pub url: String,
+    pub name: String,
+    admin: String,
+}
+
+impl Db {
+    /// A fresh database for one test.
+    pub fn new() -> Db {
+        let admin = std::env::var(ADMIN).unwrap_or_else(|_| {
+            panic!("{ADMIN} is not set: run the PostgreSQL tests with `bash .ci/pg`")
+        });
+        let name = format!(
+            "pool_{}_{}",
+            std::process::id(),
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos()
+                % 1_000_000_000
+        );
+        let mut c = Db::connect(&admin);
+        c.batch_execute(&format!("CREATE DATABASE {name}")).unwrap();
+        let url = with_db(&admin, &name);
+        Db { url, name, admin }
+    }
+
+    pub fn connect(url: &str) -> postgres::Client {
+        ConnSpec::parse(url)
+            .unwrap()
+            .connect("ci-test", Duration::from_secs(30))
+            .unwrap()
+    }
+
+    /// A session on the test's database (the checks read and change it behind the stores).
+    pub fn client(&self) -> postgres::Client {
+        Db::connect(&self.url)
+    }
+
+    pub fn store(&self, host: &str, k: u32, n: u32, lease: Duration) -> PgStore {
+        PgStore::new(
+            ConnSpec::parse(&self.url).unwrap(),
+            PoolSlot {
+                pool: "p".into(),
+                host: host.into(),
+                machine: format!("test-machine {host}"),
+                forgejo: "https://forgejo.test".into(),
+                k,
+                n,
+                lease,
+            },
+            // As a `run`: it adopts a lapsed host's cycle (and renews its lease meanwhile).
+            true,
+        )
+    }
+
+    /// Every lease of `host` lapsed, as if it had been silent past it.
+    pub fn lapse(&self, host: &str) {
+        self.client()
+            .execute(
+                "UPDATE ci_ephemeral_provisioner.hosts SET lease_until = now() - interval '1 second' WHERE host_id = $1",
+                &[&host],
+            )
+            .unwrap();
+    }
+}
+
+impl Drop for Db {
+    fn drop(&mut self) {
+        let mut c = Db::connect(&self.admin);
+        let _ = c.batch_execute(&format!(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = '{}'; DROP DATABASE IF EXISTS {}",
+            self.name, self.name
+        ));
+    }
+}
+
+/// `url` with its database replaced by `db`.
+pub fn with_db(url: &str, db: &str) -> String {
+    let (base, query) = url.split_once('?').unwrap_or((url, ""));
+    let at = base.rfind('/').expect("a database in the URL");
+    let q = if query.is_empty() {
+        String::new()
+    } else {
+        format!("?{query}")
+    };
+    format!("{}/{db}{q}", &base[..at])
+}
+
+const LEASE: Duration = Duration::from_secs(120);
+
+#[test]
+#[ignore = "needs PostgreSQL: bash .ci/pg runs it"]
+fn the_pool_store_conforms() {
+    let db = Db::new();
+    let make = |h: &str, k, n| -> Box<dyn StateStore + Send> { Box::new(db.store(h, k, n, LEASE)) };
+    let make1 = |h: &str, k, n| -> Box<dyn StateStore> { make(h, k, n) };
+    suite::a_cycle_round_trips(&make1);
+    suite::a_claim_is_refused_to_every_other_slot(&make1, &["a", "b"]);
+    suite::another_slots_claims_names_and_holds_are_seen(&make1, "b");
+    suite::the_failure_backoff_is_the_pools(&make1, "b");
+    suite::of_slots_racing_for_one_job_exactly_one_claims_it(&make, &["a", "b"], 10);
+}
+
+/// Host a's lease lapses with a cycle in progress: host b's next load adopts it (a new epoch,
+/// torn down from now on), and every write and guard of host a is refused from then on, naming
+/// host b. Neither side waits for a clock: the lease is lapsed in the database.
+// Mutation caught: save without `epoch = $6` (a stale process writes over the adopter's cycle).
+// Mutation caught: guard that renews without checking the epoch.
+#[test]
+#[ignore = "needs PostgreSQL: bash .ci/pg runs it"]
+fn a_lapsed_hosts_cycle_is_adopted_and_its_process_fenced() {
+    let db = Db::new();
+    let mut a = db.store("a", 1, 1, LEASE);
+    a.load().unwrap();
+    let mut s = suite::cycle("c1", 5);
+    assert_eq!(
+        a.save_starting(&s, 5, "h5", &suite::gate(0)).unwrap(),
+        Start::Claim(Claim::Saved)
+    );
+    s.phase = Phase::Running;
+    a.save(&s).unwrap();
+    a.guard("tofu apply").unwrap();
+
+    // Alive: b adopts nothing.
+    let mut b = db.store("b", 1, 1, LEASE);
+    assert_eq!(b.load().unwrap(), None);
+    assert!(b.adopted().is_none());
+
+    db.lapse("a");
+    let mut b = db.store("b", 1, 1, LEASE);
+    let adopted = b.load().unwrap().expect("b adopts a's cycle");
+    assert_eq!(adopted.cycle_id, "c1");
+    assert_eq!(adopted.phase, Phase::TearingDown);
+    assert!(
+        adopted
+            .teardown_reason
+            .as_deref()
+            .unwrap()
+            .contains("adopted from host a"),
+        "{adopted:?}"
+    );
+    let adoption = b.adopted().expect("told once");
+    assert_eq!(adoption.from_host, "a");
+    assert!(b.adopted().is_none());
+
+    // a wakes up: every write and guard is fenced, naming b; nothing of a's is written.
+    let fenced = |e: anyhow::Error| {
+        let f = e
+            .downcast_ref::<Fenced>()
+            .unwrap_or_else(|| panic!("not fenced: {e:#}"))
+            .clone();
+        assert_eq!(f.by.as_deref(), Some("b"), "{f}");
+    };
+    fenced(a.guard("tofu destroy").unwrap_err());
+    s.jobs_started = 99;
+    fenced(a.save(&s).unwrap_err());
+    fenced(
+        a.save_claiming(&s, 6, "h6")
+            .expect_err("a claim of a fenced process"),
+    );
+    let now: String = db
+        .client()
+        .query_one(
+            "SELECT state FROM ci_ephemeral_provisioner.cycles WHERE cycle_id = 'c1'",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    assert!(!now.contains("\"jobs_started\": 99") && !now.contains("\"jobs_started\":99"));
+    // b carries the cycle on to its end.
+    let mut t = adopted.clone();
+    t.phase = Phase::Destroyed;
+    b.save(&t).unwrap();
+    b.remove().unwrap();
+    let events: i64 = db
+        .client()
+        .query_one(
+            "SELECT count(*) FROM ci_ephemeral_provisioner.events WHERE kind IN ('adopted', 'fenced')",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    assert!(events >= 2, "{events} events");
+}
+
+/// Two live hosts with one id (another machine: another state directory) are refused until the
+/// first one's lease lapses; a newer schema than this build knows is refused.
+// Mutation caught: the host row's upsert without its `machine` condition.
+#[test]
+#[ignore = "needs PostgreSQL: bash .ci/pg runs it"]
+fn one_host_id_on_two_machines_and_a_newer_schema_are_refused() {
+    let db = Db::new();
+    db.store("a", 1, 1, LEASE).load().unwrap();
+    let mut twin = PgStore::new(
+        ConnSpec::parse(&db.url).unwrap(),
+        PoolSlot {
+            pool: "p".into(),
+            host: "a".into(),
+            machine: "another machine".into(),
+            forgejo: "https://forgejo.test".into(),
+            k: 1,
+            n: 1,
+            lease: LEASE,
+        },
+        false,
+    );
+    let e = format!("{:#}", twin.load().unwrap_err());
+    assert!(e.contains("is live on another machine"), "{e}");
+    db.lapse("a");
+    twin.load().unwrap();
+
+    db.client()
+        .execute(
+            "UPDATE ci_ephemeral_provisioner.schema_version SET version = 99",
+            &[],
+        )
+        .unwrap();
+    let e = format!("{:#}", db.store("b", 1, 1, LEASE).load().unwrap_err());
+    assert!(
+        e.contains("schema version 99, newer than this build's"),
+        "{e}"
+    );
+}
+
+/// The database down: every read and write fails (no fallback), naming the database but never
+/// its password.
+#[test]
+#[ignore = "needs PostgreSQL: bash .ci/pg runs it"]
+fn the_database_down_fails_every_operation_without_its_password() {
+    let db = Db::new();
+    let url = {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let u = db.url.clone();
+        let (head, rest) = u.split_once('@').unwrap();
+        let tail = rest.split_once('/').unwrap().1;
+        format!("{head}@127.0.0.1:{port}/{tail}")
+    };
+    let password = url
+        .split_once("://")
+        .unwrap()
+        .1
+        .split_once('@')
+        .unwrap()
+        .0
+        .split_once(':')
+        .map(|p| p.1.to_string())
+        .unwrap_or_default();
+    let mut st = PgStore::new(
+        ConnSpec::parse(&url).unwrap(),
+        PoolSlot {
+            pool: "p".into(),
+            host: "a".into(),
+            machine: "m".into(),
+            forgejo: "f".into(),
+            k: 1,
+            n: 1,
+            lease: LEASE,
+        },
+        false,
+    );
+    for e in [
+        st.load().unwrap_err(),
+        st.others().unwrap_err(),
+        st.guard("tofu apply").unwrap_err(),
+    ] {
+        let e = format!("{e:#}");
+        assert!(e.contains("cannot connect to PostgreSQL"), "{e}");
+        assert!(password.is_empty() || !e.contains(&password), "{e}");
+    }
+}
+
+/// TLS with `sslmode=verify-full` and a private CA (`.ci/pg` makes one with openssl and a
+/// server certificate for 127.0.0.1 and localhost): accepted; with a CA that did not sign the
+/// server's certificate, refused.
+// Mutation caught: verify-full built with the Unverified verifier.
+#[test]
+#[ignore = "needs PostgreSQL: bash .ci/pg runs it"]
+fn tls_verify_full_accepts_the_private_ca_and_refuses_another() {
+    let db = Db::new();
+    assert!(
+        db.url.contains("sslmode=verify-full"),
+        "{ADMIN} must ask for verify-full"
+    );
+    Db::connect(&db.url)
+        .batch_execute("SELECT 1")
+        .expect("verify-full with the server's CA");
+    let other = PathBuf::from(std::env::var("CI_EPHEMERAL_PROVISIONER_TEST_PG_OTHER_CA").expect(
+        "CI_EPHEMERAL_PROVISIONER_TEST_PG_OTHER_CA: a CA that did not sign the server's certificate",
+    ));
+    let (base, query) = db.url.split_once('?').unwrap();
+    let query: Vec<String> = query
+        .split('&')
+        .filter(|p| !p.starts_with("sslrootcert="))
+        .map(String::from)
+        .chain([format!("sslrootcert={}", other.display())])
+        .collect();
+    let wrong = format!("{base}?{}", query.join("&"));
+    let e = format!(
+        "{:#}",
+        ConnSpec::parse(&wrong)
+            .unwrap()
+            .connect("ci-test", Duration::from_secs(10))
+            .err()
+            .expect("a CA that did not sign the server's certificate")
+    );
+    assert!(e.contains("cannot connect to PostgreSQL"), "{e}");
+}
