@@ -120,7 +120,7 @@ variable "ssh_port_range" {
 variable "isolated" {
   type        = bool
   default     = false
-  description = "The VM reaches nothing but the forwards (QEMU's user network with restrict=on); false: it reaches what this host reaches, through QEMU's NAT."
+  description = "The VM reaches nothing but the forwards (QEMU's user network with restrict=on); false: it reaches what this host reaches, through QEMU's NAT, this host's loopback included (10.0.2.2)."
 }
 
 variable "forwards" {
@@ -140,7 +140,7 @@ variable "forwards" {
 variable "bridge" {
   type        = string
   default     = ""
-  description = "A host bridge (e.g. br0) for a second network card, through qemu-bridge-helper (allowed in /etc/qemu/bridge.conf): the VM's network for jobs. SSH still comes through 127.0.0.1."
+  description = "A host bridge (e.g. br0) for a second network card, through qemu-bridge-helper (allowed in /etc/qemu/bridge.conf): the VM's network for jobs. SSH and the forwards still come through 127.0.0.1, on the user network, then restricted."
 
   validation {
     condition     = can(regex("^[A-Za-z0-9_.-]{0,15}$", var.bridge))

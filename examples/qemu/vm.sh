@@ -248,7 +248,9 @@ mcopy -i "$VM_DIR/seed.img" "$VM_DIR/user-data" "$VM_DIR/meta-data" ::
 # The seed holds the host's private key; the VM's copy is all it needs.
 rm -f "$VM_DIR/user-data" "$VM_DIR/host"
 
-# Net: the user-mode network, SSH forwarded from 127.0.0.1:PORT; restrict=on when isolated.
+# Net: the user-mode network, SSH forwarded from 127.0.0.1:PORT; restrict=on when isolated, and
+# beside a bridge (its card then carries SSH and the forwards only: unrestricted, it would still
+# take the guest's connections to 10.0.2.2 to this host's loopback, every service listening there).
 guestfwds=
 i=0
 while IFS=' ' read -r guest host; do
@@ -259,7 +261,7 @@ done << EOF
 ${VM_FORWARDS:-}
 EOF
 restrict=off
-[ "${VM_ISOLATED:-false}" != true ] || restrict=on
+[ "${VM_ISOLATED:-false}" != true ] && [ -z "${VM_BRIDGE:-}" ] || restrict=on
 
 # Free port: a random one of the range that nothing answers on; QEMU binding it is the proof
 # (another process may take it meanwhile: then QEMU fails and the next port is tried).

@@ -158,6 +158,22 @@ def test_create_and_destroy_leave_nothing(w):
     ok(w.vm_sh("destroy", env), "a second destroy")
 
 
+# Mutation caught: the user network left unrestricted beside a bridge (slirp forwards the
+# guest's 10.0.2.2 to this host's loopback: every local service, the other VMs' SSH forwards).
+def test_the_user_network_is_restricted_when_isolated_or_bridged(w):
+    cases = [("open", {}, "restrict=off"), ("isolated", {"VM_ISOLATED": "true"}, "restrict=on"),
+             ("bridged", {"VM_BRIDGE": "br0"}, "restrict=on")]
+    for name, over, want in cases:
+        before = len(w.starts())
+        env = w.env(name, **over)
+        # (A bridge QEMU would open; the fake only records it.)
+        ok(w.vm_sh("create", env), f"create ({name})")
+        argv = w.starts()[before]
+        expect(f"user,id=n0,{want}," in netdev(argv), f"{name}: -netdev {netdev(argv)}, expected {want}")
+        ok(w.vm_sh("destroy", env), f"destroy ({name})")
+        w.nothing_left(name, f"destroy ({name})")
+
+
 def test_a_vm_that_does_not_boot_is_a_failed_create_that_leaves_nothing(w):
     for sup in ("pidfile", "systemd-user"):
         name = f"never-{sup}"
