@@ -12,8 +12,9 @@
 #   (its console says so): a VM that does not boot, or whose QEMU died, is a failed apply, and
 #   then nothing of it is left (the create cleans up after itself, since tofu runs no destroy
 #   provisioner for a resource whose create failed).
-#   VM_ACCEL=auto tries KVM when /dev/kvm can be opened and keeps it only if the guest boots under
-#   it within VM_KVM_PROOF_SECONDS (a /dev/kvm whose guests hang exists); else it boots with TCG.
+#   VM_ACCEL=auto tries KVM (with a pid file: when /dev/kvm can be opened) and keeps it only if the
+#   guest boots under it within VM_KVM_PROOF_SECONDS (a /dev/kvm whose guests hang exists); else
+#   it boots with TCG.
 #   The guest's CPU: VM_KVM_CPU (default host) under KVM, VM_TCG_CPU (default qemu64, which TCG
 #   runs faster than max) under TCG.
 #
@@ -395,7 +396,14 @@ case ${VM_ACCEL:-auto} in
 kvm) accels=kvm ;;
 tcg) accels=tcg ;;
 auto)
-    if [ -r /dev/kvm ] && [ -w /dev/kvm ]; then accels="kvm tcg"; else accels=tcg; fi
+    # Under a systemd supervisor QEMU runs outside this process's sandbox (the role's units have
+    # PrivateDevices=: no /dev/kvm here at all), so QEMU itself tries KVM, and fails at once
+    # without it. With a pid file, QEMU opens the device this process sees.
+    if [ "$supervisor" != pidfile ] || { [ -r /dev/kvm ] && [ -w /dev/kvm ]; }; then
+        accels="kvm tcg"
+    else
+        accels=tcg
+    fi
     ;;
 *) say "VM_ACCEL '${VM_ACCEL:-}' is not auto, kvm or tcg"; exit 1 ;;
 esac

@@ -174,6 +174,31 @@ def test_the_user_network_is_restricted_when_isolated_or_bridged(w):
         w.nothing_left(name, f"destroy ({name})")
 
 
+# Mutation caught: `auto` deciding on KVM by this process's view of /dev/kvm under a systemd
+# supervisor (in the role's sandbox, PrivateDevices=, there is no /dev/kvm: every VM ran with TCG).
+def test_auto_asks_qemu_for_kvm_where_this_process_cannot_open_it(w):
+    env = w.env("auto", VM_ACCEL="auto", VM_SUPERVISOR="systemd-user", FAKE_QEMU_KVM="fail")
+    r = w.vm_sh("create", env, user=NOBODY)
+    ok(r, "create (auto, as nobody)")
+    tried = [accel(a) for a in w.starts()]
+    expect(tried == ["kvm", "tcg"], f"accelerators tried: {tried}, expected kvm, then tcg\n{r.stderr}")
+    expect("Could not access KVM kernel module" in r.stderr, f"QEMU's reason is not shown:\n{r.stderr}")
+    vm = json.loads((w.vms / "auto" / "vm.json").read_text())
+    expect(vm["accel"] == "tcg" and vm["supervisor"] == "systemd-user", f"vm.json: {vm}")
+    ok(w.vm_sh("destroy", env, user=NOBODY), "destroy")
+    w.nothing_left("auto", "destroy")
+    # Where QEMU runs in this process's own context (pidfile), the device decides.
+    w.log.write_text("")
+    env = w.env("auto-pidfile", VM_ACCEL="auto", FAKE_QEMU_KVM="fail")
+    ok(w.vm_sh("create", env, user=NOBODY), "create (auto, pidfile, as nobody)")
+    others_rw = os.path.exists("/dev/kvm") and os.stat("/dev/kvm").st_mode & 0o006 == 0o006
+    want = ["kvm", "tcg"] if others_rw else ["tcg"]
+    tried = [accel(a) for a in w.starts()]
+    expect(tried == want, f"accelerators tried (pidfile): {tried}, expected {want}")
+    ok(w.vm_sh("destroy", env, user=NOBODY), "destroy")
+    w.nothing_left("auto-pidfile", "destroy")
+
+
 def test_a_vm_that_does_not_boot_is_a_failed_create_that_leaves_nothing(w):
     for sup in ("pidfile", "systemd-user"):
         name = f"never-{sup}"
