@@ -413,6 +413,7 @@ accel=
 for a in $accels; do
     tries=0
     started=no
+    taken=no
     while [ "$tries" -lt 5 ]; do
         tries=$((tries + 1))
         p=$(pick_port) || { say "no free port in ${VM_PORT_MIN:-20000}-${VM_PORT_MAX:-29999} for SSH"; exit 1; }
@@ -421,13 +422,18 @@ for a in $accels; do
             break
         fi
         if grep -q -i 'forwarding rule' "$VM_DIR/qemu.log" 2> /dev/null; then
+            taken=yes
             stop_vm || exit 1
             continue # the port was taken meanwhile
         fi
+        taken=no
         say "QEMU ($a) did not start: $(tail -n 5 "$VM_DIR/qemu.log" 2> /dev/null | tr '\n' ' ')"
         stop_vm || exit 1
         break
     done
+    if [ "$started" = no ] && [ "$taken" = yes ]; then
+        say "QEMU ($a) could bind no SSH port of ${VM_PORT_MIN:-20000}-${VM_PORT_MAX:-29999} in $tries tries: each was taken before it bound it (widen ssh_port_range)"
+    fi
     [ "$started" = yes ] || { [ "$a" = kvm ] && [ "${VM_ACCEL:-auto}" = auto ] && continue; exit 1; }
     if [ "$a" = kvm ] && [ "${VM_ACCEL:-auto}" = auto ]; then
         rc=0

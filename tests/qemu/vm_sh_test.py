@@ -228,6 +228,21 @@ def test_a_create_killed_half_way_is_undone_by_the_destroy(w):
         w.nothing_left(name, f"{sup}: destroy after a killed create")
 
 
+def test_a_port_taken_before_qemu_binds_it_is_tried_again_and_then_named(w):
+    # The range's one port bound by another socket that does not listen: nothing answers there
+    # (the choice takes it), but QEMU cannot bind it, as when another VM took it meanwhile.
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    port = held.getsockname()[1]
+    env = w.env("port", VM_PORT_MIN=str(port), VM_PORT_MAX=str(port))
+    r = w.vm_sh("create", env)
+    held.close()
+    expect(r.returncode != 0, "a create succeeded on a port another process holds")
+    expect(len(w.starts()) == 5, f"{len(w.starts())} start(s), expected 5 tries\n{r.stderr}")
+    expect(f"{port}-{port}" in r.stderr, f"the failure does not name the port range:\n{r.stderr}")
+    w.nothing_left("port", "the failed create")
+
+
 def main():
     only = sys.argv[sys.argv.index("-k") + 1] if "-k" in sys.argv else None
     if os.geteuid() != 0:
