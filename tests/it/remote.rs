@@ -216,6 +216,67 @@ fn status_remote_shows_each_registration_and_vm_and_changes_nothing() {
     assert!(!env.state.join("cycle.json").exists());
 }
 
+// Mutation caught: `status --remote` of a slot whose workspace does not exist yet running `tofu
+// show`, which creates it (terraform.tfstate.d/slot-K in the module directory, owned by whoever
+// runs `status`: a root-owned one fails every later apply of that slot).
+#[test]
+fn status_remote_of_a_slot_without_a_workspace_creates_none() {
+    let env = Env::new();
+    fs::create_dir_all(env.state.join("slot-2")).unwrap();
+    let tofu = |args: &[&str], workspace: &str| {
+        let out = Command::new(&env.tofu)
+            .arg(format!("-chdir={}", env.module.display()))
+            .args(args)
+            .env("TF_WORKSPACE", workspace)
+            .env("TF_DATA_DIR", env.state.join("slot-2/tofu-data"))
+            .env("VM_DIR", &env.vm)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{args:?}: {out:?}");
+    };
+    tofu(&["init", "-input=false", "-no-color"], "default");
+    let flags = [
+        "--tofu-bin",
+        env.tofu.as_str(),
+        "--tofu-dir",
+        env.module.to_str().unwrap(),
+        "--slots",
+        "2",
+        "--slot",
+        "2",
+        "--output",
+        "json",
+    ];
+    let out = remote(&env, &flags);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let doc = out.json();
+    assert_eq!(
+        doc["remote"]["tofu"]["resources"],
+        serde_json::json!([]),
+        "{doc}"
+    );
+    assert!(
+        !env.module.join("terraform.tfstate.d").exists(),
+        "status --remote created a workspace in the module directory"
+    );
+    // Once the slot has one, its resources are shown.
+    tofu(
+        &[
+            "apply",
+            "-input=false",
+            "-auto-approve",
+            "-no-color",
+            "-var",
+            "cycle_id=leaked-2",
+        ],
+        "slot-2",
+    );
+    let out = remote(&env, &flags);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let res = out.json()["remote"]["tofu"]["resources"].clone();
+    assert_eq!(res.as_array().map(Vec::len), Some(1), "{res}");
+}
+
 // Mutation caught: `status --remote` reporting a sweep as possible while this slot's cycle is in
 // progress (the sweep's licence is not consulted).
 #[test]
