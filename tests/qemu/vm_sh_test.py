@@ -48,10 +48,13 @@ class World:
         self.systemd = base / "systemd"
         self.systemd.mkdir(mode=0o777)
         self.systemd.chmod(0o777)
-        # The fake and the stubs, readable by nobody (the temporary directory's parents may not be).
+        # vm.sh, the fake and the stubs where nobody can read them (the checkout may be a clone
+        # under /root).
         self.bin = base / "bin"
         shutil.copytree(HERE / "stub-bin", self.bin / "stub")
         shutil.copy(HERE / "fake-qemu", self.bin / "fake-qemu")
+        self.vm_sh_path = self.bin / "vm.sh"
+        shutil.copy(VM_SH, self.vm_sh_path)
         for p in [self.bin, self.bin / "stub", *self.bin.rglob("*")]:
             p.chmod(0o755)
 
@@ -82,7 +85,7 @@ class World:
         return env
 
     def vm_sh(self, action, env, user=None, timeout=60):
-        cmd = ["bash", str(VM_SH), action]
+        cmd = ["bash", str(self.vm_sh_path), action]
         if user is not None:
             cmd = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *cmd]
         return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -213,7 +216,7 @@ def test_a_create_killed_half_way_is_undone_by_the_destroy(w):
     for sup in ("pidfile", "systemd-user"):
         name = f"killed-{sup}"
         env = w.env(name, VM_SUPERVISOR=sup, FAKE_QEMU_BOOT_SECONDS="never", VM_BOOT_SECONDS="30")
-        p = subprocess.Popen(["bash", str(VM_SH), "create"], env=env, stdout=subprocess.DEVNULL,
+        p = subprocess.Popen(["bash", str(w.vm_sh_path), "create"], env=env, stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL, start_new_session=True)
         deadline = time.monotonic() + 20
         while not (w.vms / name / "console.log").exists() or not w.processes(name):
