@@ -34,12 +34,22 @@ variable "image_dir" {
   type        = string
   default     = "/var/lib/ci-ephemeral-qemu/image"
   description = "Where build-image put the base image (disk.qcow2, vmlinuz, initrd.img); readable by the pool's user."
+
+  validation {
+    condition     = can(regex("^[^,\n]+$", var.image_dir))
+    error_message = "image_dir must be a path without a comma or a line break (QEMU's options)."
+  }
 }
 
 variable "vm_dir" {
   type        = string
   default     = "~/qemu-vms"
   description = "Directory of the VMs' overlays, seeds and keys (one directory per VM); ~ is tofu's $HOME (the role: the pool's state directory)."
+
+  validation {
+    condition     = can(regex("^[^,\n]+$", var.vm_dir))
+    error_message = "vm_dir must be a path without a comma or a line break (QEMU's -drive options)."
+  }
 }
 
 variable "memory" {
@@ -79,12 +89,22 @@ variable "kvm_proof_seconds" {
   type        = number
   default     = 20
   description = "With accel auto: how long the guest may take to start its systemd under KVM before it is booted with TCG instead."
+
+  validation {
+    condition     = var.kvm_proof_seconds >= 1 && floor(var.kvm_proof_seconds) == var.kvm_proof_seconds
+    error_message = "kvm_proof_seconds must be a whole number of seconds, at least 1."
+  }
 }
 
 variable "boot_seconds" {
   type        = number
   default     = 180
   description = "How long the apply waits for the VM's systemd to start (then the apply fails and nothing of the VM is left)."
+
+  validation {
+    condition     = var.boot_seconds >= 1 && floor(var.boot_seconds) == var.boot_seconds
+    error_message = "boot_seconds must be a whole number of seconds, at least 1."
+  }
 }
 
 variable "supervisor" {
@@ -120,7 +140,7 @@ variable "ssh_port_range" {
 variable "isolated" {
   type        = bool
   default     = false
-  description = "The VM reaches nothing but the forwards (QEMU's user network with restrict=on); false: it reaches what this host reaches, through QEMU's NAT."
+  description = "The VM reaches nothing but the forwards (QEMU's user network with restrict=on); false: it reaches what this host reaches, through QEMU's NAT, this host's loopback included (10.0.2.2)."
 }
 
 variable "forwards" {
@@ -140,7 +160,7 @@ variable "forwards" {
 variable "bridge" {
   type        = string
   default     = ""
-  description = "A host bridge (e.g. br0) for a second network card, through qemu-bridge-helper (allowed in /etc/qemu/bridge.conf): the VM's network for jobs. SSH still comes through 127.0.0.1."
+  description = "A host bridge (e.g. br0) for a second network card, through qemu-bridge-helper (allowed in /etc/qemu/bridge.conf): the VM's network for jobs. SSH and the forwards still come through 127.0.0.1, on the user network, then restricted."
 
   validation {
     condition     = can(regex("^[A-Za-z0-9_.-]{0,15}$", var.bridge))

@@ -12,8 +12,9 @@
 #   (its console says so): a VM that does not boot, or whose QEMU died, is a failed apply, and
 #   then nothing of it is left (the create cleans up after itself, since tofu runs no destroy
 #   provisioner for a resource whose create failed).
-#   VM_ACCEL=auto tries KVM when /dev/kvm can be opened and keeps it only if the guest boots under
-#   it within VM_KVM_PROOF_SECONDS (a /dev/kvm whose guests hang exists); else it boots with TCG.
+#   VM_ACCEL=auto tries KVM (with a pid file: when /dev/kvm can be opened) and keeps it only if the
+#   guest boots under it within VM_KVM_PROOF_SECONDS (a /dev/kvm whose guests hang exists); else
+#   it boots with TCG.
 #   The guest's CPU: VM_KVM_CPU (default host) under KVM, VM_TCG_CPU (default qemu64, which TCG
 #   runs faster than max) under TCG.
 #
@@ -248,7 +249,9 @@ mcopy -i "$VM_DIR/seed.img" "$VM_DIR/user-data" "$VM_DIR/meta-data" ::
 # The seed holds the host's private key; the VM's copy is all it needs.
 rm -f "$VM_DIR/user-data" "$VM_DIR/host"
 
-# Net: the user-mode network, SSH forwarded from 127.0.0.1:PORT; restrict=on when isolated.
+# Net: the user-mode network, SSH forwarded from 127.0.0.1:PORT; restrict=on when isolated, and
+# beside a bridge (its card then carries SSH and the forwards only: unrestricted, it would still
+# take the guest's connections to 10.0.2.2 to this host's loopback, every service listening there).
 guestfwds=
 i=0
 while IFS=' ' read -r guest host; do
@@ -259,7 +262,7 @@ done << EOF
 ${VM_FORWARDS:-}
 EOF
 restrict=off
-[ "${VM_ISOLATED:-false}" != true ] || restrict=on
+[ "${VM_ISOLATED:-false}" != true ] && [ -z "${VM_BRIDGE:-}" ] || restrict=on
 
 # Free port: a random one of the range that nothing answers on; QEMU binding it is the proof
 # (another process may take it meanwhile: then QEMU fails and the next port is tried).
@@ -393,7 +396,14 @@ case ${VM_ACCEL:-auto} in
 kvm) accels=kvm ;;
 tcg) accels=tcg ;;
 auto)
-    if [ -r /dev/kvm ] && [ -w /dev/kvm ]; then accels="kvm tcg"; else accels=tcg; fi
+    # Under a systemd supervisor QEMU runs outside this process's sandbox (the role's units have
+    # PrivateDevices=: no /dev/kvm here at all), so QEMU itself tries KVM, and fails at once
+    # without it. With a pid file, QEMU opens the device this process sees.
+    if [ "$supervisor" != pidfile ] || { [ -r /dev/kvm ] && [ -w /dev/kvm ]; }; then
+        accels="kvm tcg"
+    else
+        accels=tcg
+    fi
     ;;
 *) say "VM_ACCEL '${VM_ACCEL:-}' is not auto, kvm or tcg"; exit 1 ;;
 esac
@@ -403,6 +413,7 @@ accel=
 for a in $accels; do
     tries=0
     started=no
+    taken=no
     while [ "$tries" -lt 5 ]; do
         tries=$((tries + 1))
         p=$(pick_port) || { say "no free port in ${VM_PORT_MIN:-20000}-${VM_PORT_MAX:-29999} for SSH"; exit 1; }
@@ -411,13 +422,18 @@ for a in $accels; do
             break
         fi
         if grep -q -i 'forwarding rule' "$VM_DIR/qemu.log" 2> /dev/null; then
+            taken=yes
             stop_vm || exit 1
             continue # the port was taken meanwhile
         fi
+        taken=no
         say "QEMU ($a) did not start: $(tail -n 5 "$VM_DIR/qemu.log" 2> /dev/null | tr '\n' ' ')"
         stop_vm || exit 1
         break
     done
+    if [ "$started" = no ] && [ "$taken" = yes ]; then
+        say "QEMU ($a) could bind no SSH port of ${VM_PORT_MIN:-20000}-${VM_PORT_MAX:-29999} in $tries tries: each was taken before it bound it (widen ssh_port_range)"
+    fi
     [ "$started" = yes ] || { [ "$a" = kvm ] && [ "${VM_ACCEL:-auto}" = auto ] && continue; exit 1; }
     if [ "$a" = kvm ] && [ "${VM_ACCEL:-auto}" = auto ]; then
         rc=0

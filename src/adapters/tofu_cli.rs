@@ -143,9 +143,21 @@ impl CliTofu {
     }
 
     /// `tofu show -json` of this slot's state: it reads the state and changes nothing (no init,
-    /// no lock, no refresh). For `status --remote`.
-    pub fn show_state(&self) -> Result<Vec<u8>, StepError> {
+    /// no lock, no refresh). For `status --remote`. `None` while slot K >= 2 has no workspace
+    /// yet: there `show` would create it (`terraform.tfstate.d/slot-K`, as whoever runs
+    /// `status`), so `workspace list`, which only reads, is asked first.
+    pub fn show_state(&self) -> Result<Option<Vec<u8>>, StepError> {
+        if let Some(workspace) = crate::core::slots::slot_dir_name(self.slot) {
+            let listed = self.run("status", &["workspace", "list"])?;
+            let exists = String::from_utf8_lossy(&listed)
+                .lines()
+                .any(|l| l.trim_start_matches(['*', ' ']).trim_end() == workspace);
+            if !exists {
+                return Ok(None);
+            }
+        }
         self.run("status", &["show", "-json", "-no-color"])
+            .map(Some)
     }
 
     fn dir(&self) -> Result<&Path, StepError> {

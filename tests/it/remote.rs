@@ -4,6 +4,7 @@
 //! without changing the module directory, its state or any "VM".
 
 use std::fs;
+use std::os::unix::fs::PermissionsExt;
 use std::process::Command;
 
 use ci_ephemeral_provisioner::core::state::{CycleState, Registration};
@@ -66,7 +67,7 @@ fn leak_a_vm(env: &Env) {
 
 // Mutation caught: a verdict that is not the sweep's (the young or the held registration shown
 // as deleted, the idle one as deletable), a request that is not a GET, or `tofu show` replaced by
-// a command that changes the state or the module directory.
+// (or run after) a command that may change the state or the module directory (`init`).
 #[test]
 fn status_remote_shows_each_registration_and_vm_and_changes_nothing() {
     let env = Env::new();
@@ -98,10 +99,24 @@ fn status_remote_shows_each_registration_and_vm_and_changes_nothing() {
         .map(|p| (p.clone(), fs::read(&p).unwrap()))
         .collect();
     let vm_log_before = env.vm_log();
+    // tofu behind a wrapper that logs each command line: `show` alone may run (an `init` or a
+    // `refresh` would write the state or the module directory, as whoever runs `status`).
+    let tofu_log = env.tmp.path().join("tofu-commands.log");
+    let logged_tofu = env.tmp.path().join("logged-tofu");
+    fs::write(
+        &logged_tofu,
+        format!(
+            "#!/bin/sh\necho \"$*\" >> '{}'\nexec '{}' \"$@\"\n",
+            tofu_log.display(),
+            env.tofu
+        ),
+    )
+    .unwrap();
+    fs::set_permissions(&logged_tofu, fs::Permissions::from_mode(0o755)).unwrap();
 
     let tofu_flags = [
         "--tofu-bin",
-        env.tofu.as_str(),
+        logged_tofu.to_str().unwrap(),
         "--tofu-dir",
         env.module.to_str().unwrap(),
         "--slots",
@@ -189,8 +204,77 @@ fn status_remote_shows_each_registration_and_vm_and_changes_nothing() {
         "the module directory changed"
     );
     assert_eq!(env.vm_log(), vm_log_before);
+    let commands = fs::read_to_string(&tofu_log).unwrap();
+    assert!(
+        commands.lines().count() == 2
+            && commands
+                .lines()
+                .all(|l| l == format!("-chdir={} show -json -no-color", env.module.display())),
+        "tofu ran more than `show`:\n{commands}"
+    );
     assert_eq!(env.live_vms(), ["vm-leaked-1"]);
     assert!(!env.state.join("cycle.json").exists());
+}
+
+// Mutation caught: `status --remote` of a slot whose workspace does not exist yet running `tofu
+// show`, which creates it (terraform.tfstate.d/slot-K in the module directory, owned by whoever
+// runs `status`: a root-owned one fails every later apply of that slot).
+#[test]
+fn status_remote_of_a_slot_without_a_workspace_creates_none() {
+    let env = Env::new();
+    fs::create_dir_all(env.state.join("slot-2")).unwrap();
+    let tofu = |args: &[&str], workspace: &str| {
+        let out = Command::new(&env.tofu)
+            .arg(format!("-chdir={}", env.module.display()))
+            .args(args)
+            .env("TF_WORKSPACE", workspace)
+            .env("TF_DATA_DIR", env.state.join("slot-2/tofu-data"))
+            .env("VM_DIR", &env.vm)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{args:?}: {out:?}");
+    };
+    tofu(&["init", "-input=false", "-no-color"], "default");
+    let flags = [
+        "--tofu-bin",
+        env.tofu.as_str(),
+        "--tofu-dir",
+        env.module.to_str().unwrap(),
+        "--slots",
+        "2",
+        "--slot",
+        "2",
+        "--output",
+        "json",
+    ];
+    let out = remote(&env, &flags);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let doc = out.json();
+    assert_eq!(
+        doc["remote"]["tofu"]["resources"],
+        serde_json::json!([]),
+        "{doc}"
+    );
+    assert!(
+        !env.module.join("terraform.tfstate.d").exists(),
+        "status --remote created a workspace in the module directory"
+    );
+    // Once the slot has one, its resources are shown.
+    tofu(
+        &[
+            "apply",
+            "-input=false",
+            "-auto-approve",
+            "-no-color",
+            "-var",
+            "cycle_id=leaked-2",
+        ],
+        "slot-2",
+    );
+    let out = remote(&env, &flags);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let res = out.json()["remote"]["tofu"]["resources"].clone();
+    assert_eq!(res.as_array().map(Vec::len), Some(1), "{res}");
 }
 
 // Mutation caught: `status --remote` reporting a sweep as possible while this slot's cycle is in

@@ -103,12 +103,18 @@ fn tofu_state(a: &RemoteArgs, slot: &SlotDir) -> Value {
     if let Err(e) = tofu.check_config() {
         return json!({"tofu_dir": shown, "error": format!("{e:#}")});
     }
-    let read = tofu.show_state().map_err(|e| e.message).and_then(|out| {
-        serde_json::from_slice::<Value>(&out)
-            .map_err(|e| format!("`tofu show -json` did not print JSON ({e})"))
-    });
+    let read = tofu
+        .show_state()
+        .map_err(|e| e.message)
+        .and_then(|out| match out {
+            // The slot's workspace does not exist yet: no state, nothing in it.
+            None => Ok(Vec::new()),
+            Some(out) => serde_json::from_slice::<Value>(&out)
+                .map(|show| state_resources(&show))
+                .map_err(|e| format!("`tofu show -json` did not print JSON ({e})")),
+        });
     match read {
-        Ok(show) => json!({"tofu_dir": shown, "resources": state_resources(&show)}),
+        Ok(resources) => json!({"tofu_dir": shown, "resources": resources}),
         Err(e) => json!({"tofu_dir": shown, "error": e}),
     }
 }
