@@ -102,6 +102,9 @@ struct HostRow {
 
 /// What `pool_from` reads: every cycle row, the other slots' claims, this slot's holds and the
 /// pool's backoff (their JSON texts).
+/// A cycle of the pool: its host, its slot, its state.
+pub type PoolCycle = (String, u32, CycleState);
+
 type PoolRead = (Vec<CycleRow>, Others, Option<String>, Option<String>);
 
 /// The pool as one statement reads it (`$1` pool, `$2` host): every cycle (with whether its
@@ -150,6 +153,11 @@ impl PgStore {
     }
 
     /// `user@host:port/db`.
+    /// The pool this store serves (`--pool`).
+    pub fn pool(&self) -> &str {
+        &self.me.pool
+    }
+
     pub fn shown(&self) -> &str {
         &self.spec.shown
     }
@@ -578,28 +586,35 @@ impl PgStore {
         Ok((view, version.unwrap_or(0)))
     }
 
-    /// This slot as it is in the pool store, read without writing anything (a dry-run): its
-    /// cycle, its holds, the other slots, the backoff.
-    pub fn read_slot(&mut self) -> Result<(Option<CycleState>, Holds, Others, Backoff)> {
+    /// The pool as it is in the store, read without writing anything; `None` when no run has
+    /// made the store's tables yet (nothing was ever stored).
+    fn read_pool(&mut self) -> Result<Option<PoolRead>> {
         let sql = format!(
             "SELECT (SELECT version FROM ci_ephemeral_provisioner.schema_version), {POOL_READ}"
         );
         let (pool, host) = (self.me.pool.clone(), self.me.host.clone());
         let row = match self.client()?.query_one(sql.as_str(), &[&pool, &host]) {
             Ok(r) => r,
-            // No tables yet: nothing was ever stored.
             Err(e)
                 if e.code().is_some_and(|c| {
                     *c == postgres::error::SqlState::UNDEFINED_TABLE
                         || *c == postgres::error::SqlState::INVALID_SCHEMA_NAME
                 }) =>
             {
-                return Ok((None, Holds::default(), Others::default(), Backoff::new()));
+                return Ok(None);
             }
             Err(e) => return Err(self.err("reading the pool", &e)),
         };
         self.check_version(row.get(0))?;
-        let (cycles, others, holds, backoff) = self.pool_from(&row, 1)?;
+        self.pool_from(&row, 1).map(Some)
+    }
+
+    /// This slot as it is in the pool store, read without writing anything (a dry-run): its
+    /// cycle, its holds, the other slots, the backoff.
+    pub fn read_slot(&mut self) -> Result<(Option<CycleState>, Holds, Others, Backoff)> {
+        let Some((cycles, others, holds, backoff)) = self.read_pool()? else {
+            return Ok((None, Holds::default(), Others::default(), Backoff::new()));
+        };
         let state = cycles
             .iter()
             .find(|c| c.host == self.me.host && c.slot == self.me.k)
@@ -614,6 +629,19 @@ impl PgStore {
             None => Backoff::new(),
         };
         Ok((state, holds, others, backoff))
+    }
+
+    /// Every cycle of the pool, each with its host and slot, and what the sweep spares beside
+    /// this slot, read without writing anything (`status --remote`).
+    pub fn pool_cycles(&mut self) -> Result<(Vec<PoolCycle>, Others)> {
+        let Some((cycles, others, _, _)) = self.read_pool()? else {
+            return Ok((Vec::new(), Others::default()));
+        };
+        let states = cycles
+            .iter()
+            .map(|c| Ok((c.host.clone(), c.slot, parse_state(&c.state)?)))
+            .collect::<Result<_>>()?;
+        Ok((states, others))
     }
 
     /// `check`'s line: the database answers, its schema is one this build knows (or none yet),

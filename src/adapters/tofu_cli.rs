@@ -56,6 +56,9 @@ pub fn invocation(bin: &Path, module: &Path, cycle_id: &str, args: &[&str]) -> C
     }
 }
 
+/// One state `tofu show -json` printed, with its workspace when it is a cycle's (`--store pg`).
+pub type ShownState = (Option<String>, Vec<u8>);
+
 pub struct CliTofu {
     pub bin: PathBuf,
     pub dir: Option<PathBuf>,
@@ -142,22 +145,40 @@ impl CliTofu {
         Ok(())
     }
 
-    /// `tofu show -json` of this slot's state: it reads the state and changes nothing (no init,
-    /// no lock, no refresh). For `status --remote`. `None` while slot K >= 2 has no workspace
-    /// yet: there `show` would create it (`terraform.tfstate.d/slot-K`, as whoever runs
-    /// `status`), so `workspace list`, which only reads, is asked first.
-    pub fn show_state(&self) -> Result<Option<Vec<u8>>, StepError> {
-        if let Some(workspace) = crate::core::slots::slot_dir_name(self.slot) {
-            let listed = self.run("status", &["workspace", "list"])?;
-            let exists = String::from_utf8_lossy(&listed)
-                .lines()
-                .any(|l| l.trim_start_matches(['*', ' ']).trim_end() == workspace);
-            if !exists {
-                return Ok(None);
+    /// `tofu show -json` of the states this tofu serves, each with its workspace: it reads and
+    /// changes nothing (no init, no lock, no refresh). For `status --remote`. A slot's own
+    /// state (none while slot K >= 2 has no workspace yet: there `show` would create it,
+    /// `terraform.tfstate.d/slot-K`, as whoever runs `status`), or with `--store pg` the
+    /// workspace of each cycle of the pool, whichever host made it. `workspace list`, which
+    /// only reads, is asked first.
+    pub fn show_states(&self) -> Result<Vec<ShownState>, StepError> {
+        let listed = |tofu: &CliTofu, workspace: Option<&str>| {
+            tofu.run_in("status", workspace, &["workspace", "list"])
+                .map(|out| {
+                    String::from_utf8_lossy(&out)
+                        .lines()
+                        .map(|l| l.trim_start_matches(['*', ' ']).trim_end().to_string())
+                        .filter(|l| !l.is_empty())
+                        .collect::<Vec<String>>()
+                })
+        };
+        let show = ["show", "-json", "-no-color"];
+        if let Some(pool) = &self.pool {
+            let mut out = Vec::new();
+            for ws in listed(self, Some("default"))? {
+                if crate::core::pool::cycle_of_workspace(pool, &ws).is_some() {
+                    let json = self.run_in("status", Some(&ws), &show)?;
+                    out.push((Some(ws), json));
+                }
             }
+            return Ok(out);
         }
-        self.run("status", &["show", "-json", "-no-color"])
-            .map(Some)
+        if let Some(workspace) = crate::core::slots::slot_dir_name(self.slot)
+            && !listed(self, None)?.contains(&workspace)
+        {
+            return Ok(Vec::new());
+        }
+        Ok(vec![(None, self.run("status", &show)?)])
     }
 
     fn dir(&self) -> Result<&Path, StepError> {

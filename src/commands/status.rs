@@ -71,7 +71,12 @@ pub fn cmd_status(a: StatusArgs) -> Result<u8, Fatal> {
         doc["healthy"] = false.into();
     }
     if a.remote.remote {
-        doc["remote"] = remote::gather(&a.remote, &slot, crate::adapters::clock::wall_now())?;
+        doc["remote"] = remote::gather(
+            &a.remote,
+            &slot,
+            crate::adapters::clock::wall_now(),
+            pg.as_mut(),
+        )?;
     }
     match a.local.output {
         OutputFormat::Json => {

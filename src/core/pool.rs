@@ -39,6 +39,20 @@ pub fn workspace(pool: &str, cycle_id: &str) -> String {
     format!("{pool}-{cycle_id}")
 }
 
+/// The cycle whose workspace `ws` is, when it is one of `pool`'s (`status --remote`): the rest
+/// after `POOL-` has a cycle id's time (`20261201t201057z`), so that pool `a` never reads pool
+/// `a-b`'s workspaces as its own.
+pub fn cycle_of_workspace<'a>(pool: &str, ws: &'a str) -> Option<&'a str> {
+    let rest = ws.strip_prefix(pool)?.strip_prefix('-')?;
+    let b = rest.as_bytes();
+    let timed = b.len() > 16
+        && b[..8].iter().all(u8::is_ascii_digit)
+        && b[8] == b't'
+        && b[9..15].iter().all(u8::is_ascii_digit)
+        && b[15] == b'z';
+    timed.then_some(rest)
+}
+
 /// How the slot of one host is named in messages (`slot 2 of host b`).
 pub fn slot_name(host: &str, me: &str, k: u32) -> String {
     if host == me {
@@ -167,6 +181,26 @@ mod tests {
     use super::*;
     use crate::core::state::Registration;
     use crate::core::time::Timestamp;
+
+    // Mutation caught: a plain prefix match, which reads pool `a-b`'s VMs as pool `a`'s.
+    #[test]
+    fn a_workspace_is_a_pools_only_with_a_cycle_id_after_its_name() {
+        let ws = workspace("a", "20261201t201057z-1a2b");
+        assert_eq!(cycle_of_workspace("a", &ws), Some("20261201t201057z-1a2b"));
+        assert_eq!(
+            cycle_of_workspace("a-b", &workspace("a-b", "20261201t201057z-1a2b-s2")),
+            Some("20261201t201057z-1a2b-s2")
+        );
+        for (pool, ws) in [
+            ("a", "a-b-20261201t201057z-1a2b"),
+            ("a", "default"),
+            ("a", "a-"),
+            ("a", "ab-20261201t201057z-1a2b"),
+            ("a", "a-20261201x201057z-1a2b"),
+        ] {
+            assert_eq!(cycle_of_workspace(pool, ws), None, "{pool} {ws}");
+        }
+    }
 
     #[test]
     fn names_and_workspaces() {

@@ -632,3 +632,106 @@ fn an_idle_tick_of_the_pool_store_is_one_statement_beside_its_get() {
         stmts.len()
     );
 }
+
+/// `status --remote` on another host of a pool on PostgreSQL: the registration names the host,
+/// slot and cycle that hold it (read from the pool store, not from this host's files), and the
+/// tofu state is read in the workspace of every cycle of the pool, whichever host made it; GET
+/// requests only, and nothing written to the store.
+// Mutation caught: `status --remote` reading this host's files for a pool on PostgreSQL (the
+// registration held by no cycle, no workspace read); the workspaces filtered by this host.
+#[test]
+#[ignore = "needs PostgreSQL: bash .ci/pg runs it"]
+fn status_remote_shows_the_cycles_and_workspaces_of_every_host() {
+    let env = Env::new();
+    let db = Db::new();
+    // The runner connects, then dies: the cycle waits out the grace with its registration.
+    env.set_launch_mode("die");
+    let mut b = Host::start(&env, &db, "b", &["--registration-grace", "10m"], &[]);
+    env.fake.add_job(&["debian"]);
+    wait(
+        "host b's runner to connect",
+        120,
+        || {
+            count(
+                &db,
+                "SELECT count(*) FROM ci_ephemeral_provisioner.cycles WHERE host_id = 'b' AND state LIKE '%\"connected\":true%'",
+            ) > 0
+        },
+        || picture(&env, &db, &[&b]),
+    );
+    let cycle: String = db
+        .client()
+        .query_one("SELECT cycle_id FROM ci_ephemeral_provisioner.cycles", &[])
+        .unwrap()
+        .get(0);
+    // Host a: its own module copy, initialised as its runs would have, and its own state.
+    let a = env.tmp.path().join("host-a");
+    let module = a.join("module");
+    fs::create_dir_all(&module).unwrap();
+    fs::create_dir_all(a.join("state")).unwrap();
+    for f in ["main.tf", "vm.sh", "backend.tf"] {
+        fs::copy(b.dir.join("module").join(f), module.join(f)).unwrap();
+    }
+    let init = Command::new(&env.tofu)
+        .arg(format!("-chdir={}", module.display()))
+        .args(["init", "-input=false", "-no-color"])
+        .env("PG_CONN_STR", &db.url)
+        .env("CHECKPOINT_DISABLE", "1")
+        .output()
+        .unwrap();
+    assert!(init.status.success(), "{init:?}");
+    let rows_before = count(
+        &db,
+        "SELECT count(*) FROM ci_ephemeral_provisioner.cycles WHERE host_id = 'a'",
+    );
+    env.fake.clear_requests();
+    let mut c = env.cmd("status");
+    c.args(["--state-dir", a.join("state").to_str().unwrap()]);
+    c.args(["--remote", "--store", "pg", "--pool", "p", "--host-id", "a"]);
+    c.args(["--forgejo-url", &env.fake.url()]);
+    c.args(["--token-file", env.token_file.to_str().unwrap()]);
+    c.args([
+        "--tofu-bin",
+        &env.tofu,
+        "--tofu-dir",
+        module.to_str().unwrap(),
+    ]);
+    c.args(["--output", "json"]);
+    c.env("PG_CONN_STR", &db.url).env("CHECKPOINT_DISABLE", "1");
+    let out = env.exec(c);
+    let doc: serde_json::Value = serde_json::from_str(&out.stdout)
+        .unwrap_or_else(|e| panic!("{e}: {}\n{}", out.stdout, out.stderr));
+    let regs = doc["remote"]["forgejo"]["registrations"]
+        .as_array()
+        .unwrap();
+    assert_eq!(regs.len(), 1, "{doc:#}");
+    assert_eq!(
+        regs[0]["cycle"],
+        serde_json::json!({"host": "b", "slot": 1, "cycle_id": cycle}),
+        "{doc:#}"
+    );
+    let resources = doc["remote"]["tofu"]["resources"].as_array().unwrap();
+    assert!(
+        !resources.is_empty()
+            && resources
+                .iter()
+                .all(|r| r["workspace"] == format!("p-{cycle}")),
+        "{doc:#}"
+    );
+    let methods: Vec<String> = env
+        .fake
+        .requests()
+        .iter()
+        .map(|r| r.method.clone())
+        .collect();
+    assert!(methods.iter().all(|m| m == "GET"), "{methods:?}");
+    assert_eq!(
+        count(
+            &db,
+            "SELECT count(*) FROM ci_ephemeral_provisioner.cycles WHERE host_id = 'a'",
+        ),
+        rows_before
+    );
+    b.halt();
+    env.set_launch_mode("one-job");
+}

@@ -123,7 +123,19 @@ impl Db {
 
 impl Drop for Db {
     fn drop(&mut self) {
-        let mut c = Db::connect(&self.admin);
+        // The restart test may have the server down at this moment: try for up to 60 s.
+        let spec = ConnSpec::parse(&self.admin).unwrap();
+        let mut tries = 0;
+        let mut c = loop {
+            match spec.connect("ci-test", Duration::from_secs(30)) {
+                Ok(c) => break c,
+                Err(_) if tries < 120 => {
+                    tries += 1;
+                    std::thread::sleep(Duration::from_millis(500));
+                }
+                Err(e) => panic!("dropping database {}: {e:#}", self.name),
+            }
+        };
         let _ = c.batch_execute(&format!(
             "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = '{}'; DROP DATABASE IF EXISTS {}",
             self.name, self.name

@@ -6,6 +6,7 @@ use serde_json::{Value, json};
 
 use crate::adapters::files::{FileStore, SlotDir, pool_slot_dirs, read_state_file};
 use crate::adapters::forgejo_http::{HttpForgejo, Scope, load_ca_file, validate_url};
+use crate::adapters::pg_store::PgStore;
 use crate::adapters::signals::StopFlag;
 use crate::cli::RemoteArgs;
 use crate::commands::config::{check_prefix, intent_settle_of, read_token};
@@ -22,7 +23,12 @@ use crate::driver::sweep::list_all;
 
 /// The `remote` part of `status`'s document: `forgejo` and `tofu`, each with its `error` when it
 /// could not be read. A flag that is wrong (or no token) is a usage error, before any request.
-pub(super) fn gather(a: &RemoteArgs, slot: &SlotDir, now: Timestamp) -> Result<Value, Fatal> {
+pub(super) fn gather(
+    a: &RemoteArgs,
+    slot: &SlotDir,
+    now: Timestamp,
+    mut pg: Option<&mut PgStore>,
+) -> Result<Value, Fatal> {
     check_prefix(&a.runner_prefix)?;
     let url = a.forgejo_url.as_deref().ok_or_else(|| {
         usage("status --remote needs --forgejo-url (or CI_EPHEMERAL_PROVISIONER_FORGEJO_URL), as `sweep` does")
@@ -41,7 +47,7 @@ pub(super) fn gather(a: &RemoteArgs, slot: &SlotDir, now: Timestamp) -> Result<V
         "scope": a.scope,
         "runner_prefix": a.runner_prefix,
     });
-    match forgejo_registrations(a, slot, &mut forgejo, now) {
+    match forgejo_registrations(a, slot, &mut forgejo, now, pg.as_deref_mut()) {
         Ok(found) => {
             for (k, v) in found {
                 doc[k] = v;
@@ -49,7 +55,8 @@ pub(super) fn gather(a: &RemoteArgs, slot: &SlotDir, now: Timestamp) -> Result<V
         }
         Err(e) => doc["error"] = json!(format!("{e:#}")),
     }
-    Ok(json!({"forgejo": doc, "tofu": tofu_state(a, slot)}))
+    let pool = pg.map(|pg| pg.pool().to_string());
+    Ok(json!({"forgejo": doc, "tofu": tofu_state(a, slot, pool)}))
 }
 
 /// Every registration with the prefix, with the cycle that holds it and the sweep's verdict.
@@ -58,19 +65,32 @@ fn forgejo_registrations(
     slot: &SlotDir,
     forgejo: &mut HttpForgejo,
     now: Timestamp,
+    pg: Option<&mut PgStore>,
 ) -> anyhow::Result<Vec<(&'static str, Value)>> {
     let prefix = a.runner_prefix.as_str();
     let ours = |r: &Runner| is_ours(r.name.as_deref(), prefix);
     let listing = list_all(forgejo, &ours)?;
-    // What the sweep reads of the pool's other slots, and what every slot's cycle.json holds.
-    let others = FileStore::slot(slot.clone()).others()?;
-    let mut cycles = Vec::new();
-    for (k, dir) in pool_slot_dirs(&slot.pool)? {
-        if let Some(state) = read_state_file(&dir.join(STATE_FILE))? {
-            cycles.push((k, state));
+    // What the sweep reads of the pool's other slots (and hosts), and every cycle of the pool.
+    let (cycles, others) = match pg {
+        Some(pg) => {
+            let (cycles, others) = pg.pool_cycles()?;
+            let cycles = cycles
+                .into_iter()
+                .map(|(h, k, s)| (Some(h), k, s))
+                .collect();
+            (cycles, others)
         }
-    }
-    let held = holders(cycles.iter().map(|(k, s)| (*k, s)));
+        None => {
+            let mut cycles = Vec::new();
+            for (k, dir) in pool_slot_dirs(&slot.pool)? {
+                if let Some(state) = read_state_file(&dir.join(STATE_FILE))? {
+                    cycles.push((None, k, state));
+                }
+            }
+            (cycles, FileStore::slot(slot.clone()).others()?)
+        }
+    };
+    let held = holders(cycles.iter().map(|(h, k, s)| (h.as_deref(), *k, s)));
     let guard = SweepGuard {
         now,
         min_age: sweep_min_age(
@@ -92,26 +112,32 @@ fn forgejo_registrations(
     ])
 }
 
-/// The managed resources in this slot's tofu state; `skipped` without --tofu-dir, `error` when
-/// tofu cannot run or read it.
-fn tofu_state(a: &RemoteArgs, slot: &SlotDir) -> Value {
+/// The managed resources in this slot's tofu state, or with `--store pg` in the workspace of
+/// each of the pool's cycles; `skipped` without --tofu-dir, `error` when tofu cannot run or
+/// read it.
+fn tofu_state(a: &RemoteArgs, slot: &SlotDir, pool: Option<String>) -> Value {
     let Some(dir) = a.tofu_dir.as_deref() else {
         return json!({"skipped": "no --tofu-dir: the module directory holds the state (or names its backend)"});
     };
     let shown = dir.display().to_string();
-    let tofu = slot_tofu(&a.tofu_bin, Some(dir), slot, None, StopFlag::default());
+    let tofu = slot_tofu(&a.tofu_bin, Some(dir), slot, pool, StopFlag::default());
     if let Err(e) = tofu.check_config() {
         return json!({"tofu_dir": shown, "error": format!("{e:#}")});
     }
     let read = tofu
-        .show_state()
+        .show_states()
         .map_err(|e| e.message)
-        .and_then(|out| match out {
-            // The slot's workspace does not exist yet: no state, nothing in it.
-            None => Ok(Vec::new()),
-            Some(out) => serde_json::from_slice::<Value>(&out)
-                .map(|show| state_resources(&show))
-                .map_err(|e| format!("`tofu show -json` did not print JSON ({e})")),
+        .and_then(|states| {
+            let mut all = Vec::new();
+            for (workspace, out) in states {
+                let show = serde_json::from_slice::<Value>(&out)
+                    .map_err(|e| format!("`tofu show -json` did not print JSON ({e})"))?;
+                all.extend(state_resources(&show).into_iter().map(|mut r| {
+                    r.workspace = workspace.clone();
+                    r
+                }));
+            }
+            Ok(all)
         });
     match read {
         Ok(resources) => json!({"tofu_dir": shown, "resources": resources}),

@@ -60,24 +60,27 @@ pub struct RemoteRegistration {
     pub sweep: Verdict,
 }
 
-/// A cycle of the pool, in one of its slots.
+/// A cycle of the pool, in one of its slots (of one of its hosts, with `--store pg`).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct Holder {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub host: Option<String>,
     pub slot: u32,
     pub cycle_id: String,
 }
 
 /// Which cycle of the pool holds each registration name (intents included), from each slot's
-/// cycle.json.
+/// cycle (and its host, in a pool across hosts).
 pub fn holders<'a>(
-    cycles: impl IntoIterator<Item = (u32, &'a CycleState)>,
+    cycles: impl IntoIterator<Item = (Option<&'a str>, u32, &'a CycleState)>,
 ) -> BTreeMap<String, Holder> {
     let mut out = BTreeMap::new();
-    for (slot, state) in cycles {
+    for (host, slot, state) in cycles {
         for r in &state.registrations {
             out.insert(
                 r.name.clone(),
                 Holder {
+                    host: host.map(str::to_string),
                     slot,
                     cycle_id: state.cycle_id.clone(),
                 },
@@ -139,6 +142,9 @@ pub fn registrations(
 /// One resource in the module's tofu state.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct StateResource {
+    /// With `--store pg`: the cycle's workspace it is in.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub workspace: Option<String>,
     pub address: String,
     /// Its `id` and `name` attributes, when the resource has them and they are not sensitive.
     pub id: Option<String>,
@@ -167,6 +173,7 @@ pub fn state_resources(show: &Value) -> Vec<StateResource> {
                 }
             };
             out.push(StateResource {
+                workspace: None,
                 address: r["address"].as_str().unwrap_or("?").to_string(),
                 id: attr("id"),
                 name: attr("name"),
@@ -218,9 +225,13 @@ pub fn text_lines(remote: &Value) -> Vec<String> {
                 let held = match &r["cycle"] {
                     Value::Null => "no cycle holds it".to_string(),
                     c => format!(
-                        "held by cycle {} (slot {})",
+                        "held by cycle {} (slot {}{})",
                         str_of(&c["cycle_id"]),
-                        c["slot"]
+                        c["slot"],
+                        c["host"]
+                            .as_str()
+                            .map(|h| format!(" of host {h}"))
+                            .unwrap_or_default()
                     ),
                 };
                 let verdict: Verdict =
@@ -248,7 +259,7 @@ pub fn text_lines(remote: &Value) -> Vec<String> {
             ));
             for r in &res {
                 let mut line = format!("  {}", str_of(&r["address"]));
-                for key in ["id", "name"] {
+                for key in ["workspace", "id", "name"] {
                     if let Some(v) = r[key].as_str() {
                         line.push_str(&format!(" {key}={v}"));
                     }
@@ -317,7 +328,7 @@ mod tests {
                 "h".into(),
                 now,
             ));
-        let held = holders([(2, &state)]);
+        let held = holders([(None, 2, &state)]);
         let v = registrations(&listing(rows), "ephemeral-", 1, &guard, &held);
         let verdicts: Vec<(i64, Verdict)> = v.iter().map(|r| (r.id, r.sweep)).collect();
         assert_eq!(
@@ -335,6 +346,7 @@ mod tests {
         assert_eq!(
             v[3].cycle,
             Some(Holder {
+                host: None,
                 slot: 2,
                 cycle_id: "c3".into()
             })
@@ -361,16 +373,19 @@ mod tests {
             r,
             [
                 StateResource {
+                    workspace: None,
                     address: "hcloud_server.vm".into(),
                     id: Some("123".into()),
                     name: Some("ci-hetzner-c1".into())
                 },
                 StateResource {
+                    workspace: None,
                     address: "module.net.hcloud_network.n".into(),
                     id: Some("7".into()),
                     name: None
                 },
                 StateResource {
+                    workspace: None,
                     address: "tls_private_key.vm".into(),
                     id: Some("k".into()),
                     name: None
