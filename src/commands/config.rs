@@ -19,9 +19,15 @@ use crate::driver::cycle::CycleConfig;
 
 /// `--metrics-file` must be a `.prom` file: node_exporter's textfile collector reads no other.
 pub(crate) fn check_metrics_file(common: &ForgejoArgs) -> Result<(), Fatal> {
-    if let Some(p) = &common.metrics_file
-        && p.extension().and_then(|e| e.to_str()) != Some("prom")
-    {
+    match &common.metrics_file {
+        Some(p) => check_metrics_path(p),
+        None => Ok(()),
+    }
+}
+
+/// `--metrics-file` of any command.
+pub(crate) fn check_metrics_path(p: &Path) -> Result<(), Fatal> {
+    if p.extension().and_then(|e| e.to_str()) != Some("prom") {
         return Err(usage(format!(
             "--metrics-file {} must end in .prom: node_exporter's textfile collector reads only *.prom files",
             p.display()
