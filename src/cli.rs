@@ -415,7 +415,11 @@ pub struct HookArgs {
     /// The webhook's secret, as set in Forgejo (surrounding whitespace dropped; must not be
     /// empty) [default: $CREDENTIALS_DIRECTORY/webhook-secret (systemd's LoadCredential=)]. A
     /// file given here must be owned by this user, mode 0600 or 0400.
-    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_SECRET_FILE", value_name = "PATH")]
+    #[arg(
+        long,
+        env = "CI_EPHEMERAL_PROVISIONER_SECRET_FILE",
+        value_name = "PATH"
+    )]
     pub secret_file: Option<PathBuf>,
 
     /// A file to touch (created when missing) for each accepted delivery: one per slot of each

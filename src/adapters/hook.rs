@@ -145,17 +145,28 @@ impl Write for Conn {
 }
 
 /// Reads more of the request into `buf` (at most `max` bytes), before `deadline`.
-fn read_more(conn: &mut Conn, buf: &mut Vec<u8>, max: usize, deadline: Instant) -> Result<(), Refused> {
+fn read_more(
+    conn: &mut Conn,
+    buf: &mut Vec<u8>,
+    max: usize,
+    deadline: Instant,
+) -> Result<(), Refused> {
     let mut chunk = [0u8; 16 * 1024];
     let want = max.clamp(1, chunk.len());
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
-        let slow = || Refused::new(Reason::Slow, "the request did not arrive in time (--read-timeout)");
+        let slow = || {
+            Refused::new(
+                Reason::Slow,
+                "the request did not arrive in time (--read-timeout)",
+            )
+        };
         if left.is_zero() {
             return Err(slow());
         }
-        conn.set_read_timeout(left)
-            .map_err(|e| Refused::new(Reason::Malformed, format!("cannot read the request: {e}")))?;
+        conn.set_read_timeout(left).map_err(|e| {
+            Refused::new(Reason::Malformed, format!("cannot read the request: {e}"))
+        })?;
         match conn.read(&mut chunk[..want]) {
             Ok(0) => {
                 return Err(Refused::new(
@@ -168,7 +179,12 @@ fn read_more(conn: &mut Conn, buf: &mut Vec<u8>, max: usize, deadline: Instant) 
                 return Ok(());
             }
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                ) =>
+            {
                 return Err(slow());
             }
             Err(e) => {
@@ -350,8 +366,9 @@ pub fn load_state(dir: &Path, _lock: &StateLock) -> anyhow::Result<HookState> {
     let path = dir.join(HOOK_STATE_FILE);
     match crate::adapters::files::read_state_text(&path, MAX_HOOK_STATE_BYTES) {
         Ok(None) => Ok(HookState::default()),
-        Ok(Some(text)) => HookState::parse(&text)
-            .with_context(|| format!("{} is unusable", path.display())),
+        Ok(Some(text)) => {
+            HookState::parse(&text).with_context(|| format!("{} is unusable", path.display()))
+        }
         Err(e) => Err(anyhow!("{e}")),
     }
 }

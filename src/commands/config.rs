@@ -196,6 +196,10 @@ pub(crate) fn cycle_config(
         sweep_max_deletions: a.common.sweep_max_deletions,
         slot: a.common.local.slot,
         backoff: backoff_policy(a),
+        wake: match &a.wake_file {
+            Some(_) => crate::core::wake::WakePolicy::new(a.wake_window, a.poll_interval),
+            None => crate::core::wake::WakePolicy::default(),
+        },
     }
 }
 
@@ -238,6 +242,13 @@ pub(crate) fn validate_run_args(a: &RunArgs) -> Result<Labels, Fatal> {
     }
     backoff_policy(a).check().map_err(usage)?;
     check_warm(a)?;
+    if a.wake_window > crate::core::wake::MAX_WAKE_WINDOW {
+        return Err(usage(format!(
+            "--wake-window {} is longer than {}: a woken run looks every second for that long",
+            format_duration(a.wake_window),
+            format_duration(crate::core::wake::MAX_WAKE_WINDOW)
+        )));
+    }
     check_metrics_file(&a.common)?;
     Ok(labels)
 }

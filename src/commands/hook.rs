@@ -8,8 +8,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use crate::adapters::hook::{
-    Conn, LISTEN_FD, load_state, lock_state, read_request, read_secret, respond, save_state,
-    touch,
+    Conn, LISTEN_FD, load_state, lock_state, read_request, read_secret, respond, save_state, touch,
 };
 use crate::cli::HookArgs;
 use crate::commands::config::check_metrics_path;
@@ -188,7 +187,11 @@ fn answer(
     for f in &failed {
         log::error!("{f}");
     }
-    Ok(if failed.is_empty() { EXIT_OK } else { EXIT_FAILED })
+    Ok(if failed.is_empty() {
+        EXIT_OK
+    } else {
+        EXIT_FAILED
+    })
 }
 
 /// Whether the delivery's id is remembered: signed, read whole and done with (one whose wake
@@ -217,8 +220,10 @@ fn wake(files: &[PathBuf], failed: &mut Vec<String>) -> (Reason, String) {
 }
 
 fn name(p: &Path) -> String {
-    p.file_name()
-        .map_or_else(|| p.display().to_string(), |n| n.to_string_lossy().into_owned())
+    p.file_name().map_or_else(
+        || p.display().to_string(),
+        |n| n.to_string_lossy().into_owned(),
+    )
 }
 
 /// The answer's text.

@@ -309,7 +309,10 @@ mod tests {
         assert_eq!(verify(&k, body, &good.to_uppercase()), Ok(()));
         let refused = |sig: &str, body: &[u8]| verify(&k, body, sig).unwrap_err().reason;
         assert_eq!(refused(&sign(b"other", body), body), Reason::BadSignature);
-        assert_eq!(refused(&good, br#"{"ref":"refs/heads/evil"}"#), Reason::BadSignature);
+        assert_eq!(
+            refused(&good, br#"{"ref":"refs/heads/evil"}"#),
+            Reason::BadSignature
+        );
         assert_eq!(refused(&good[..63], body), Reason::BadSignature);
         assert_eq!(refused(&format!("{good}00"), body), Reason::BadSignature);
         assert_eq!(refused(&"zz".repeat(32), body), Reason::BadSignature);
@@ -369,7 +372,9 @@ mod tests {
         ));
         assert!(m.contains("ci_ephemeral_provisioner_hook_last_woke_timestamp_seconds 1.500\n"));
         assert_eq!(
-            m.lines().filter(|l| l.contains("_deliveries_total{")).count(),
+            m.lines()
+                .filter(|l| l.contains("_deliveries_total{"))
+                .count(),
             Reason::ALL.len()
         );
     }

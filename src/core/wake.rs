@@ -50,7 +50,12 @@ impl WakePolicy {
 
     /// How long a run in a cycle waits before it looks again: `--poll-interval`, or this
     /// policy's interval while woken.
-    pub fn pause(&self, poll_interval: Duration, woken_at: Option<Timestamp>, now: Timestamp) -> Duration {
+    pub fn pause(
+        &self,
+        poll_interval: Duration,
+        woken_at: Option<Timestamp>,
+        now: Timestamp,
+    ) -> Duration {
         match self.woken(woken_at, now) {
             Some(_) => poll_interval.min(self.interval),
             None => poll_interval,
@@ -60,7 +65,12 @@ impl WakePolicy {
     /// A run (started at `started`) that has nothing to do at `now`: how long to wait before it
     /// looks again while woken, `None` to end. Bounded by [`MAX_WATCH_WINDOWS`] windows since
     /// the run started.
-    pub fn watch(&self, woken_at: Option<Timestamp>, now: Timestamp, started: Timestamp) -> Option<Duration> {
+    pub fn watch(
+        &self,
+        woken_at: Option<Timestamp>,
+        now: Timestamp,
+        started: Timestamp,
+    ) -> Option<Duration> {
         self.woken(woken_at, now)?;
         let limit = started.plus(self.window.saturating_mul(MAX_WATCH_WINDOWS));
         (now < limit).then_some(self.interval)
@@ -120,7 +130,10 @@ mod tests {
         assert_eq!(p.watch(Some(at(0)), at(1), started), Some(WAKE_INTERVAL));
         assert_eq!(p.watch(Some(at(0)), at(30), started), None);
         // Deliveries every 10 s keep it looking, but only for 10 windows in all.
-        assert_eq!(p.watch(Some(at(290)), at(299), started), Some(WAKE_INTERVAL));
+        assert_eq!(
+            p.watch(Some(at(290)), at(299), started),
+            Some(WAKE_INTERVAL)
+        );
         assert_eq!(p.watch(Some(at(299)), at(300), started), None);
         // A run started by the timer after the delivery watches the rest of the window.
         assert_eq!(p.watch(Some(at(0)), at(20), at(20)), Some(WAKE_INTERVAL));

@@ -93,6 +93,7 @@ pub fn config(
         sweep_max_deletions: 50,
         slot,
         backoff: BACKOFF,
+        wake: Default::default(),
     }
 }
 

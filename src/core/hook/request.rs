@@ -36,8 +36,8 @@ fn malformed(detail: impl Into<String>) -> Refused {
 /// without regard to case; a header given twice keeps its last value, except the ones that
 /// decide (length, signature, delivery id), which must not be given twice.
 pub fn parse_head(head: &[u8]) -> Result<Head, Refused> {
-    let text = std::str::from_utf8(head)
-        .map_err(|_| malformed("the request's head is not UTF-8 text"))?;
+    let text =
+        std::str::from_utf8(head).map_err(|_| malformed("the request's head is not UTF-8 text"))?;
     let mut lines = text.split("\r\n");
     let request_line = lines.next().unwrap_or_default();
     let mut parts = request_line.split(' ');
@@ -236,11 +236,17 @@ mod tests {
             (GOOD.replace("HTTP/1.1", "HTTP/2"), Reason::Malformed),
             (GOOD.replace("Host: h", "Host h"), Reason::Malformed),
             (
-                GOOD.replace("Content-Length: 12", "Content-Length: 12\r\nContent-Length: 13"),
+                GOOD.replace(
+                    "Content-Length: 12",
+                    "Content-Length: 12\r\nContent-Length: 13",
+                ),
                 Reason::Malformed,
             ),
             (
-                GOOD.replace("X-Forgejo-Signature: 00ff", "X-Forgejo-Signature: 00ff\r\nX-Forgejo-Signature: 11"),
+                GOOD.replace(
+                    "X-Forgejo-Signature: 00ff",
+                    "X-Forgejo-Signature: 00ff\r\nX-Forgejo-Signature: 11",
+                ),
                 Reason::Malformed,
             ),
             (
