@@ -24,6 +24,9 @@ pub struct RealClock {
     origin: Instant,
     origin_at: Timestamp,
     wake_file: Option<PathBuf>,
+    /// The wake file's modification time when the driver last asked (`woken_at`): a sleep ends
+    /// at any change since, so that no delivery between that question and the sleep is missed.
+    woken_seen: std::cell::Cell<Option<SystemTime>>,
 }
 
 impl RealClock {
@@ -34,6 +37,7 @@ impl RealClock {
             origin: Instant::now(),
             origin_at: wall_now(),
             wake_file: None,
+            woken_seen: std::cell::Cell::new(None),
         }
     }
 
@@ -59,7 +63,7 @@ impl Clock for RealClock {
 
     fn sleep(&mut self, d: Duration) -> Sleep {
         let end = std::time::Instant::now() + d;
-        let woken = self.wake_mtime();
+        let woken = self.woken_seen.get().or_else(|| self.wake_mtime());
         loop {
             if self.stop.is_raised() {
                 return Sleep::Interrupted;
@@ -81,7 +85,9 @@ impl Clock for RealClock {
     }
 
     fn woken_at(&self) -> Option<Timestamp> {
-        self.wake_mtime().map(Timestamp::from_system)
+        let t = self.wake_mtime();
+        self.woken_seen.set(t);
+        t.map(Timestamp::from_system)
     }
 
     fn new_cycle_id(&mut self, now: Timestamp) -> String {

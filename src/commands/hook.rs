@@ -14,8 +14,9 @@ use crate::cli::HookArgs;
 use crate::commands::config::check_metrics_path;
 use crate::commands::exit::{EXIT_FAILED, EXIT_OK, Fatal, usage};
 use crate::core::hook::request::escape;
-use crate::core::hook::{HookState, Reason, Refused, decide, key, render_metrics, verify};
+use crate::core::hook::{HookState, Reason, Refused, decide, key, render_metrics, touches, verify};
 use crate::core::secret::Secret;
+use crate::core::time::Timestamp;
 
 /// The file of the secret under systemd's `LoadCredential=webhook-secret:…`.
 pub const SECRET_CREDENTIAL: &str = "webhook-secret";
@@ -163,7 +164,7 @@ fn answer(
     let (reason, detail) = match verdict {
         Err(r) => (r.reason, r.detail),
         Ok(()) => match decide(&state, id, event) {
-            Reason::Woke => wake(&s.wake_files, &mut failed),
+            Reason::Woke => wake(&s.wake_files, now, &mut failed),
             other => (other, String::new()),
         },
     };
@@ -197,25 +198,41 @@ fn answer(
 /// Whether the delivery's id is remembered: signed, read whole and done with (one whose wake
 /// failed is not: the same delivery sent again may wake).
 fn verdict_accepted(reason: Reason) -> bool {
-    matches!(reason, Reason::Woke | Reason::NoJobs)
+    matches!(reason, Reason::Woke | Reason::Coalesced | Reason::NoJobs)
 }
 
-/// Touches every wake file (each tried, whatever the others did).
-fn wake(files: &[PathBuf], failed: &mut Vec<String>) -> (Reason, String) {
-    let mut woke = Vec::new();
+/// Touches every wake file not touched within the last second (`core::hook::touches`), each
+/// tried whatever the others did.
+fn wake(files: &[PathBuf], now: Timestamp, failed: &mut Vec<String>) -> (Reason, String) {
+    let (mut woke, mut coalesced, mut errors) = (Vec::new(), 0, 0);
     for f in files {
+        let last = std::fs::metadata(f)
+            .and_then(|m| m.modified())
+            .ok()
+            .map(Timestamp::from_system);
+        if !touches(last, now) {
+            coalesced += 1;
+            continue;
+        }
         match touch(f) {
             Ok(()) => woke.push(name(f)),
-            Err(e) => failed.push(format!("{e:#}")),
+            Err(e) => {
+                errors += 1;
+                failed.push(format!("{e:#}"));
+            }
         }
     }
-    if woke.len() == files.len() {
-        (Reason::Woke, woke.join(", "))
+    let also = match coalesced {
+        0 => String::new(),
+        n => format!(" ({n} woken less than a second ago)"),
+    };
+    if errors > 0 {
+        let detail = format!("woke {} of {} wake files", woke.len(), files.len());
+        (Reason::WakeFailed, detail)
+    } else if woke.is_empty() {
+        (Reason::Coalesced, format!("{coalesced} wake files"))
     } else {
-        (
-            Reason::WakeFailed,
-            format!("woke {} of {} wake files", woke.len(), files.len()),
-        )
+        (Reason::Woke, format!("{}{also}", woke.join(", ")))
     }
 }
 
@@ -230,6 +247,7 @@ fn name(p: &Path) -> String {
 fn said(reason: Reason, detail: &str) -> String {
     match reason {
         Reason::Woke => format!("woke {detail}"),
+        Reason::Coalesced => format!("coalesced: {detail} woken less than a second ago"),
         Reason::Repeated => "a delivery seen before: nothing woken".into(),
         Reason::NoJobs => "an event after which no job waits: nothing woken".into(),
         Reason::WakeFailed => format!("{detail}; the receiver's log says why"),
@@ -241,6 +259,9 @@ fn log_line(peer: &str, reason: Reason, detail: &str, id: &str, event: &str) {
     let what = format!("delivery {} ({})", escape(id), escape(event));
     match reason {
         Reason::Woke => log::info!("{what} from {peer}: woke {detail}"),
+        Reason::Coalesced => {
+            log::info!("{what} from {peer}: {detail} woken less than a second ago, not again")
+        }
         Reason::Repeated => log::info!("{what} from {peer}: seen before, nothing woken"),
         Reason::NoJobs => log::info!("{what} from {peer}: no job can wait after it, nothing woken"),
         Reason::WakeFailed => log::error!("{what} from {peer}: {detail}"),

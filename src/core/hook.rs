@@ -9,6 +9,7 @@
 
 use std::collections::{BTreeMap, VecDeque};
 use std::fmt::Write as _;
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
@@ -33,6 +34,9 @@ pub const MAX_HOOK_STATE_BYTES: u64 = 512 * 1024;
 pub enum Reason {
     /// Signed, new: the pools were woken.
     Woke,
+    /// Signed, new, but every wake file was touched less than [`COALESCE`] ago: the wake of
+    /// that delivery stands (its runs look for jobs for their window from it).
+    Coalesced,
     /// Signed, but its delivery id was seen before: nothing woken.
     Repeated,
     /// Signed, of an event after which no job can be waiting (a run's end): nothing woken.
@@ -69,8 +73,9 @@ impl Outcome {
 }
 
 impl Reason {
-    pub const ALL: [Reason; 11] = [
+    pub const ALL: [Reason; 12] = [
         Reason::Woke,
+        Reason::Coalesced,
         Reason::Repeated,
         Reason::NoJobs,
         Reason::Unsigned,
@@ -86,6 +91,7 @@ impl Reason {
     pub fn as_str(self) -> &'static str {
         match self {
             Reason::Woke => "woke",
+            Reason::Coalesced => "coalesced",
             Reason::Repeated => "repeated",
             Reason::NoJobs => "no_jobs_event",
             Reason::Unsigned => "unsigned",
@@ -101,7 +107,7 @@ impl Reason {
 
     pub fn outcome(self) -> Outcome {
         match self {
-            Reason::Woke => Outcome::Accepted,
+            Reason::Woke | Reason::Coalesced => Outcome::Accepted,
             Reason::Repeated | Reason::NoJobs => Outcome::Ignored,
             Reason::WakeFailed => Outcome::Failed,
             _ => Outcome::Refused,
@@ -111,7 +117,7 @@ impl Reason {
     /// The HTTP status answered (Forgejo counts any 2xx as delivered).
     pub fn status(self) -> u16 {
         match self {
-            Reason::Woke | Reason::Repeated | Reason::NoJobs => 200,
+            Reason::Woke | Reason::Coalesced | Reason::Repeated | Reason::NoJobs => 200,
             Reason::Unsigned | Reason::BadSignature => 403,
             Reason::TooLarge => 413,
             Reason::Slow => 408,
@@ -177,6 +183,16 @@ fn unhex(s: &str) -> Option<Vec<u8>> {
 /// else `X-Forgejo-Event` (Forgejo leaves the latter empty for some events).
 pub fn may_create_jobs(event: &str) -> bool {
     !event.starts_with("action_run_")
+}
+
+/// A wake file touched less than this long ago is not touched again: a burst of deliveries
+/// wakes each slot once (its run then looks every second for its window anyway).
+pub const COALESCE: Duration = Duration::from_secs(1);
+
+/// Whether a new delivery at `now` touches a wake file last touched at `last`: not within
+/// [`COALESCE`] of it (either side: a clock set back a little is no reason to wake twice).
+pub fn touches(last: Option<Timestamp>, now: Timestamp) -> bool {
+    last.is_none_or(|t| !(now < t.plus(COALESCE) && t <= now.plus(COALESCE)))
 }
 
 /// One delivery id remembered, and when it was accepted.
@@ -340,6 +356,20 @@ mod tests {
         assert_eq!(s.recent.len(), MAX_REMEMBERED);
         assert!(!s.seen("a"), "the oldest id is forgotten first");
         assert!(s.seen("id-0") && s.seen(&format!("id-{}", MAX_REMEMBERED - 1)));
+    }
+
+    // Mutation caught: `touches` always true (a burst of deliveries touches a wake file once each).
+    #[test]
+    fn a_burst_touches_each_wake_file_once_a_second() {
+        let t = Timestamp(1_000_000);
+        assert!(touches(None, t));
+        assert!(!touches(Some(t), t));
+        assert!(!touches(Some(t), t.plus(Duration::from_millis(999))));
+        assert!(touches(Some(t), t.plus(COALESCE)));
+        assert!(touches(Some(t), t.plus(Duration::from_secs(3600))));
+        // A time a little ahead of the clock coalesces; one far ahead does not.
+        assert!(!touches(Some(t.plus(Duration::from_millis(500))), t));
+        assert!(touches(Some(t.plus(Duration::from_secs(3600))), t));
     }
 
     #[test]
