@@ -171,7 +171,7 @@ pub fn push_payload(repo_id: i64, owner_id: i64, after: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use crate::webhook::*;
 
     #[test]
     fn sha256_and_hmac_match_the_standards_vectors() {

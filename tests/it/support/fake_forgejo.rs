@@ -1071,6 +1071,11 @@ impl FakeForgejo {
         h.target = Some((url.to_string(), secret.to_string()));
     }
 
+    /// No more deliveries from now on.
+    pub fn clear_webhook(&self) {
+        self.shared.webhooks.lock().unwrap().target = None;
+    }
+
     /// A push delivered now with no job yet (Forgejo sends the push's webhook before its Actions
     /// notifier has written the jobs: `routers/init.go` registers the webhook notifier first).
     /// Returns its uuid; panics without a webhook.
