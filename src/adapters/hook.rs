@@ -54,21 +54,20 @@ impl Conn {
     /// listening socket means `Accept=no`). It is made close-on-exec.
     pub fn from_passed_fd() -> anyhow::Result<Conn> {
         let fd = LISTEN_FD;
-        let what = |e: io::Error| {
+        let bad = |why: String| {
             anyhow!(
-                "fd {fd} is not a socket ({e}): the hook's socket unit must pass the connection (Accept=yes)"
+                "fd {fd} is not a connection ({why}): the hook's socket unit needs ListenStream= and Accept=yes"
             )
         };
-        let kind = sockopt(fd, libc::SO_TYPE).map_err(what)?;
-        let listening = sockopt(fd, libc::SO_ACCEPTCONN).map_err(what)?;
-        let domain = sockopt(fd, libc::SO_DOMAIN).map_err(what)?;
+        let not_socket = |e: io::Error| bad(format!("not a socket: {e}"));
+        let kind = sockopt(fd, libc::SO_TYPE).map_err(not_socket)?;
+        let listening = sockopt(fd, libc::SO_ACCEPTCONN).map_err(not_socket)?;
+        let domain = sockopt(fd, libc::SO_DOMAIN).map_err(not_socket)?;
         if kind != libc::SOCK_STREAM {
-            bail!("fd {fd} is not a stream socket: the hook's socket unit needs ListenStream=");
+            return Err(bad("not a stream socket".into()));
         }
         if listening != 0 {
-            bail!(
-                "fd {fd} is a listening socket, not a connection: the hook's socket unit needs Accept=yes"
-            );
+            return Err(bad("a listening socket".into()));
         }
         // SAFETY: F_SETFD on a descriptor we checked is open; touches no memory.
         unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) };

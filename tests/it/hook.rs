@@ -359,7 +359,7 @@ fn a_missing_socket_or_secret_is_a_configuration_error_that_says_what_to_fix() {
     assert_eq!(ran.code, Some(2), "{}", ran.stderr);
     assert!(
         ran.stderr.contains(
-            "is a listening socket, not a connection: the hook's socket unit needs Accept=yes"
+            "fd 3 is not a connection (a listening socket): the hook's socket unit needs ListenStream= and Accept=yes"
         ),
         "{}",
         ran.stderr
