@@ -146,6 +146,12 @@ fn a_signed_delivery_wakes_every_file_and_its_replay_wakes_nothing() {
         ran[2].stderr
     );
     assert_eq!((hook.count("woke"), hook.count("repeated")), (2, 1));
+    // The secret is in none of what the receiver wrote or said.
+    let state = fs::read_to_string(hook.wake("state/hook-state.json")).unwrap();
+    let metrics = fs::read_to_string(hook.wake("hook.prom")).unwrap();
+    for (what, text) in [("state", &state), ("metrics", &metrics), ("log", &ran[2].stderr)] {
+        assert!(!text.contains(SECRET), "the secret is in the receiver's {what}");
+    }
 }
 
 /// Sends `bytes` one at a time every 50 ms until the hook answers; how many were sent by then.
