@@ -146,6 +146,7 @@ fn a_signed_delivery_wakes_every_file_and_its_replay_wakes_nothing() {
         ran[2].stderr
     );
     assert_eq!((hook.count("woke"), hook.count("repeated")), (2, 1));
+    crate::observability::promtool_check(&hook.wake("hook.prom"), "hook");
     // The secret is in none of what the receiver wrote or said.
     let state = fs::read_to_string(hook.wake("state/hook-state.json")).unwrap();
     let metrics = fs::read_to_string(hook.wake("hook.prom")).unwrap();
