@@ -114,15 +114,19 @@ pub fn cmd_hook(a: HookArgs) -> Result<u8, Fatal> {
             return Err(e);
         }
     };
-    let (verdict, id, event) = match judge(&mut conn, &s, deadline) {
-        Ok((id, event)) => (Ok(()), id, event),
-        Err(r) => (Err(r), String::new(), String::new()),
-    };
-    answer(&mut conn, &a, &s, &peer, verdict, &id, &event, deadline)
+    let delivery = judge(&mut conn, &s, deadline);
+    answer(&mut conn, &a, &s, &peer, delivery, deadline)
 }
 
-/// The request read and its signature verified: the delivery's id and event.
-fn judge(conn: &mut Conn, s: &Setup, deadline: Instant) -> Result<(String, String), Refused> {
+/// A delivery whose signature checked out: its id and event (`X-Forgejo-Event-Type`, else
+/// `X-Forgejo-Event`).
+struct Signed {
+    id: String,
+    event: String,
+}
+
+/// The request read and its signature verified.
+fn judge(conn: &mut Conn, s: &Setup, deadline: Instant) -> Result<Signed, Refused> {
     let (head, body) = read_request(conn, deadline)?;
     let signature = head.signature.as_deref().unwrap_or_default();
     verify(&s.key, &body, signature)?;
@@ -131,20 +135,20 @@ fn judge(conn: &mut Conn, s: &Setup, deadline: Instant) -> Result<(String, Strin
         .filter(|e| !e.is_empty())
         .or(head.event)
         .unwrap_or_default();
-    Ok((head.delivery.unwrap_or_default(), event))
+    Ok(Signed {
+        id: head.delivery.unwrap_or_default(),
+        event,
+    })
 }
 
-/// Decides what the (verified, or refused) request does under the state lock, wakes, records,
+/// Decides what the (signed, or refused) request does under the state lock, wakes, records,
 /// answers and logs; the exit status.
-#[allow(clippy::too_many_arguments)]
 fn answer(
     conn: &mut Conn,
     a: &HookArgs,
     s: &Setup,
     peer: &str,
-    verdict: Result<(), Refused>,
-    id: &str,
-    event: &str,
+    delivery: Result<Signed, Refused>,
     deadline: Instant,
 ) -> Result<u8, Fatal> {
     let now = crate::adapters::clock::wall_now();
@@ -161,13 +165,17 @@ fn answer(
         }),
         None => HookState::default(),
     };
-    let (reason, detail) = match verdict {
-        Err(r) => (r.reason, r.detail),
-        Ok(()) => match decide(&state, id, event) {
-            Reason::Woke => wake(&s.wake_files, now, &mut failed),
-            other => (other, String::new()),
-        },
+    let (reason, detail, id, event) = match delivery {
+        Err(r) => (r.reason, r.detail, String::new(), String::new()),
+        Ok(Signed { id, event }) => {
+            let (reason, detail) = match decide(&state, &id, &event) {
+                Reason::Woke => wake(&s.wake_files, now, &mut failed),
+                other => (other, String::new()),
+            };
+            (reason, detail, id, event)
+        }
     };
+    let (id, event) = (id.as_str(), event.as_str());
     if verdict_accepted(reason) {
         state.remember(id, now);
     }

@@ -150,8 +150,15 @@ fn a_signed_delivery_wakes_every_file_and_its_replay_wakes_nothing() {
     // The secret is in none of what the receiver wrote or said.
     let state = fs::read_to_string(hook.wake("state/hook-state.json")).unwrap();
     let metrics = fs::read_to_string(hook.wake("hook.prom")).unwrap();
-    for (what, text) in [("state", &state), ("metrics", &metrics), ("log", &ran[2].stderr)] {
-        assert!(!text.contains(SECRET), "the secret is in the receiver's {what}");
+    for (what, text) in [
+        ("state", &state),
+        ("metrics", &metrics),
+        ("log", &ran[2].stderr),
+    ] {
+        assert!(
+            !text.contains(SECRET),
+            "the secret is in the receiver's {what}"
+        );
     }
 }
 
