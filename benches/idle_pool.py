@@ -8,7 +8,7 @@ Pickup = the runner's task request − the job becoming waiting (both the server
 that then POSTed the runner's registration), for jobs whose VM was up when they arrived.
 VM-seconds = Σ over VMs (destroy − create start) / jobs. With webhooks: the deliveries the server
 sent (one per job, each answered 200), the receiver's processes (one per delivery, each exit 0)
-and their CPU and peak RSS (benches/hook_activate.py's wait4), its counts (hook.prom), and which
+and their CPU and peak RSS (benches/hook_activate.py: each of half of them), its counts (hook.prom), and which
 started each run (runs.log: the slot's timer or its wake file)."""
 import json, statistics, sys
 
@@ -48,7 +48,9 @@ def hook_checks(name, d, stats):
     check(f"({name}) deliveries that woke or were coalesced", counts.get("woke", 0) + counts.get("coalesced", 0), len(sent))
     runs = [line.split() for line in open(f"{d}/runs.log")]
     woken = sum(1 for r in runs if r[4:] == ["wake"])
-    return len(usage) / jobs, [float(u[1]) for u in usage], [int(u[2]) for u in usage], counts, woken, len(runs)
+    cpu = [float(u[2]) for u in usage if u[1] == "cpu"]
+    rss = [int(u[2]) for u in usage if u[1] == "rss"]
+    return len(usage) / jobs, cpu, rss, counts, woken, len(runs)
 
 
 rows, hooks = [], {}

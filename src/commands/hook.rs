@@ -212,14 +212,14 @@ fn verdict_accepted(reason: Reason) -> bool {
 /// Touches every wake file not touched within the last second (`core::hook::touches`), each
 /// tried whatever the others did.
 fn wake(files: &[PathBuf], now: Timestamp, failed: &mut Vec<String>) -> (Reason, String) {
-    let (mut woke, mut coalesced, mut errors) = (Vec::new(), 0, 0);
+    let (mut woke, mut coalesced, mut errors) = (Vec::new(), Vec::new(), 0);
     for f in files {
         let last = std::fs::metadata(f)
             .and_then(|m| m.modified())
             .ok()
             .map(Timestamp::from_system);
         if !touches(last, now) {
-            coalesced += 1;
+            coalesced.push(name(f));
             continue;
         }
         match touch(f) {
@@ -230,15 +230,15 @@ fn wake(files: &[PathBuf], now: Timestamp, failed: &mut Vec<String>) -> (Reason,
             }
         }
     }
-    let also = match coalesced {
+    let also = match coalesced.len() {
         0 => String::new(),
-        n => format!(" ({n} woken less than a second ago)"),
+        _ => format!(" ({} woken less than a second ago)", coalesced.join(", ")),
     };
     if errors > 0 {
         let detail = format!("woke {} of {} wake files", woke.len(), files.len());
         (Reason::WakeFailed, detail)
     } else if woke.is_empty() {
-        (Reason::Coalesced, format!("{coalesced} wake files"))
+        (Reason::Coalesced, coalesced.join(", "))
     } else {
         (Reason::Woke, format!("{}{also}", woke.join(", ")))
     }
