@@ -576,6 +576,17 @@ fn assert_webhooks_wake_the_slot(host: &Host, fake: &FakeForgejo) {
         "systemd-analyze verify --recursive-errors=no ci-ephemeral-provisioner-hook.socket \
          ci-ephemeral-provisioner@default.path",
     );
+    // Two start sources: no start rate limit, whose hit would stop the timer and the wake unit.
+    for slot in ["default", "gpu", "gpu.2"] {
+        let unit = format!("ci-ephemeral-provisioner@{slot}.service");
+        assert_eq!(host.show(&unit)["StartLimitIntervalUSec"], "0", "{unit}");
+        let path = format!("ci-ephemeral-provisioner@{slot}.path");
+        assert_eq!(
+            host.sh_ok(&format!("systemctl is-active {path}")).trim(),
+            "active",
+            "{path}"
+        );
+    }
     host.sh_ok("systemctl start ci-ephemeral-provisioner@default.timer");
 }
 
