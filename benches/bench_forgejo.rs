@@ -22,6 +22,9 @@
 //! next poll is one poll interval away; the launch command reports when it started, and its
 //! runner, given its job by Forgejo's rule, runs it at once.
 //!
+//! `--arrivals … --hook ADDR --hook-secret S` also delivers each arrival's push to ADDR, signed
+//! as Forgejo signs it, and records the answers (`deliveries` in the stats).
+//!
 //! `--arrivals N --job-ms L --lead-ms D --span-ms S --seed X [--start-ns T]` is the idle-pool
 //! benchmark's schedule: N jobs become waiting one by one at seeded random moments in
 //! D … D + S ms after T (Unix ns; without it, the `t` of the first `/_bench/start?t=T`), each
@@ -45,7 +48,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use forgejo_model::{Forgejo, NewRunner, Scope, rules};
 
 const API: &str = "/api/v1/admin/actions/runners";
-const USAGE: &str = "usage: bench-forgejo serve --token TOKEN [--runners N] [--stale S] [--prefix P] [--no-live-ours] [--pickup JOBS] [--jobs M --job-ms L] [--arrivals N --job-ms L --lead-ms D --span-ms S --seed X --start-ns T] [--port-file FILE]";
+const USAGE: &str = "usage: bench-forgejo serve --token TOKEN [--runners N] [--stale S] [--prefix P] [--no-live-ours] [--pickup JOBS] [--jobs M --job-ms L] [--arrivals N --job-ms L --lead-ms D --span-ms S --seed X --start-ns T [--hook ADDR --hook-secret S]] [--port-file FILE]";
 const HOUR_MS: i64 = 3_600_000;
 
 fn now_ns() -> u128 {
@@ -154,6 +157,10 @@ struct World {
     base: String,
     /// The population, for `/_bench/restore`: (registrations, stale, prefix, live ones of ours).
     population: (u64, u64, String, bool),
+    /// `--hook ADDR --hook-secret S`: where each arrival's push is delivered, signed as Forgejo
+    /// signs it (`forgejo_model::webhook`); and each delivery: (job, sent, answered, status).
+    hook: Option<(String, String)>,
+    deliveries: Vec<(i64, u128, u128, u16)>,
 }
 
 impl World {
@@ -558,6 +565,16 @@ fn stats(w: &World) -> String {
         w.live_rows()
     );
     let opt = |v: Option<u128>| v.map_or("null".to_string(), |v| v.to_string());
+    body.push_str(",\"deliveries\":[");
+    for (i, (job, sent, answered, status)) in w.deliveries.iter().enumerate() {
+        if i > 0 {
+            body.push(',');
+        }
+        body.push_str(&format!(
+            "{{\"job\":{job},\"sent_ns\":{sent},\"answered_ns\":{answered},\"status\":{status}}}"
+        ));
+    }
+    body.push(']');
     if let Some(p) = &w.pickup {
         body.push_str(",\"samples\":[");
         for (i, s) in p.samples.iter().enumerate() {
@@ -908,6 +925,7 @@ fn serve(args: &[String]) -> Result<(), String> {
     let mut prefix = "ephemeral-".to_string();
     let mut port_file = None;
     let mut live_ours = true;
+    let (mut hook_addr, mut hook_secret) = (None, String::new());
     let mut it = args.iter();
     while let Some(a) = it.next() {
         let mut value = || it.next().cloned().ok_or(format!("{a} needs a value"));
@@ -927,6 +945,8 @@ fn serve(args: &[String]) -> Result<(), String> {
             "--start-ns" => start_ns = Some(u128::from(number(value()?)?)),
             "--port-file" => port_file = Some(value()?),
             "--no-live-ours" => live_ours = false,
+            "--hook" => hook_addr = Some(value()?),
+            "--hook-secret" => hook_secret = value()?,
             other => return Err(format!("unknown argument {other}\n{USAGE}")),
         }
     }
@@ -939,6 +959,7 @@ fn serve(args: &[String]) -> Result<(), String> {
     {
         return Err("--pickup, --jobs and --arrivals are three benchmarks: one at a time".into());
     }
+    let hook = hook_addr.map(|a| (a, hook_secret));
     let arrivals = arrivals.map(|n| Arrivals {
         offsets_ms: schedule(n, lead_ms, span_ms, seed),
     });
@@ -974,6 +995,8 @@ fn serve(args: &[String]) -> Result<(), String> {
             }),
         base: base.clone(),
         population: (runners, stale, prefix, live_ours),
+        hook,
+        deliveries: Vec::new(),
     }));
     // The first job waits from the start: it is what makes the cycle begin (a cold sample).
     arm_job(&mut lock(&world));
@@ -1018,7 +1041,7 @@ fn schedule(n: u64, lead_ms: u64, span_ms: u64, seed: u64) -> Vec<u64> {
 
 /// Makes each job of the schedule waiting at its moment (a job of repository 1, as every job
 /// of the benchmarks); it then runs for the job length once a runner took it.
-fn play_arrivals(world: &Mutex<World>, a: &Arrivals) {
+fn play_arrivals(world: &Arc<Mutex<World>>, a: &Arrivals) {
     let start = loop {
         if let Some(t) = lock(world).batch.as_ref().and_then(|b| b.start_ns) {
             break t;
@@ -1040,7 +1063,45 @@ fn play_arrivals(world: &Mutex<World>, a: &Arrivals) {
                 ..BatchJob::default()
             });
         }
+        if let Some(hook) = w.hook.clone() {
+            drop(w);
+            deliver(world, id, &hook);
+        }
     }
+}
+
+/// The push that created job `id`, delivered to the hook as Forgejo delivers it (from a queue:
+/// here a thread, so that the schedule goes on); its answer is recorded.
+fn deliver(world: &Arc<Mutex<World>>, id: i64, (addr, secret): &(String, String)) {
+    use forgejo_model::webhook;
+    let uuid = format!("00000000-0000-4000-8000-{id:012}");
+    let payload =
+        webhook::push_payload(1, 1, &webhook::hex(&webhook::sha256(uuid.as_bytes()))[..40]);
+    let d = webhook::delivery(secret, &uuid, "push", "push", &payload);
+    let mut req = format!(
+        "POST / HTTP/1.1\r\nHost: {addr}\r\nContent-Length: {}\r\nContent-Type: application/json\r\n",
+        d.body.len()
+    );
+    for (k, v) in &d.headers {
+        req.push_str(&format!("{k}: {v}\r\n"));
+    }
+    req.push_str("\r\n");
+    req.push_str(&d.body);
+    let (world, addr) = (Arc::clone(world), addr.clone());
+    std::thread::spawn(move || {
+        let sent = now_ns();
+        let status = TcpStream::connect(&addr)
+            .and_then(|mut s| {
+                s.write_all(req.as_bytes())?;
+                let mut answer = String::new();
+                s.read_to_string(&mut answer)?;
+                Ok(answer)
+            })
+            .ok()
+            .and_then(|a| a.split_whitespace().nth(1)?.parse().ok())
+            .unwrap_or(0);
+        lock(&world).deliveries.push((id, sent, now_ns(), status));
+    });
 }
 
 /// The launch command of the pickup benchmark: notes when it started, reads the runner token

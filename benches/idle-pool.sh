@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# benches/idle-pool.sh DIR N WARM: one configuration of the idle-pool pickup benchmark
+# benches/idle-pool.sh DIR N WARM [HOOK]: one configuration of the idle-pool pickup benchmark
 # (benches/run, part 7): a pool of N slots with --warm WARM against its own bench server, which
 # makes the jobs waiting on its schedule. Each slot has its own timer, as systemd would run it:
 # slot K's first run at BENCH_T0 + (K-1)/N × BENCH_TICK, then each run BENCH_TICK after the
@@ -8,7 +8,11 @@
 # SIGHUP (it ends at its next wait, cycle.json kept; its slot's next run resumes the cycle and
 # tears an unused warm VM down). A slot's timer stops after a run that left it no cycle.
 # Fails unless every run exited 0, every job ran exactly once, no registration, no cycle.json
-# and no VM is left, and every VM created was destroyed.
+# and no VM is left, and every VM created was destroyed. With HOOK 1 the bench server delivers
+# each job's push to a webhook receiver (benches/hook_activate.py, started by benches/run), which
+# touches DIR/wake/slot-K; a slot's runs get --wake-file, and after a run its next one starts at
+# the tick or at the first change of its file after the run ended, as its .path unit would
+# (benches/wake_wait.py). runs.log says which started each run.
 #
 # From benches/run: BENCH_BIN, BENCH_URL, BENCH_TOKEN_FILE, BENCH_TOFU, BENCH_LAUNCH,
 # BENCH_POLL, BENCH_IDLE, BENCH_TICK (seconds), BENCH_T0 (Unix seconds), BENCH_VM_START,
@@ -17,9 +21,9 @@
 # the suite). DIR holds module/ (a copy of
 # benches/slots-module), and gets state/, vm/, runs/.
 set -euo pipefail
-d=$1 n=$2 warm=$3
+d=$1 n=$2 warm=$3 hook=${4:-0}
 fail() { echo "idle-pool.sh $d: FAILED: $*" >&2; exit 1; }
-mkdir -p "$d/state" "$d/vm" "$d/runs"
+mkdir -p "$d/state" "$d/vm" "$d/runs" "$d/wake"
 : > "$d/vm/vm.log"
 : > "$d/hups.log"
 echo "$warm" > "$d/warm"
@@ -34,7 +38,8 @@ sleep_until() { # sleep_until UNIX_SECONDS
     sleep "$s"
 }
 slot_timer() { # slot_timer K
-    local k=$1 i=0 w code pid
+    local k=$1 i=0 w code pid how=timer wake=()
+    ((hook)) && wake=(--wake-file "$d/wake/slot-$k")
     sleep_until "$(/usr/bin/python3 -c "print($BENCH_T0 + ($k - 1) * $BENCH_TICK / $n)")"
     while :; do
         i=$((i + 1))
@@ -44,19 +49,24 @@ slot_timer() { # slot_timer K
             --state-dir "$d/state" --tofu-bin "$BENCH_TOFU" --tofu-dir "$d/module" \
             --runner-prefix ephemeral- --labels debian:host --slots "$n" --slot "$k" \
             --warm "$w" --launch-command "$BENCH_LAUNCH" --poll-interval "$BENCH_POLL" \
-            --idle-timeout "$BENCH_IDLE" --output json \
+            --idle-timeout "$BENCH_IDLE" --output json "${wake[@]}" \
             > "$d/runs/slot-$k-$i.json" 2> "$d/runs/slot-$k-$i.err" &
         pid=$!
         echo "$pid $w" > "$d/pid-$k"
         code=0
         wait "$pid" || code=$?
         rm -f "$d/pid-$k"
-        echo "$k $i $w $code" >> "$d/runs.log"
+        echo "$k $i $w $code $how" >> "$d/runs.log"
         ((code == 0)) || fail "slot $k run $i exited $code; its stderr ends: $(tail -n 5 "$d/runs/slot-$k-$i.err")"
         if [[ -e $d/done && ! -e $(cycle_file "$k") ]]; then
             return 0
         fi
-        sleep "$BENCH_TICK"
+        if ((hook)); then
+            how=timer
+            /usr/bin/python3 "$(dirname "$0")/wake_wait.py" "$d/wake/slot-$k" "$BENCH_TICK" "$(date +%s%N)" && how=wake
+        else
+            sleep "$BENCH_TICK"
+        fi
     done
 }
 

@@ -74,6 +74,13 @@ pub enum Command {
     /// Show the cycle in progress, the last run, the last events and any warning (with --check:
     /// exit 1 on a warning, a health check). Read-only: takes no lock.
     Status(StatusArgs),
+    /// Answer one webhook delivery of Forgejo on the connection systemd passes as fd 3 (a socket
+    /// unit with Accept=yes): accept it only with a valid X-Forgejo-Signature for the secret, then
+    /// touch each --wake-file (which starts the pools' idle slots through their .path units) and
+    /// answer 200; refuse an unsigned, badly signed, oversized, slow or malformed request with a
+    /// 4xx saying why. Never needs the Forgejo token. Exit 0 once it answered, 1 when a wake file
+    /// or its state could not be written, 2 on a configuration error (no socket, no secret).
+    Hook(HookArgs),
 }
 
 impl Command {
@@ -85,6 +92,7 @@ impl Command {
             Command::Sweep(a) => (a.common.local.verbose, a.dry.dry_run, "sweep"),
             Command::Status(a) => (a.local.verbose, false, "status"),
             Command::Check(a) => (a.args.common.local.verbose, false, "check"),
+            Command::Hook(a) => (a.verbose, false, "hook"),
         }
     }
 }
@@ -356,6 +364,18 @@ pub struct RunArgs {
     /// the pool keeps no warm VM. Unset: always.
     #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_WARM_DURING", value_parser = crate::core::warm::Windows::parse, value_name = "WINDOWS")]
     pub warm_during: Option<crate::core::warm::Windows>,
+
+    /// The file the webhook receiver (`hook --wake-file`) touches for this slot. Its change ends
+    /// a wait at once; for --wake-window after it, a run looks for jobs every second (or every
+    /// --poll-interval, if shorter) and one with nothing to do keeps looking instead of exiting
+    /// (for at most 10 windows in all). Unset: no webhooks, the timer alone.
+    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_WAKE_FILE", value_name = "PATH")]
+    pub wake_file: Option<PathBuf>,
+
+    /// How long after a webhook delivery a run keeps looking for its jobs (Forgejo may deliver a
+    /// push before it has written the push's jobs). 0s: one look. At most 10m.
+    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_WAKE_WINDOW", default_value = "30s", value_parser = parse_duration, value_name = "DURATION")]
+    pub wake_window: Duration,
 }
 
 /// `check`: the flags of `run`, and the canary.
@@ -494,6 +514,54 @@ pub struct RemoteArgs {
     /// With --remote: `run`'s flag of the same name and variable.
     #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_TOFU_DIR", value_name = "DIR")]
     pub tofu_dir: Option<PathBuf>,
+}
+
+/// `hook`: the webhook receiver's flags.
+#[derive(Debug, Args)]
+#[command(args_override_self = true)]
+pub struct HookArgs {
+    /// The webhook's secret, as set in Forgejo (surrounding whitespace dropped; must not be
+    /// empty) [default: $CREDENTIALS_DIRECTORY/webhook-secret (systemd's LoadCredential=)]. A
+    /// file given here must be owned by this user, mode 0600 or 0400.
+    #[arg(
+        long,
+        env = "CI_EPHEMERAL_PROVISIONER_SECRET_FILE",
+        value_name = "PATH"
+    )]
+    pub secret_file: Option<PathBuf>,
+
+    /// A file to touch (created when missing) for each accepted delivery: one per slot of each
+    /// pool to wake, the --wake-file of that slot's runs. An absolute path; at least one.
+    #[arg(
+        long,
+        env = "CI_EPHEMERAL_PROVISIONER_WAKE_FILE",
+        value_name = "PATH",
+        required = true,
+        value_delimiter = ','
+    )]
+    pub wake_file: Vec<PathBuf>,
+
+    /// Directory of hook-state.json (the delivery ids seen last and the counts by reason)
+    /// [default: $STATE_DIRECTORY, else /var/lib/ci-ephemeral-provisioner-hook].
+    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_STATE_DIR", value_name = "DIR")]
+    pub state_dir: Option<PathBuf>,
+
+    /// Prometheus text file (.prom) written after each request: the requests by outcome and
+    /// reason, when the pools were last woken.
+    #[arg(
+        long,
+        env = "CI_EPHEMERAL_PROVISIONER_METRICS_FILE",
+        value_name = "PATH"
+    )]
+    pub metrics_file: Option<PathBuf>,
+
+    /// The whole request must have arrived within this long, or it is refused as slow (408).
+    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_READ_TIMEOUT", default_value = "10s", value_parser = parse_duration, value_name = "DURATION")]
+    pub read_timeout: Duration,
+
+    /// Debug logging on stderr (RUST_LOG overrides).
+    #[arg(short, long, env = "CI_EPHEMERAL_PROVISIONER_VERBOSE")]
+    pub verbose: bool,
 }
 
 /// Flags every subcommand has: where the state lives, how to print, how much to log.

@@ -11,7 +11,8 @@ use clap::Parser;
 
 fn main() -> ExitCode {
     // First of all, before anything is opened: no child gets a descriptor we did not pass it.
-    if let Err(e) = process::close_inherited_fds() {
+    // (`hook` keeps the connection systemd passes it as fd 3, and starts no child.)
+    if let Err(e) = process::close_inherited_fds_from(commands::hook::first_fd_to_close()) {
         eprintln!("error: {e:#}");
         return ExitCode::from(EXIT_FAILED);
     }
@@ -32,6 +33,7 @@ fn main() -> ExitCode {
         Command::Sweep(a) => commands::sweep::cmd_sweep(a),
         Command::Status(a) => commands::status::cmd_status(a),
         Command::Check(a) => commands::check::cmd_check(a),
+        Command::Hook(a) => commands::hook::cmd_hook(a),
     };
     match result {
         Ok(code) => ExitCode::from(code),

@@ -495,6 +495,112 @@ fn assert_slot_2_of_gpu(host: &Host) {
     eprintln!("  status of gpu slot 2:\n{status}");
 }
 
+/// The webhook receiver: with the default pool's timer stopped (only its wake unit can start it
+/// now), an unsigned delivery is refused and starts nothing; the fake Forgejo's signed delivery
+/// of a job's push starts the idle slot, which serves the job: exactly one start, after the
+/// delivery was sent. The receiver runs as its own user with its secret alone, logs each
+/// request and counts it.
+fn assert_webhooks_wake_the_slot(host: &Host, fake: &FakeForgejo) {
+    let url = format!("http://127.0.0.1:{}/", hook_port());
+    host.sh_ok("systemctl stop ci-ephemeral-provisioner@default.timer");
+    wait_until("the default pool to be idle", host, || {
+        host.show(UNIT)["ActiveState"] != "activating"
+    });
+    let before = starts(host, UNIT).len();
+    let payload = forgejo_model::webhook::push_payload(1, TOKEN_USER_ID, &"0".repeat(40));
+    let unsigned = forgejo_model::webhook::delivery("", "e2e-unsigned-1", "push", "push", &payload);
+    let (status, body) = support::webhook::deliver(&url, &unsigned).expect("the receiver answers");
+    assert_eq!(status, 403, "{body}");
+    assert!(body.contains("refused (unsigned)"), "{body}");
+    fake.set_webhook(&url, WEBHOOK_SECRET);
+    let sent_at = monotonic_now();
+    let (job, _) = fake.add_job(&["debian"]);
+    wait_until(
+        "the job, served by the slot its delivery started",
+        host,
+        || {
+            fake.jobs()
+                .iter()
+                .any(|j| j.id == job && j.status == "success")
+                && host.show(UNIT)["ActiveState"] == "inactive"
+        },
+    );
+    fake.clear_webhook();
+    let delivery = fake.deliveries()[0].clone();
+    assert_eq!(
+        delivery.answer,
+        Ok((200, "woke default, gpu, gpu.2".into())),
+        "{delivery:?}"
+    );
+    let after = starts(host, UNIT)[before..].to_vec();
+    assert_eq!(
+        after.len(),
+        1,
+        "one start, the signed delivery's (the unsigned one started nothing): {after:?}"
+    );
+    assert!(after[0] > sent_at, "{after:?} {sent_at}");
+    eprintln!(
+        "  the slot's run started {:.0} ms after the signed delivery was sent",
+        (after[0] - sent_at) * 1e3
+    );
+    let log = host.sh_ok("journalctl --no-pager -o cat -u 'ci-ephemeral-provisioner-hook@*'");
+    for line in [
+        "refused a request from 127.0.0.1:".to_string(),
+        format!("delivery \"{}\" (\"push\") from 127.0.0.1:", delivery.uuid),
+    ] {
+        assert!(
+            log.contains(&line),
+            "{line} is not in the receiver's log:\n{log}"
+        );
+    }
+    assert!(!log.contains(WEBHOOK_SECRET) && !log.contains(API_TOKEN));
+    let metrics = host.sh_ok(&format!(
+        "cat {METRICS_DIR}/ci-ephemeral-provisioner-hook.prom"
+    ));
+    for (reason, n) in [("woke", 1.0), ("unsigned", 1.0)] {
+        let outcome = if reason == "woke" {
+            "accepted"
+        } else {
+            "refused"
+        };
+        assert_eq!(
+            sample(
+                &metrics,
+                "ci_ephemeral_provisioner_hook_deliveries_total",
+                &[("outcome", outcome), ("reason", reason)]
+            ),
+            Some(n),
+            "{metrics}"
+        );
+    }
+    // Its own user, its secret by LoadCredential=, nothing of the pools'.
+    let unit = host.sh_ok("systemctl cat ci-ephemeral-provisioner-hook@.service");
+    for line in [
+        "\nUser=ci-ephemeral-hook\n",
+        "\nLoadCredential=webhook-secret:/etc/ci-ephemeral-provisioner/webhook-secret\n",
+        "\nPrivateNetwork=yes\n",
+    ] {
+        assert!(unit.contains(line), "{line:?} missing:\n{unit}");
+    }
+    assert!(!unit.contains("forgejo-token\n") && !unit.contains("StandardInput=file"));
+    host.sh_ok(
+        "systemd-analyze verify --recursive-errors=no ci-ephemeral-provisioner-hook.socket \
+         ci-ephemeral-provisioner@default.path",
+    );
+    // Two start sources: no start rate limit, whose hit would stop the timer and the wake unit.
+    for slot in ["default", "gpu", "gpu.2"] {
+        let unit = format!("ci-ephemeral-provisioner@{slot}.service");
+        assert_eq!(host.show(&unit)["StartLimitIntervalUSec"], "0", "{unit}");
+        let path = format!("ci-ephemeral-provisioner@{slot}.path");
+        assert_eq!(
+            host.sh_ok(&format!("systemctl is-active {path}")).trim(),
+            "active",
+            "{path}"
+        );
+    }
+    host.sh_ok("systemctl start ci-ephemeral-provisioner@default.timer");
+}
+
 /// A systemd time span as `systemctl show` prints it ("1h 11min 23.997183s", "0", or plain µs),
 /// in µs.
 fn span_us(text: &str) -> Option<u64> {
@@ -638,6 +744,55 @@ fn sha256_hex(path: &Path) -> String {
         .to_string()
 }
 
+/// The webhook's secret in every play but the example's.
+const WEBHOOK_SECRET: &str = "e2e-whsec-61b0c2d94f7a";
+
+/// The port the webhook receiver listens on, on the loopback the container shares: free when
+/// the test began.
+fn hook_port() -> u16 {
+    static PORT: OnceLock<u16> = OnceLock::new();
+    *PORT.get_or_init(|| {
+        TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .expect("a free port for the webhook receiver")
+    })
+}
+
+/// CLOCK_MONOTONIC, in seconds: the clock of systemd's and the journal's monotonic times in the
+/// container too (it shares the kernel).
+fn monotonic_now() -> f64 {
+    let mut t = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes one timespec, which `t` is.
+    assert_eq!(
+        unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut t) },
+        0
+    );
+    t.tv_sec as f64 + t.tv_nsec as f64 / 1e9
+}
+
+/// When each start of `unit` began (systemd's "Starting …" line, monotonic seconds).
+fn starts(host: &Host, unit: &str) -> Vec<f64> {
+    host.sh_ok(&format!(
+        "journalctl --no-pager -o short-monotonic UNIT={unit} MESSAGE_ID=7d4958e842da4a758f6c1cdc7b36dcc5"
+    ))
+    .lines()
+    .filter_map(|l| l.strip_prefix('[')?.split(']').next()?.trim().parse().ok())
+    .collect()
+}
+
+/// `vars` with the webhook receiver on [`hook_port`] (the first deployment and its repetition;
+/// the next play that reaches the units, without it, removes it).
+fn with_webhook(vars: String) -> String {
+    format!(
+        "{vars}ci_ephemeral_provisioner_webhook_listen: 127.0.0.1:{}\nci_ephemeral_provisioner_webhook_secret: {WEBHOOK_SECRET}\n",
+        hook_port()
+    )
+}
+
 /// Role variables: the fake Forgejo, the test module, the default (SSH) launch command aimed at
 /// the container's own sshd, short timer and cycle durations. `pools` is the YAML of the list.
 fn vars(fake: &FakeForgejo, work: &Path, source: &Source, pools: &str) -> String {
@@ -686,6 +841,7 @@ ci_ephemeral_provisioner_pool_defaults:
   sweep_max_deletions: 50
   http_timeout: 5s
   verbose: true
+  wake_window: 2s
 ci_ephemeral_provisioner_pools:
 {pools}
 "#,
@@ -781,7 +937,7 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
 
     lap("phase: first deployment and its first job");
     // First run: installs and enables the timers; the timers start the cycles.
-    let (ok, out, changed) = host.play("site", &vars(&fake, work, &local, two_pools));
+    let (ok, out, changed) = host.play("site", &with_webhook(vars(&fake, work, &local, two_pools)));
     assert!(ok, "the role failed:\n{out}");
     assert!(changed > 0, "{out}");
     for secret in [API_TOKEN, CLOUD_SECRET] {
@@ -1127,6 +1283,9 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
     // The first job, the two repositories' and the one that waited for sshd.
     assert_eq!(records.lines().count(), 4, "one runner per job:\n{records}");
 
+    lap("phase: webhooks");
+    assert_webhooks_wake_the_slot(&host, &fake);
+
     lap("phase: secrets, check units, recovery by hand, gates");
     // The token: a root-only file (the units' standard input), nowhere else.
     assert_eq!(
@@ -1406,7 +1565,10 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
 
     lap("phase: idempotence, binary sources and version");
     // Second run of the role: nothing to change.
-    let (ok, out, changed) = host.play("site-again", &vars(&fake, work, &local, two_pools));
+    let (ok, out, changed) = host.play(
+        "site-again",
+        &with_webhook(vars(&fake, work, &local, two_pools)),
+    );
     assert!(ok, "{out}");
     assert_eq!(changed, 0, "the second run changed something:\n{out}");
 
@@ -1541,6 +1703,17 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
         )),
         "{out}"
     );
+    // Without webhook_listen the receiver goes: its units, wake units, secret, state and user.
+    for gone in [
+        "etc/systemd/system/ci-ephemeral-provisioner-hook.socket",
+        "etc/systemd/system/ci-ephemeral-provisioner@.path",
+        "etc/systemd/system/paths.target.wants/ci-ephemeral-provisioner@gpu.2.path",
+        "etc/ci-ephemeral-provisioner/webhook-secret",
+        "var/lib/ci-ephemeral-provisioner-hook",
+    ] {
+        assert!(!host.file(gone).exists(), "{gone} is still there:\n{out}");
+    }
+    assert!(!host.sh("getent passwd ci-ephemeral-hook").0, "{out}");
     let gpu_env = host.read("etc/ci-ephemeral-provisioner/pools/gpu/provisioner.env");
     for line in [
         "CI_EPHEMERAL_PROVISIONER_WARM=\"1\"",

@@ -12,6 +12,7 @@
 use std::collections::BTreeMap;
 
 pub mod rules;
+pub mod webhook;
 
 use rules::{JobView, RunnerView};
 

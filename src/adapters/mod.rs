@@ -5,6 +5,7 @@ pub mod dry;
 pub mod events_file;
 pub mod files;
 pub mod forgejo_http;
+pub mod hook;
 pub mod launch_cmd;
 pub mod logging;
 pub mod pg_store;

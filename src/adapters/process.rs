@@ -24,13 +24,16 @@ const STDERR_TAIL: usize = 4 * 1024;
 /// what we pass it — never a descriptor some parent left open without close-on-exec (a token
 /// file's, a socket). `close_range(3, ~0, 0)`; where it fails (a kernel before 5.9, a seccomp
 /// filter), each descriptor /proc/self/fd lists. The error says why the process refuses to run.
-pub fn close_inherited_fds() -> anyhow::Result<()> {
+/// The descriptors below `first` (at least 3) are kept: `hook` keeps the connection its socket
+/// unit passes as fd 3.
+pub fn close_inherited_fds_from(first: libc::c_uint) -> anyhow::Result<()> {
+    let first = first.max(3);
     // SAFETY: close_range(2) takes integers and touches no memory; nothing above fd 2 is ours
     // yet (std opens nothing before `main`).
     let rc = unsafe {
         libc::syscall(
             libc::SYS_close_range,
-            3 as libc::c_uint,
+            first,
             libc::c_uint::MAX,
             0 as libc::c_uint,
         )
@@ -50,7 +53,7 @@ pub fn close_inherited_fds() -> anyhow::Result<()> {
         })?
         .iter()
         .filter_map(|n| n.to_str()?.parse().ok())
-        .filter(|fd| *fd > 2)
+        .filter(|fd| *fd >= first as libc::c_int)
         .collect();
     for fd in fds {
         // SAFETY: close(2) of a descriptor number; none of them is in use by this process.

@@ -19,9 +19,15 @@ use crate::driver::cycle::CycleConfig;
 
 /// `--metrics-file` must be a `.prom` file: node_exporter's textfile collector reads no other.
 pub(crate) fn check_metrics_file(common: &ForgejoArgs) -> Result<(), Fatal> {
-    if let Some(p) = &common.metrics_file
-        && p.extension().and_then(|e| e.to_str()) != Some("prom")
-    {
+    match &common.metrics_file {
+        Some(p) => check_metrics_path(p),
+        None => Ok(()),
+    }
+}
+
+/// `--metrics-file` of any command.
+pub(crate) fn check_metrics_path(p: &Path) -> Result<(), Fatal> {
+    if p.extension().and_then(|e| e.to_str()) != Some("prom") {
         return Err(usage(format!(
             "--metrics-file {} must end in .prom: node_exporter's textfile collector reads only *.prom files",
             p.display()
@@ -194,6 +200,10 @@ pub(crate) fn cycle_config(
         host: String::new(),
         slot: a.common.local.slot,
         backoff: backoff_policy(a),
+        wake: match &a.wake_file {
+            Some(_) => crate::core::wake::WakePolicy::new(a.wake_window, a.poll_interval),
+            None => crate::core::wake::WakePolicy::default(),
+        },
     }
 }
 
@@ -236,6 +246,13 @@ pub(crate) fn validate_run_args(a: &RunArgs) -> Result<Labels, Fatal> {
     }
     backoff_policy(a).check().map_err(usage)?;
     check_warm(a)?;
+    if a.wake_window > crate::core::wake::MAX_WAKE_WINDOW {
+        return Err(usage(format!(
+            "--wake-window {} is longer than {}: a woken run looks every second for that long",
+            format_duration(a.wake_window),
+            format_duration(crate::core::wake::MAX_WAKE_WINDOW)
+        )));
+    }
     check_metrics_file(&a.common)?;
     Ok(labels)
 }

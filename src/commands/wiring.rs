@@ -135,7 +135,7 @@ pub(crate) fn cycle(
     } = live(a, c, label_names, true)?;
     let stop = StopFlag::install().map_err(failed)?;
     let reload = ReloadFlag::install().map_err(failed)?;
-    let clock = RealClock::new(stop.clone(), reload);
+    let clock = RealClock::new(stop.clone(), reload).with_wake_file(a.wake_file.clone());
     let report = live_report("run", &clock, &dir, c);
     Ok(CycleRun {
         ports: Ports {

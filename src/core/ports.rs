@@ -387,6 +387,11 @@ pub trait Clock {
     fn stop_requested(&self) -> bool;
     /// A fresh cycle id, unique and usable in runner names and tofu variables.
     fn new_cycle_id(&mut self, now: Timestamp) -> String;
+    /// When a webhook delivery last woke this slot (the modification time of its `--wake-file`);
+    /// `None` without one. `core::wake` decides what that means.
+    fn woken_at(&self) -> Option<Timestamp> {
+        None
+    }
 }
 
 /// Where side effects and failures are appended as they happen (the audit trail). Chosen once in

@@ -17,6 +17,7 @@ use crate::core::state::{CycleState, NotServed, Phase, PreviousRunner};
 use crate::core::sweep::gate::DeleteReason;
 use crate::core::sweep::licence::SweepLicence;
 use crate::core::time::{Timestamp, format_duration};
+use crate::core::wake::WakePolicy;
 use crate::driver::sweep;
 
 mod observed;
@@ -39,6 +40,8 @@ pub struct CycleConfig {
     pub slot: u32,
     /// The pool's failure backoff (`--max-failed-cycles`, `--failure-backoff`, `--failure-backoff-max`).
     pub backoff: BackoffPolicy,
+    /// What a webhook delivery does to this run (`--wake-window`; none without `--wake-file`).
+    pub wake: WakePolicy,
 }
 
 /// The ports this run acts through: the real adapters, or a dry-run's.
@@ -58,6 +61,9 @@ pub enum End {
     /// A configuration problem (exit 2).
     Config(String),
 }
+
+/// Why a woken run with nothing to do waits (`Step::Idle` while `WakePolicy::watch` says so).
+const WATCHING: &str = "woken: looking for the delivery's jobs";
 
 /// Steps without a wait or a change to cycle.json after which the driver assumes a bug and stops.
 const MAX_STEPS_WITHOUT_WAIT: u32 = 500;
@@ -79,6 +85,10 @@ struct Driver<'w, 'a> {
     others_first_seen: BTreeMap<String, Timestamp>,
     /// The slots beyond `--slots` with a cycle in progress were reported in this run.
     beyond_reported: bool,
+    /// When this run started (a woken run watches for a bounded time, `WakePolicy::watch`).
+    started: Timestamp,
+    /// The delivery this run last said it watches for (said once each).
+    watching: Option<Timestamp>,
 }
 
 pub fn run(w: &mut World<'_>, cfg: &CycleConfig, report: &mut Report) -> End {
@@ -110,6 +120,7 @@ pub fn run(w: &mut World<'_>, cfg: &CycleConfig, report: &mut Report) -> End {
         report.fail(format!("{e}; {what}"));
         empty
     });
+    let started = w.clock.now();
     let mut d = Driver {
         w,
         cfg,
@@ -125,6 +136,8 @@ pub fn run(w: &mut World<'_>, cfg: &CycleConfig, report: &mut Report) -> End {
         no_handle: Default::default(),
         others_first_seen: BTreeMap::new(),
         beyond_reported: false,
+        started,
+        watching: None,
     };
     // Nothing can be done for a cycle in progress without tofu, not even its teardown.
     if let Some(s) = &d.state
@@ -402,12 +415,21 @@ impl Driver<'_, '_> {
             let step = planner::decide(self.state.as_ref(), &obs, &self.ctx, &self.cfg.policy, now);
             log::debug!("step: {step:?}");
             let end = match step {
-                Step::Idle => {
-                    log::info!(
-                        "no waiting job to serve (none matches the labels, or each is held or claimed by another slot); nothing to do"
-                    );
-                    Some(self.end(Outcome::Idle))
-                }
+                Step::Idle => match self.watch(now) {
+                    Some(pause) => {
+                        let end = self.wait_for(pause, WATCHING.into(), &mut last_wait);
+                        if end.is_none() {
+                            steps = 0;
+                        }
+                        end
+                    }
+                    None => {
+                        log::info!(
+                            "no waiting job to serve (none matches the labels, or each is held or claimed by another slot); nothing to do"
+                        );
+                        Some(self.end(Outcome::Idle))
+                    }
+                },
                 Step::GiveUp { why } => {
                     // A dry-run's failed read is its one error: what a live run would make of
                     // it (asking again at its next run) is not a second one.
@@ -438,16 +460,44 @@ impl Driver<'_, '_> {
         End::Done
     }
 
-    /// One poll interval's sleep (`None`), unless the run ends at this wait: a dry-run's stop,
-    /// a signal, SIGHUP. `last_wait`: the reason of the last wait, logged once at info level.
+    /// With nothing to do at `now`: how long to wait before looking again, while a webhook
+    /// delivery woke this slot (`WakePolicy::watch`); `None`: the run ends.
+    fn watch(&mut self, now: Timestamp) -> Option<Duration> {
+        let woken_at = self.w.clock.woken_at();
+        let pause = self.cfg.wake.watch(woken_at, now, self.started)?;
+        if self.watching != woken_at {
+            self.watching = woken_at;
+            log::info!(
+                "woken by a webhook delivery at {}: no job yet; looking every {} until {} (--wake-window)",
+                woken_at.map_or_else(String::new, |t| t.rfc3339()),
+                format_duration(pause),
+                woken_at.map_or(now, |t| t.plus(self.cfg.wake.window))
+            );
+        }
+        Some(pause)
+    }
+
+    /// One poll interval's sleep (`None`), shorter while a webhook delivery woke this slot,
+    /// unless the run ends at this wait: a dry-run's stop, a signal, SIGHUP. `last_wait`: the
+    /// reason of the last wait, logged once at info level.
     fn wait(&mut self, why: String, last_wait: &mut String) -> Option<End> {
+        let now = self.w.clock.now();
+        let pause = self
+            .cfg
+            .wake
+            .pause(self.cfg.poll_interval, self.w.clock.woken_at(), now);
+        self.wait_for(pause, why, last_wait)
+    }
+
+    /// A sleep of `pause` (`None`), as [`Self::wait`].
+    fn wait_for(&mut self, pause: Duration, why: String, last_wait: &mut String) -> Option<End> {
         if why != *last_wait {
             log::info!("{why}");
             last_wait.clone_from(&why);
         } else {
             log::debug!("{why}");
         }
-        match self.w.clock.sleep(self.cfg.poll_interval) {
+        match self.w.clock.sleep(pause) {
             Sleep::Slept => {
                 self.ctx.failed_deletes.clear();
                 self.ctx.failed_intents.clear();
@@ -739,6 +789,7 @@ mod tests {
                 initial: Duration::from_secs(120),
                 max: Duration::from_secs(3600),
             },
+            wake: WakePolicy::default(),
         }
     }
 
@@ -815,6 +866,104 @@ mod tests {
             report.failures
         );
         assert!(store.inner.state.is_none());
+    }
+
+    /// The model's clock, woken by a delivery at `woken_at`; on its `job_after`-th sleep a job
+    /// appears (Forgejo wrote the delivery's job after sending it). Counts its sleeps.
+    struct WokenClock {
+        inner: ModelForgejo,
+        woken_at: Option<Timestamp>,
+        job_after: Option<u32>,
+        sleeps: Vec<Duration>,
+    }
+
+    impl Clock for WokenClock {
+        fn now(&self) -> Timestamp {
+            self.inner.now()
+        }
+        fn sleep(&mut self, d: Duration) -> Sleep {
+            self.sleeps.push(d);
+            if self.job_after == Some(self.sleeps.len() as u32) {
+                let mut s = self.inner.server();
+                let now = s.now;
+                s.forgejo
+                    .add_job("h1".into(), vec!["debian".into()], 1, 1, now);
+            }
+            self.inner.sleep(d)
+        }
+        fn stop_requested(&self) -> bool {
+            false
+        }
+        fn new_cycle_id(&mut self, now: Timestamp) -> String {
+            self.inner.new_cycle_id(now)
+        }
+        fn woken_at(&self) -> Option<Timestamp> {
+            self.woken_at
+        }
+    }
+
+    /// A run with nothing to do, on a clock woken `woken_ago` before it starts (or never), with
+    /// a job appearing on the `job_after`-th sleep: its report and its sleeps.
+    fn woken_run(woken_ago: Option<Duration>, job_after: Option<u32>) -> (Report, Vec<Duration>) {
+        let shared = ModelForgejo::new("debian");
+        let start = shared.now();
+        let mut clock = WokenClock {
+            inner: shared.clone(),
+            woken_at: woken_ago.map(|d| Timestamp(start.0 - d.as_millis() as i64)),
+            job_after,
+            sleeps: Vec::new(),
+        };
+        let (mut forgejo, mut launcher) = (shared.clone(), shared.clone());
+        let mut store = MemoryStore::default();
+        let mut cfg = test_config();
+        cfg.wake = WakePolicy::new(Duration::from_secs(30), cfg.poll_interval);
+        cfg.policy.idle_timeout = Duration::from_secs(1);
+        let mut report = Report::new("run", false, start);
+        let mut world = super::World {
+            forgejo: &mut forgejo,
+            tofu: &mut NoopTofu,
+            launcher: &mut launcher,
+            store: &mut store,
+            clock: &mut clock,
+        };
+        assert_eq!(run(&mut world, &cfg, &mut report), End::Done);
+        (report, clock.sleeps)
+    }
+
+    // Mutation caught: Step::Idle ending the run without `watch` (a woken run that finds no job
+    // yet exits, and the job its delivery announced waits for the timer).
+    #[test]
+    fn a_woken_run_keeps_looking_for_the_deliverys_job_within_the_window() {
+        // Not woken: one look, then the run ends.
+        let (report, sleeps) = woken_run(None, None);
+        assert_eq!((report.outcome, sleeps.len()), (Outcome::Idle, 0));
+        // Woken an hour ago: the same.
+        let (report, sleeps) = woken_run(Some(Duration::from_secs(3600)), None);
+        assert_eq!((report.outcome, sleeps.len()), (Outcome::Idle, 0));
+        // Woken just now, no job ever: a look every second for the 30 s window, then the end.
+        let (report, sleeps) = woken_run(Some(Duration::ZERO), None);
+        assert_eq!(report.outcome, Outcome::Idle);
+        assert_eq!(sleeps, vec![Duration::from_secs(1); 30]);
+        // Woken 10 s ago: the rest of the window.
+        let (_, sleeps) = woken_run(Some(Duration::from_secs(10)), None);
+        assert_eq!(sleeps.len(), 20);
+        // The job appears 3 s after the delivery: the run serves it.
+        let (report, sleeps) = woken_run(Some(Duration::ZERO), Some(3));
+        assert_eq!(
+            report.outcome,
+            Outcome::CycleFinished,
+            "{:?}",
+            report.failures
+        );
+        assert_eq!(&sleeps[..3], &[Duration::from_secs(1); 3]);
+        assert!(
+            report
+                .events
+                .iter()
+                .any(|e| e.step == "launch_runner" && e.ok),
+            "{:?}",
+            report.events
+        );
     }
 
     /// A backoff in force at the tests' clock.

@@ -17,6 +17,7 @@ mod cycle;
 mod docs;
 mod dry_run;
 mod fake_forgejo_selftest;
+mod hook;
 mod hostile;
 mod isolation;
 mod layering;

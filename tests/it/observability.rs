@@ -41,7 +41,7 @@ fn metric(m: &BTreeMap<String, f64>, key: &str) -> f64 {
 
 /// `promtool check metrics` on the real file when promtool is installed (`.ci/obs` installs
 /// it and also checks the copies left in `$OBS_ARTIFACTS`).
-fn promtool_check(path: &Path, label: &str) {
+pub(crate) fn promtool_check(path: &Path, label: &str) {
     if let Some(dir) = std::env::var_os("OBS_ARTIFACTS") {
         fs::create_dir_all(&dir).unwrap();
         fs::copy(path, Path::new(&dir).join(format!("{label}.prom"))).unwrap();

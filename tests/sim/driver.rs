@@ -85,6 +85,7 @@ pub fn config(max_jobs: u32, prefix: &str, slot: u32, warm: WarmPolicy) -> Cycle
         host: String::new(),
         slot,
         backoff: BACKOFF,
+        wake: Default::default(),
     }
 }
 

@@ -805,8 +805,26 @@ impl World {
 // Server
 // ---------------------------------------------------------------------------------------------
 
+/// Where the fake delivers its webhooks, and what came of each delivery.
+#[derive(Default)]
+struct Webhooks {
+    /// The hook's URL and secret (`FakeForgejo::set_webhook`).
+    target: Option<(String, String)>,
+    sent: Vec<SentDelivery>,
+}
+
+/// One webhook delivery the fake sent, and its answer (`Err`: no answer, and why).
+#[derive(Clone, Debug)]
+pub struct SentDelivery {
+    pub uuid: String,
+    /// The job whose push it announced (`None`: a push sent on its own).
+    pub job_id: Option<i64>,
+    pub answer: Result<(u16, String), String>,
+}
+
 struct Shared {
     world: Mutex<World>,
+    webhooks: Arc<Mutex<Webhooks>>,
     /// Relay connections by the relay's upstream local address (= what `tiny_http` reports as
     /// the remote address), holding the client-side socket so a fault can close it.
     conns: Mutex<HashMap<SocketAddr, TcpStream>>,
@@ -861,6 +879,7 @@ impl FakeForgejo {
         let addr = front.local_addr().expect("fake forgejo: local addr");
         let shared = Arc::new(Shared {
             world: Mutex::new(World::new(token)),
+            webhooks: Arc::default(),
             conns: Mutex::new(HashMap::new()),
             stop: AtomicBool::new(false),
         });
@@ -1029,15 +1048,68 @@ impl FakeForgejo {
         self.add_scoped_job(runs_on, TOKEN_USER_ID, 1)
     }
 
-    /// A waiting job with this owner/repo; returns `(id, handle)`.
+    /// A waiting job with this owner/repo; returns `(id, handle)`. With a webhook set, the push
+    /// that created it is delivered (from a thread of its own, as Forgejo's queue does).
     pub fn add_scoped_job(&self, runs_on: &[&str], owner_id: i64, repo_id: i64) -> (i64, String) {
-        let mut w = self.world();
-        let handle = w.uuid_v4();
-        let runs_on = runs_on.iter().map(|s| s.to_string()).collect();
-        let id = w
-            .forgejo
-            .add_job(handle.clone(), runs_on, owner_id, repo_id, now_ms());
+        let (id, handle) = {
+            let mut w = self.world();
+            let handle = w.uuid_v4();
+            let runs_on = runs_on.iter().map(|s| s.to_string()).collect();
+            let id = w
+                .forgejo
+                .add_job(handle.clone(), runs_on, owner_id, repo_id, now_ms());
+            (id, handle)
+        };
+        self.deliver_push(Some(id), owner_id, repo_id);
         (id, handle)
+    }
+
+    /// From now on every job added is announced by a signed push delivery to `url` (Forgejo's
+    /// `forgejo` webhook with this secret; "" sends it unsigned, as a hook without one).
+    pub fn set_webhook(&self, url: &str, secret: &str) {
+        let mut h = self.shared.webhooks.lock().unwrap();
+        h.target = Some((url.to_string(), secret.to_string()));
+    }
+
+    /// No more deliveries from now on.
+    pub fn clear_webhook(&self) {
+        self.shared.webhooks.lock().unwrap().target = None;
+    }
+
+    /// A push delivered now with no job yet (Forgejo sends the push's webhook before its Actions
+    /// notifier has written the jobs: `routers/init.go` registers the webhook notifier first).
+    /// Returns its uuid; panics without a webhook.
+    pub fn send_push(&self, owner_id: i64, repo_id: i64) -> String {
+        assert!(
+            self.shared.webhooks.lock().unwrap().target.is_some(),
+            "fake forgejo: no webhook set"
+        );
+        self.deliver_push(None, owner_id, repo_id)
+            .expect("a webhook is set")
+    }
+
+    /// Every delivery that was answered (or failed) so far, in that order.
+    pub fn deliveries(&self) -> Vec<SentDelivery> {
+        self.shared.webhooks.lock().unwrap().sent.clone()
+    }
+
+    /// Delivers a push announcing `job_id` when a webhook is set; its uuid.
+    fn deliver_push(&self, job_id: Option<i64>, owner_id: i64, repo_id: i64) -> Option<String> {
+        let (url, secret) = self.shared.webhooks.lock().unwrap().target.clone()?;
+        let uuid = self.world().uuid_v4();
+        let after = model::webhook::hex(&model::webhook::sha256(uuid.as_bytes()));
+        let payload = model::webhook::push_payload(repo_id, owner_id, &after[..40]);
+        let d = model::webhook::delivery(&secret, &uuid, "push", "push", &payload);
+        let hooks = self.shared.webhooks.clone();
+        thread::spawn(move || {
+            let answer = super::webhook::deliver(&url, &d).map_err(|e| e.to_string());
+            hooks.lock().unwrap().sent.push(SentDelivery {
+                uuid: d.uuid,
+                job_id,
+                answer,
+            });
+        });
+        Some(uuid)
     }
 
     /// Reruns a done job (the web UI's "Re-run", `services/actions/rerun.go` `RerunJob`): a new
