@@ -374,7 +374,7 @@ pub struct RunArgs {
 
     /// How long after a webhook delivery a run keeps looking for its jobs (Forgejo may deliver a
     /// push before it has written the push's jobs). 0s: one look. At most 10m.
-    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_WAKE_WINDOW", default_value = "30s", value_parser = parse_duration, value_name = "DURATION")]
+    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_WAKE_WINDOW", default_value = "30s", value_parser = parse_duration, value_name = "DURATION", allow_hyphen_values = true)]
     pub wake_window: Duration,
 }
 
@@ -556,7 +556,7 @@ pub struct HookArgs {
     pub metrics_file: Option<PathBuf>,
 
     /// The whole request must have arrived within this long, or it is refused as slow (408).
-    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_READ_TIMEOUT", default_value = "10s", value_parser = parse_duration, value_name = "DURATION")]
+    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_READ_TIMEOUT", default_value = "10s", value_parser = parse_duration, value_name = "DURATION", allow_hyphen_values = true)]
     pub read_timeout: Duration,
 
     /// Debug logging on stderr (RUST_LOG overrides).

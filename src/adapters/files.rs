@@ -14,9 +14,9 @@ use anyhow::{Context, Result, anyhow};
 use crate::core::slots::{parse_slot_dir_name, slot_dir_name};
 
 pub use state_file::{
-    STATE_OPEN_FLAGS, StateFileError, create_private, load_counters, open_error,
-    open_state_file, read_backoff_file, read_holds_file, read_state_file, read_state_text,
-    save_counters, write_atomic, write_atomic_mode, write_textfile,
+    STATE_OPEN_FLAGS, StateFileError, create_private, load_counters, open_error, open_state_file,
+    read_backoff_file, read_holds_file, read_state_file, read_state_text, save_counters,
+    write_atomic, write_atomic_mode, write_textfile,
 };
 pub use store::FileStore;
 

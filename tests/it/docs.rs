@@ -12,8 +12,9 @@ use crate::support::tree::{read, root, rust_files};
 
 const BIN: &str = env!("CARGO_BIN_EXE_ci-ephemeral-provisioner");
 const README_MAX_BYTES: usize = 15_000;
-/// All git-tracked Markdown together.
-const MARKDOWN_MAX_BYTES: usize = 100_000;
+/// All git-tracked Markdown together: 100,000 until one pool across hosts, the QEMU module and
+/// webhooks each brought an operator's setup, timeline and messages.
+const MARKDOWN_MAX_BYTES: usize = 125_000;
 /// Subcommands whose flags the table must cover from the start; others (`check`) once their
 /// `--help` works.
 const REQUIRED_SUBCOMMANDS: [&str; 3] = ["run", "sweep", "status"];
@@ -64,7 +65,7 @@ fn markdown_sizes() -> Vec<(PathBuf, usize)> {
 }
 
 #[test]
-fn the_markdown_is_at_most_100000_bytes_and_the_readme_at_most_15000() {
+fn the_markdown_and_the_readme_are_within_their_budgets() {
     let files = markdown_sizes();
     assert!(
         files.iter().any(|(p, _)| p == &root().join("README.md"))
@@ -81,10 +82,24 @@ fn the_markdown_is_at_most_100000_bytes_and_the_readme_at_most_15000() {
 #[test]
 fn the_size_check_sees_too_much_markdown_and_a_large_readme() {
     let doc = |rel: &str, n: usize| (root().join(rel), n);
-    assert!(over_budget(&[doc("README.md", 15_000), doc("docs/a.md", 85_000)]).is_empty());
-    let total = over_budget(&[doc("README.md", 10), doc("docs/a.md", 99_991)]);
+    assert!(
+        over_budget(&[
+            doc("README.md", 15_000),
+            doc("docs/a.md", MARKDOWN_MAX_BYTES - 15_000)
+        ])
+        .is_empty()
+    );
+    let total = over_budget(&[
+        doc("README.md", 10),
+        doc("docs/a.md", MARKDOWN_MAX_BYTES - 9),
+    ]);
     assert_eq!(total.len(), 1, "{total:?}");
-    assert!(total[0].contains("100001 bytes together") && total[0].contains("docs/a.md 99991"));
+    let shown = format!("{} bytes together", MARKDOWN_MAX_BYTES + 1);
+    let largest = format!("docs/a.md {}", MARKDOWN_MAX_BYTES - 9);
+    assert!(
+        total[0].contains(&shown) && total[0].contains(&largest),
+        "{total:?}"
+    );
     let readme = over_budget(&[doc("README.md", 15_001), doc("role/README.md", 20_000)]);
     assert_eq!(readme.len(), 1, "{readme:?}");
     assert!(

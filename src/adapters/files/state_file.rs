@@ -226,8 +226,8 @@ pub fn read_holds_file(path: &Path) -> Result<Holds, HoldsError> {
 mod tests {
     use super::*;
     use crate::adapters::files::FileStore;
-    use crate::core::ports::StateStore;
     use crate::core::holds::HOLDS_FILE;
+    use crate::core::ports::StateStore;
     use crate::core::state::{Launch, Registration, STATE_FILE};
     use crate::core::time::Timestamp;
     use std::path::PathBuf;
@@ -253,7 +253,6 @@ mod tests {
         });
         s
     }
-
 
     #[test]
     fn save_load_round_trip_with_private_mode() {
@@ -419,5 +418,4 @@ mod tests {
             format!("{:#}", read_state_file(&link).unwrap_err()).contains("not a regular file")
         );
     }
-
 }

@@ -1,9 +1,9 @@
 //! The state store of files ([`StateStore`]): each slot's cycle.json and held jobs, the pool's
 //! backoff, and the claims lock that makes a claim atomic against the other slots.
 
-use std::{fs, io};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
+use std::{fs, io};
 
 use anyhow::{Context, Result, anyhow};
 
@@ -273,9 +273,9 @@ impl StateStore for FileStore {
 mod tests {
     use super::*;
     use crate::adapters::files::take_lock;
-    use std::os::unix::fs::PermissionsExt;
     use crate::core::state::Registration;
     use crate::core::time::Timestamp;
+    use std::os::unix::fs::PermissionsExt;
 
     /// Two slots of one pool: a job claimed by one is refused to the other, and nothing of the
     /// refused slot is written; once the claim is forgotten the job is free again.

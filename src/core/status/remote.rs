@@ -187,76 +187,87 @@ pub fn state_resources(show: &Value) -> Vec<StateResource> {
 
 /// The text form of the document `status --remote` adds (`remote`): its lines.
 pub fn text_lines(remote: &Value) -> Vec<String> {
-    let mut o = Vec::new();
-    let f = &remote["forgejo"];
-    let str_of = |v: &Value| v.as_str().unwrap_or("?").to_string();
-    match f["error"].as_str() {
-        Some(e) => o.push(format!("forgejo: FAILED: {e}")),
-        None => {
-            let regs = f["registrations"].as_array().cloned().unwrap_or_default();
-            o.push(format!(
-                "forgejo: {} registration(s) with prefix {} of {} listed in scope {} at {}{}",
-                regs.len(),
-                str_of(&f["runner_prefix"]),
-                f["listed"],
-                str_of(&f["scope"]),
-                str_of(&f["url"]),
-                if f["complete"] == Value::Bool(false) {
-                    " (the list changed while it was read: it may be short)"
-                } else {
-                    ""
-                }
-            ));
-            if let Some(refused) = f["sweep_refused"].as_str() {
-                o.push(format!("  a sweep now is refused: {refused}"));
-            }
-            for r in &regs {
-                // To the minute past one: what a reader compares with the sweep's minimum age.
-                let age = r["age_seconds"]
-                    .as_u64()
-                    .map(|s| if s >= 60 { s - s % 60 } else { s })
-                    .map(|s| {
-                        format!(
-                            ", {} old",
-                            format_duration(std::time::Duration::from_secs(s))
-                        )
-                    })
-                    .unwrap_or_default();
-                let held = match &r["cycle"] {
-                    Value::Null => "no cycle holds it".to_string(),
-                    c => format!(
-                        "held by cycle {} (slot {}{})",
-                        str_of(&c["cycle_id"]),
-                        c["slot"],
-                        c["host"]
-                            .as_str()
-                            .map(|h| format!(" of host {h}"))
-                            .unwrap_or_default()
-                    ),
-                };
-                let verdict: Verdict =
-                    serde_json::from_value(r["sweep"].clone()).unwrap_or(Verdict::Doubtful);
-                o.push(format!(
-                    "  {} {} {}{age}; {held}; {}",
-                    r["id"],
-                    str_of(&r["name"]),
-                    str_of(&r["status"]),
-                    verdict.describe()
-                ));
-            }
-        }
+    let mut o = forgejo_lines(&remote["forgejo"]);
+    o.extend(tofu_lines(&remote["tofu"]));
+    o
+}
+
+fn str_of(v: &Value) -> String {
+    v.as_str().unwrap_or("?").to_string()
+}
+
+/// The registrations' lines: a heading, then one per registration.
+fn forgejo_lines(f: &Value) -> Vec<String> {
+    if let Some(e) = f["error"].as_str() {
+        return vec![format!("forgejo: FAILED: {e}")];
     }
-    let t = &remote["tofu"];
+    let regs = f["registrations"].as_array().cloned().unwrap_or_default();
+    let mut o = vec![format!(
+        "forgejo: {} registration(s) with prefix {} of {} listed in scope {} at {}{}",
+        regs.len(),
+        str_of(&f["runner_prefix"]),
+        f["listed"],
+        str_of(&f["scope"]),
+        str_of(&f["url"]),
+        if f["complete"] == Value::Bool(false) {
+            " (the list changed while it was read: it may be short)"
+        } else {
+            ""
+        }
+    )];
+    if let Some(refused) = f["sweep_refused"].as_str() {
+        o.push(format!("  a sweep now is refused: {refused}"));
+    }
+    o.extend(regs.iter().map(registration_line));
+    o
+}
+
+fn registration_line(r: &Value) -> String {
+    // To the minute past one: what a reader compares with the sweep's minimum age.
+    let age = r["age_seconds"]
+        .as_u64()
+        .map(|s| if s >= 60 { s - s % 60 } else { s })
+        .map(|s| {
+            format!(
+                ", {} old",
+                format_duration(std::time::Duration::from_secs(s))
+            )
+        })
+        .unwrap_or_default();
+    let held = match &r["cycle"] {
+        Value::Null => "no cycle holds it".to_string(),
+        c => format!(
+            "held by cycle {} (slot {}{})",
+            str_of(&c["cycle_id"]),
+            c["slot"],
+            c["host"]
+                .as_str()
+                .map(|h| format!(" of host {h}"))
+                .unwrap_or_default()
+        ),
+    };
+    let verdict: Verdict = serde_json::from_value(r["sweep"].clone()).unwrap_or(Verdict::Doubtful);
+    format!(
+        "  {} {} {}{age}; {held}; {}",
+        r["id"],
+        str_of(&r["name"]),
+        str_of(&r["status"]),
+        verdict.describe()
+    )
+}
+
+/// The tofu state's lines: a heading, then one per resource.
+fn tofu_lines(t: &Value) -> Vec<String> {
     match (t["error"].as_str(), t["skipped"].as_str()) {
-        (Some(e), _) => o.push(format!("tofu state: FAILED: {e}")),
-        (None, Some(why)) => o.push(format!("tofu state: not read: {why}")),
+        (Some(e), _) => vec![format!("tofu state: FAILED: {e}")],
+        (None, Some(why)) => vec![format!("tofu state: not read: {why}")],
         (None, None) => {
             let res = t["resources"].as_array().cloned().unwrap_or_default();
-            o.push(format!(
+            let mut o = vec![format!(
                 "tofu state of {}: {} resource(s)",
                 str_of(&t["tofu_dir"]),
                 res.len()
-            ));
+            )];
             for r in &res {
                 let mut line = format!("  {}", str_of(&r["address"]));
                 for key in ["workspace", "id", "name"] {
@@ -266,9 +277,9 @@ pub fn text_lines(remote: &Value) -> Vec<String> {
                 }
                 o.push(line);
             }
+            o
         }
     }
-    o
 }
 
 #[cfg(test)]
