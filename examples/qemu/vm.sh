@@ -93,7 +93,7 @@ stop_vm() {
     fi
     left=$(ours)
     if [ -n "$left" ]; then
-        say "processes $(echo $left) of this VM still run after SIGKILL"
+        say "processes ${left//$'\n'/ } of this VM still run after SIGKILL"
         return 1
     fi
     return 0
