@@ -54,12 +54,14 @@ CASES = {
 }
 
 
-def provisioner_env(pool):
+def provisioner_env(pool, webhook=False):
     """role/templates/provisioner.env.j2 rendered for one merged pool, as the role writes it."""
     import jinja2
 
     env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
     env.filters["comment"] = lambda s: "# " + s
+    # Ansible's bool filter, for the values the role's own variables take.
+    env.filters["bool"] = lambda v: v if isinstance(v, bool) else str(v).lower() in ("true", "yes", "1", "on")
     defaults = yaml.safe_load((HERE.parents[2] / "role/defaults/main.yml").read_text())
     item = dict(defaults["ci_ephemeral_provisioner_pool_defaults"], **pool)
     text = (HERE.parents[2] / "role/templates/provisioner.env.j2").read_text()
@@ -69,6 +71,7 @@ def provisioner_env(pool):
         ci_ephemeral_provisioner_forgejo_url="https://forgejo.example.org",
         ci_ephemeral_provisioner_ca_file="",
         ci_ephemeral_provisioner_metrics_dir="",
+        _ci_ephemeral_provisioner_webhook=webhook,
         _ci_ephemeral_provisioner_pools_dir="/etc/ci-ephemeral-provisioner/pools",
     )
 
@@ -86,10 +89,14 @@ def store_variables_reach_the_unit():
     files = provisioner_env({"name": "debian"})
     if 'CI_EPHEMERAL_PROVISIONER_STORE="files"' not in files.splitlines() or "POOL=" in files:
         problems.append("the files store's environment names a pool")
+    if "WAKE_WINDOW=" in files:
+        problems.append("a pool without webhooks gets a wake window")
+    if 'CI_EPHEMERAL_PROVISIONER_WAKE_WINDOW="30s"' not in provisioner_env({"name": "debian"}, webhook=True):
+        problems.append("a pool with webhooks lacks its wake window")
     if problems:
         print("FAIL provisioner.env: " + "; ".join(problems) + "\n" + pg, file=sys.stderr)
         return False
-    print("ok   provisioner.env carries the store, pool, host id and lease")
+    print("ok   provisioner.env carries the store, pool, host id and lease, and the wake window with webhooks")
     return True
 
 
