@@ -22,11 +22,16 @@ pub struct Boot {
     pub detail: Value,
 }
 
-fn refused(why: String) -> Boot {
+/// The line of a canary that was not started; `refused`: the slot is busy (exit 75).
+fn not_booted(why: impl std::fmt::Display, refused: bool) -> Boot {
     Boot {
         result: Err(format!("not booted: {why}")),
-        refused: true,
-        detail: json!({"refused": true}),
+        refused,
+        detail: if refused {
+            json!({"refused": true})
+        } else {
+            json!({})
+        },
     }
 }
 
@@ -34,38 +39,20 @@ fn refused(why: String) -> Boot {
 pub fn boot(a: &RunArgs, forgejo_url: &str) -> Boot {
     let slot = match slot_dir(&a.common.local) {
         Ok(s) => s,
-        Err(Fatal(_, msg)) => {
-            return Boot {
-                result: Err(format!("not booted: {msg}")),
-                refused: false,
-                detail: json!({}),
-            };
-        }
+        Err(Fatal(_, msg)) => return not_booted(msg, false),
     };
     // One run of a slot at a time: a cycle's run, or this canary.
     let _lock = match take_lock(&slot) {
         Ok(l) => l,
         Err(StateDirError::Locked(m)) => {
-            return refused(format!("{m}: a run of this slot is going on"));
+            return not_booted(format!("{m}: a run of this slot is going on"), true);
         }
-        Err(e) => {
-            return Boot {
-                result: Err(format!("not booted: {}", Fatal::from(e).1)),
-                refused: false,
-                detail: json!({}),
-            };
-        }
+        Err(e) => return not_booted(Fatal::from(e).1, false),
     };
     // SIGTERM: the running step gets SIGINT, the canary stops with cycle.json kept.
     let stop = match StopFlag::install() {
         Ok(s) => s,
-        Err(e) => {
-            return Boot {
-                result: Err(format!("not booted: {e:#}")),
-                refused: false,
-                detail: json!({}),
-            };
-        }
+        Err(e) => return not_booted(format!("{e:#}"), false),
     };
     let mut tofu = wiring::tofu(a, &slot, stop.clone());
     let mut launcher = wiring::launcher(a, stop.clone());
@@ -93,7 +80,7 @@ fn secs(d: Duration) -> String {
     format!("{:.1}s", d.as_secs_f64())
 }
 
-fn step_json<T: serde::Serialize>(t: &Option<Timed<T>>) -> Value {
+fn step_json<T: serde::Serialize>(t: Option<&Timed<T>>) -> Value {
     match t {
         None => Value::Null,
         Some(t) => json!({
@@ -126,10 +113,10 @@ fn report(c: &Canary) -> Boot {
     let times = times.join(", ");
     let detail = json!({
         "cycle_id": c.cycle_id,
-        "leftover": c.leftover.as_ref().map(|(id, t)| json!({"cycle_id": id, "destroy": step_json(&Some(Timed { took: t.took, result: t.result.clone() }))})),
-        "apply": step_json(&c.apply),
-        "probe": step_json(&c.probe),
-        "destroy": step_json(&c.destroy),
+        "leftover": c.leftover.as_ref().map(|(id, t)| json!({"cycle_id": id, "destroy": step_json(Some(t))})),
+        "apply": step_json(c.apply.as_ref()),
+        "probe": step_json(c.probe.as_ref()),
+        "destroy": step_json(c.destroy.as_ref()),
     });
     let cycle = c.cycle_id.as_deref().unwrap_or("-");
     let result = match &c.end {
@@ -152,7 +139,7 @@ fn report(c: &Canary) -> Boot {
             msg.push(')');
             Err(msg)
         }
-        CanaryEnd::Refused(why) => return refused(why.clone()),
+        CanaryEnd::Refused(why) => return not_booted(why, true),
     };
     match &result {
         Ok(m) => log::info!("boot: {m}"),
