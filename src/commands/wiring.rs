@@ -520,6 +520,7 @@ pub(crate) fn slot_tofu(
         slot: slot.k,
         pinned: slot.n > 1,
         pool,
+        timeout: None,
         // Absolute: tofu runs with -chdir into the module directory.
         data_dir: (slot.k != 1).then(|| {
             let d = slot.dir().join(TOFU_DATA_DIR);
