@@ -69,7 +69,7 @@ pub fn boot(a: &RunArgs, forgejo_url: &str) -> Boot {
         &CanaryConfig {
             labels: &labels,
             forgejo_url,
-            runner_prefix: &a.common.runner_prefix,
+            runner_prefix: &a.common.target.runner_prefix,
             slot: slot.k,
         },
     );

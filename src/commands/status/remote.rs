@@ -38,26 +38,33 @@ pub(super) fn gather(
     now: Timestamp,
     mut pg: Option<&mut PgStore>,
 ) -> Result<Value, Fatal> {
-    check_prefix(&a.runner_prefix)?;
-    if let Some(dir) = a.tofu_dir.as_deref() {
+    check_prefix(&a.target.runner_prefix)?;
+    if let Some(dir) = a.module.tofu_dir.as_deref() {
         check_module_owner(dir)?;
     }
-    let url = a.forgejo_url.as_deref().ok_or_else(|| {
+    let url = a.target.forgejo_url.as_deref().ok_or_else(|| {
         usage("status --remote needs --forgejo-url (or CI_EPHEMERAL_PROVISIONER_FORGEJO_URL), as `sweep` does")
     })?;
     let url = validate_url(url).map_err(|e| usage(format!("--forgejo-url: {e:#}")))?;
-    let scope = Scope::parse(&a.scope).map_err(|e| usage(format!("--scope: {e:#}")))?;
-    let ca = match &a.ca_file {
+    let scope = Scope::parse(&a.target.scope).map_err(|e| usage(format!("--scope: {e:#}")))?;
+    let ca = match &a.target.ca_file {
         Some(path) => Some(load_ca_file(path).map_err(|e| usage(format!("--ca-file: {e:#}")))?),
         None => None,
     };
-    let token = read_token(&a.token_file)?;
-    let mut forgejo = HttpForgejo::new(&url, scope, &token, &[], a.http_timeout, ca.as_deref());
+    let token = read_token(&a.target.token_file)?;
+    let mut forgejo = HttpForgejo::new(
+        &url,
+        scope,
+        &token,
+        &[],
+        a.target.http_timeout,
+        ca.as_deref(),
+    );
     drop(token);
     let mut doc = json!({
         "url": url,
-        "scope": a.scope,
-        "runner_prefix": a.runner_prefix,
+        "scope": a.target.scope,
+        "runner_prefix": a.target.runner_prefix,
     });
     match forgejo_registrations(a, slot, &mut forgejo, now, pg.as_deref_mut()) {
         Ok(found) => {
@@ -79,7 +86,7 @@ fn forgejo_registrations(
     now: Timestamp,
     pg: Option<&mut PgStore>,
 ) -> anyhow::Result<Vec<(&'static str, Value)>> {
-    let prefix = a.runner_prefix.as_str();
+    let prefix = a.target.runner_prefix.as_str();
     let ours = |r: &Runner| is_ours(r.name.as_deref(), prefix);
     let listing = list_all(forgejo, &ours)?;
     // What the sweep reads of the pool's other slots (and hosts), and every cycle of the pool.
@@ -106,13 +113,19 @@ fn forgejo_registrations(
     let guard = SweepGuard {
         now,
         min_age: sweep_min_age(
-            a.registration_grace,
-            a.launch_timeout,
-            intent_settle_of(a.http_timeout),
+            a.grace.registration_grace,
+            a.grace.launch_timeout,
+            intent_settle_of(a.target.http_timeout),
         ),
         held: others.names,
     };
-    let rows = registrations(&listing, prefix, a.sweep_max_deletions, &guard, &held);
+    let rows = registrations(
+        &listing,
+        prefix,
+        a.target.sweep_max_deletions,
+        &guard,
+        &held,
+    );
     Ok(vec![
         ("listed", json!(listing.distinct)),
         ("complete", json!(listing.complete)),
@@ -128,11 +141,11 @@ fn forgejo_registrations(
 /// each of the pool's cycles; `skipped` without --tofu-dir, `error` when tofu cannot run or
 /// read it.
 fn tofu_state(a: &RemoteArgs, slot: &SlotDir, pool: Option<String>) -> Value {
-    let Some(dir) = a.tofu_dir.as_deref() else {
+    let Some(dir) = a.module.tofu_dir.as_deref() else {
         return json!({"skipped": "no --tofu-dir: the module directory holds the state (or names its backend)"});
     };
     let shown = dir.display().to_string();
-    let tofu = status_tofu(&a.tofu_bin, dir, slot, pool);
+    let tofu = status_tofu(&a.module.tofu_bin, dir, slot, pool);
     if let Err(e) = tofu.check_config() {
         return json!({"tofu_dir": shown, "error": format!("{e:#}")});
     }
