@@ -179,8 +179,8 @@ pub struct ForgejoArgs {
     pub events_max_bytes: u64,
 
     /// Prometheus text file written (atomically, mode 0644) when a run or sweep gets past the
-    /// lock (with run_in_progress 1) and again when it ends, for node_exporter's textfile
-    /// collector, e.g.
+    /// lock (with run_in_progress 1) and again when it ends (and as check --boot's VM comes and
+    /// goes), for node_exporter's textfile collector, e.g.
     /// /var/lib/prometheus/node-exporter/ci-ephemeral-provisioner.prom. Must end in .prom.
     #[arg(
         long,

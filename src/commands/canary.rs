@@ -9,9 +9,14 @@ use crate::adapters::clock::RealClock;
 use crate::adapters::files::{FileStore, StateDirError, take_lock};
 use crate::adapters::signals::{ReloadFlag, StopFlag};
 use crate::cli::RunArgs;
-use crate::commands::config::slot_dir;
+use crate::cli::StoreKind;
+use crate::commands::config::{MetricsTarget, metrics_target, slot_dir};
 use crate::commands::exit::Fatal;
+use crate::commands::record::rewrite_metrics;
 use crate::commands::wiring;
+use crate::core::holds::{Holds, HoldsError};
+use crate::core::ports::StateStore;
+use crate::core::state::CycleState;
 use crate::driver::canary::{Canary, CanaryConfig, CanaryEnd, CanaryWorld, Timed};
 
 /// The canary's line of `check`, and whether it was refused (exit 75: try again later).
@@ -56,7 +61,13 @@ pub fn boot(a: &RunArgs, forgejo_url: &str) -> Boot {
     };
     let mut tofu = wiring::tofu(a, &slot, stop.clone());
     let mut launcher = wiring::launcher(a, stop.clone());
-    let mut store = FileStore::slot(slot.clone());
+    // With the files store the slot's metrics file counts the canary's VM in cycle_active (the
+    // pool store's metrics are a run's, from its rows: left alone).
+    let mut store = Announced {
+        files: FileStore::slot(slot.clone()),
+        dir: slot.dir(),
+        metrics: metrics_target(&a.common).filter(|_| a.common.local.store == StoreKind::Files),
+    };
     let mut clock = RealClock::new(stop, ReloadFlag::default());
     let labels = a.labels.clone().unwrap_or_default();
     let c = crate::driver::canary::run(
@@ -74,6 +85,47 @@ pub fn boot(a: &RunArgs, forgejo_url: &str) -> Boot {
         },
     );
     report(&c)
+}
+
+/// The slot's cycle.json, and after each change of it the slot's metrics file: the canary's VM
+/// counts in `cycle_active` while it may exist, as a cycle's does.
+struct Announced<'a> {
+    files: FileStore,
+    dir: std::path::PathBuf,
+    metrics: Option<MetricsTarget<'a>>,
+}
+
+impl Announced<'_> {
+    fn announce(&self) {
+        if let Some(target) = &self.metrics {
+            rewrite_metrics(&self.dir, target, None);
+        }
+    }
+}
+
+impl StateStore for Announced<'_> {
+    fn load(&mut self) -> anyhow::Result<Option<CycleState>> {
+        self.files.load()
+    }
+    fn save(&mut self, state: &CycleState) -> anyhow::Result<()> {
+        self.files.save(state)?;
+        self.announce();
+        Ok(())
+    }
+    fn remove(&mut self) -> anyhow::Result<()> {
+        self.files.remove()?;
+        self.announce();
+        Ok(())
+    }
+    fn describe(&self) -> String {
+        self.files.describe()
+    }
+    fn load_holds(&mut self) -> Result<Holds, HoldsError> {
+        self.files.load_holds()
+    }
+    fn save_holds(&mut self, holds: &Holds) -> anyhow::Result<()> {
+        self.files.save_holds(holds)
+    }
 }
 
 fn secs(d: Duration) -> String {

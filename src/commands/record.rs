@@ -34,14 +34,20 @@ pub(crate) fn events_file(dir: &Path, common: &ForgejoArgs) -> Box<EventsFile> {
 /// The metrics file at the start of a run: the counters so far, and that a run is in progress.
 /// A failure here is only logged: the write at the end of the run reports it.
 pub(crate) fn announce_run(dir: &Path, metrics: Option<MetricsTarget<'_>>, started: Timestamp) {
-    let Some(target) = metrics else {
-        return;
-    };
+    if let Some(target) = metrics {
+        rewrite_metrics(dir, &target, Some(started));
+    }
+}
+
+/// The metrics file rewritten with the counters so far and the cycle cycle.json holds now
+/// (`running`: a run in progress since then): at a run's start, and as `check --boot`'s VM
+/// comes and goes. A failure is only logged.
+pub(crate) fn rewrite_metrics(dir: &Path, target: &MetricsTarget<'_>, running: Option<Timestamp>) {
     let counters = load_counters(dir).unwrap_or_else(|e| {
         log::warn!("{e:#}; the metrics file shows the counters from zero until a run rewrites it");
         Counters::default()
     });
-    if let Err(e) = write_metrics(dir, &target, &counters, Some(started), None) {
+    if let Err(e) = write_metrics(dir, target, &counters, running, None) {
         log::warn!("--metrics-file: {e:#}");
     }
 }
