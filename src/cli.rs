@@ -110,10 +110,13 @@ pub enum OutputFormat {
     Json,
 }
 
+/// Where Forgejo is and whose registrations are ours: the flags of `run`, `sweep` and `check`
+/// that `status --remote` reads too (one definition each: one variable, one default).
 #[derive(Debug, Args)]
-pub struct ForgejoArgs {
-    /// Base URL of Forgejo (≥ 15), e.g. https://forgejo.example.org: required (except for a
-    /// dry-run with --fixture). Plain http only to loopback; no user:password@, no #fragment.
+pub struct ForgejoTarget {
+    /// Base URL of Forgejo (≥ 15), e.g. https://forgejo.example.org: required wherever Forgejo
+    /// is asked (not by a dry-run with --fixture). Plain http only to loopback; no
+    /// user:password@, no #fragment.
     #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_FORGEJO_URL", value_name = "URL")]
     pub forgejo_url: Option<String>,
 
@@ -163,6 +166,12 @@ pub struct ForgejoArgs {
         value_name = "N"
     )]
     pub sweep_max_deletions: usize,
+}
+
+#[derive(Debug, Args)]
+pub struct ForgejoArgs {
+    #[command(flatten)]
+    pub target: ForgejoTarget,
 
     /// The audit trail <state-dir>/events.jsonl is rotated to events.jsonl.1 past this size
     /// (so it takes at most twice this). Written as 10MiB, 512KiB or bytes; at least 16KiB.
@@ -170,8 +179,8 @@ pub struct ForgejoArgs {
     pub events_max_bytes: u64,
 
     /// Prometheus text file written (atomically, mode 0644) when a run or sweep gets past the
-    /// lock (with run_in_progress 1) and again when it ends, for node_exporter's textfile
-    /// collector, e.g.
+    /// lock (with run_in_progress 1) and again when it ends (and as check --boot's VM comes and
+    /// goes), for node_exporter's textfile collector, e.g.
     /// /var/lib/prometheus/node-exporter/ci-ephemeral-provisioner.prom. Must end in .prom.
     #[arg(
         long,
@@ -243,19 +252,8 @@ pub struct RunArgs {
     #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_LABELS", value_name = "LIST")]
     pub labels: Option<String>,
 
-    /// The OpenTofu binary (terraform is CLI-compatible).
-    #[arg(
-        long,
-        env = "CI_EPHEMERAL_PROVISIONER_TOFU_BIN",
-        default_value = "tofu",
-        value_name = "PATH"
-    )]
-    pub tofu_bin: PathBuf,
-
-    /// Directory of the VM module (needed once a cycle must start). It gets the variable
-    /// `cycle_id` (TF_VAR_cycle_id).
-    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_TOFU_DIR", value_name = "DIR")]
-    pub tofu_dir: Option<PathBuf>,
+    #[command(flatten)]
+    pub module: ModuleArgs,
 
     /// Program that starts one runner on the VM: no arguments, RUNNER_* / JOB_HANDLE /
     /// FORGEJO_URL / TOFU_OUTPUT_* in its environment, the runner token as one line on stdin.
@@ -266,9 +264,8 @@ pub struct RunArgs {
     )]
     pub launch_command: Option<PathBuf>,
 
-    /// The launch command is killed after this long and counts as failed.
-    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_LAUNCH_TIMEOUT", default_value = "2m", value_parser = parse_duration, value_name = "DURATION", allow_hyphen_values = true)]
-    pub launch_timeout: Duration,
+    #[command(flatten)]
+    pub grace: GraceArgs,
 
     /// Runners started on one VM before it is torn down; 1 gives every job a VM of its own.
     #[arg(
@@ -294,12 +291,6 @@ pub struct RunArgs {
     /// Tear down when no job has waited for this long while the VM was free.
     #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_IDLE_TIMEOUT", default_value = "5m", value_parser = parse_duration, value_name = "DURATION", allow_hyphen_values = true)]
     pub idle_timeout: Duration,
-
-    /// How long a launched registration may stay offline (starting) before it is deleted (as
-    /// never connected when Forgejo never saw it idle or active: a failed start); also how long an
-    /// idle runner may outlive its job.
-    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_REGISTRATION_GRACE", default_value = "3m", value_parser = parse_duration, value_name = "DURATION", allow_hyphen_values = true)]
-    pub registration_grace: Duration,
 
     /// How long after its launch our runner may sit idle while its job is still listed as
     /// waiting (Forgejo holds it back, e.g. behind a concurrency group) before the VM goes and the
@@ -404,14 +395,8 @@ pub struct SweepArgs {
     #[command(flatten)]
     pub dry: DryRunArgs,
 
-    /// `run`'s flag of the same name and variable: with --launch-timeout and twice
-    /// --http-timeout, how young a registration (by the time in its name) the sweep spares.
-    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_REGISTRATION_GRACE", default_value = "3m", value_parser = parse_duration, value_name = "DURATION", allow_hyphen_values = true)]
-    pub registration_grace: Duration,
-
-    /// `run`'s flag of the same name and variable (see --registration-grace).
-    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_LAUNCH_TIMEOUT", default_value = "2m", value_parser = parse_duration, value_name = "DURATION", allow_hyphen_values = true)]
-    pub launch_timeout: Duration,
+    #[command(flatten)]
+    pub grace: GraceArgs,
 }
 
 #[derive(Debug, Args)]
@@ -451,58 +436,37 @@ pub struct RemoteArgs {
     #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_REMOTE")]
     pub remote: bool,
 
-    /// With --remote: `run`'s flag of the same name and variable.
-    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_FORGEJO_URL", value_name = "URL")]
-    pub forgejo_url: Option<String>,
+    #[command(flatten)]
+    pub target: ForgejoTarget,
 
-    /// With --remote: `run`'s flag of the same name and variable.
-    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_TOKEN_FILE", value_name = "PATH")]
-    pub token_file: Option<PathBuf>,
+    #[command(flatten)]
+    pub grace: GraceArgs,
 
-    /// With --remote: `run`'s flag of the same name and variable.
-    #[arg(
-        long,
-        env = "CI_EPHEMERAL_PROVISIONER_SCOPE",
-        default_value = "admin",
-        value_name = "SCOPE"
-    )]
-    pub scope: String,
+    #[command(flatten)]
+    pub module: ModuleArgs,
+}
 
-    /// With --remote: `run`'s flag of the same name and variable.
-    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_CA_FILE", value_name = "PATH")]
-    pub ca_file: Option<PathBuf>,
-
-    /// With --remote: `run`'s flag of the same name and variable.
-    #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_HTTP_TIMEOUT", default_value = "30s", value_parser = parse_duration, value_name = "DURATION", allow_hyphen_values = true)]
-    pub http_timeout: Duration,
-
-    /// With --remote: `run`'s flag of the same name and variable: whose registrations are shown.
-    #[arg(
-        long,
-        env = "CI_EPHEMERAL_PROVISIONER_RUNNER_PREFIX",
-        default_value = "ephemeral-",
-        value_name = "PREFIX"
-    )]
-    pub runner_prefix: String,
-
-    /// With --remote: `sweep`'s flag of the same name and variable.
-    #[arg(
-        long,
-        env = "CI_EPHEMERAL_PROVISIONER_SWEEP_MAX_DELETIONS",
-        default_value_t = 50,
-        value_name = "N"
-    )]
-    pub sweep_max_deletions: usize,
-
-    /// With --remote: `sweep`'s flag of the same name and variable.
+/// How young a registration a sweep spares (with twice --http-timeout): `run`'s, `sweep`'s and
+/// `status --remote`'s.
+#[derive(Debug, Args)]
+pub struct GraceArgs {
+    /// How long a launched registration may stay offline (starting) before it is deleted (as
+    /// never connected when Forgejo never saw it idle or active: a failed start); also how long an
+    /// idle runner may outlive its job. With --launch-timeout and twice --http-timeout: how young
+    /// a registration (by the time in its name) a sweep spares.
     #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_REGISTRATION_GRACE", default_value = "3m", value_parser = parse_duration, value_name = "DURATION", allow_hyphen_values = true)]
     pub registration_grace: Duration,
 
-    /// With --remote: `sweep`'s flag of the same name and variable.
+    /// The launch command is killed after this long and counts as failed (see
+    /// --registration-grace).
     #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_LAUNCH_TIMEOUT", default_value = "2m", value_parser = parse_duration, value_name = "DURATION", allow_hyphen_values = true)]
     pub launch_timeout: Duration,
+}
 
-    /// With --remote: `run`'s flag of the same name and variable.
+/// The VM module: `run`'s and `check`'s, whose state `status --remote` reads.
+#[derive(Debug, Args)]
+pub struct ModuleArgs {
+    /// The OpenTofu binary (terraform is CLI-compatible).
     #[arg(
         long,
         env = "CI_EPHEMERAL_PROVISIONER_TOFU_BIN",
@@ -511,7 +475,8 @@ pub struct RemoteArgs {
     )]
     pub tofu_bin: PathBuf,
 
-    /// With --remote: `run`'s flag of the same name and variable.
+    /// Directory of the VM module (a run needs it once a cycle must start; status --remote
+    /// reads its state). It gets the variable `cycle_id` (TF_VAR_cycle_id).
     #[arg(long, env = "CI_EPHEMERAL_PROVISIONER_TOFU_DIR", value_name = "DIR")]
     pub tofu_dir: Option<PathBuf>,
 }
@@ -678,4 +643,60 @@ pub fn parse_bytes(s: &str) -> anyhow::Result<u64> {
         bail!("{s:?} is below the minimum of {} KiB", MIN_MAX_BYTES / 1024);
     }
     Ok(bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+    use std::collections::BTreeMap;
+    use std::ffi::OsString;
+
+    // Mutation caught: a flag that two commands define each for itself (status's
+    // --max-cycle-duration beside run's, or a copy of a shared group's) with another default or
+    // variable than the other's, or a variable that is not CI_EPHEMERAL_PROVISIONER_<FLAG>.
+    #[test]
+    fn a_flag_has_one_variable_and_one_default_in_every_command() {
+        type Seen = (String, Option<OsString>, Vec<OsString>);
+        let cli = Cli::command();
+        let mut seen: BTreeMap<String, Seen> = BTreeMap::new();
+        for sub in cli.get_subcommands() {
+            for arg in sub.get_arguments() {
+                let Some(long) = arg.get_long() else {
+                    continue;
+                };
+                let env = arg.get_env().map(|e| e.to_os_string());
+                if let Some(e) = &env {
+                    let want = format!(
+                        "CI_EPHEMERAL_PROVISIONER_{}",
+                        long.to_uppercase().replace('-', "_")
+                    );
+                    assert_eq!(e.to_str(), Some(want.as_str()), "--{long}");
+                }
+                let defaults: Vec<OsString> = arg
+                    .get_default_values()
+                    .iter()
+                    .map(|d| d.to_os_string())
+                    .collect();
+                match seen.get(long) {
+                    Some((first, e, d)) => assert_eq!(
+                        (e, d),
+                        (&env, &defaults),
+                        "--{long} of {} and of {first}",
+                        sub.get_name()
+                    ),
+                    None => {
+                        seen.insert(
+                            long.to_string(),
+                            (sub.get_name().to_string(), env, defaults),
+                        );
+                    }
+                }
+            }
+        }
+        // Every command's flags were seen, and those `status --remote` shares with `run`.
+        for long in ["labels", "remote", "boot", "tofu-dir", "registration-grace"] {
+            assert!(seen.contains_key(long), "--{long} not seen: {seen:?}");
+        }
+    }
 }

@@ -137,7 +137,9 @@ impl Launcher for CommandLauncher {
                 true,
             ),
             Ok(r) if r.success() => ProcessCheck::Running,
-            Ok(r) if !r.timed_out && r.status.code() == Some(CHECK_GONE) => ProcessCheck::Gone,
+            Ok(r) if r.timed_out.is_none() && r.status.code() == Some(CHECK_GONE) => {
+                ProcessCheck::Gone
+            }
             Ok(r) => unknown(
                 format!(
                     "RUNNER_ACTION=check of {} {} (0 means it runs, 3 that it is gone)",

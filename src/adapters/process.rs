@@ -112,15 +112,15 @@ pub struct ChildResult {
     pub stderr_tail: String,
     /// A stop was requested while it ran; it was sent SIGINT.
     pub interrupted: bool,
-    /// It ran past its timeout; its process group was killed.
-    pub timed_out: bool,
+    /// It ran past this timeout (`ChildSpec::timeout`); its process group was killed.
+    pub timed_out: Option<Duration>,
     /// False when a stop was requested before it could be started.
     pub started: bool,
 }
 
 impl ChildResult {
     pub fn success(&self) -> bool {
-        self.status.success() && !self.timed_out
+        self.status.success() && self.timed_out.is_none()
     }
 
     /// `exit status 1`, `killed by signal 9`, with the stderr tail.
@@ -158,8 +158,11 @@ impl ChildResult {
     fn how(&self) -> String {
         if !self.started {
             "was not started: a stop was requested".to_string()
-        } else if self.timed_out {
-            "timed out and was killed".to_string()
+        } else if let Some(limit) = self.timed_out {
+            format!(
+                "timed out after {} and was killed",
+                crate::core::time::format_duration(limit)
+            )
         } else if let Some(code) = self.status.code() {
             format!("exited with status {code}")
         } else if let Some(sig) = self.status.signal() {
@@ -291,7 +294,7 @@ pub fn run_child(spec: &ChildSpec, stop: &StopFlag) -> std::io::Result<ChildResu
             stdout: Vec::new(),
             stderr_tail: String::new(),
             interrupted: true,
-            timed_out: false,
+            timed_out: None,
             started: false,
         });
     }
@@ -336,7 +339,7 @@ pub fn run_child(spec: &ChildSpec, stop: &StopFlag) -> std::io::Result<ChildResu
         stdout,
         stderr_tail: String::from_utf8_lossy(&stderr).into_owned(),
         interrupted: ended.interrupted,
-        timed_out: ended.timed_out,
+        timed_out: spec.timeout.filter(|_| ended.timed_out),
         started: true,
     })
 }
@@ -561,7 +564,13 @@ mod tests {
         let mut spec = sh("sleep 30.4217 & sleep 30");
         spec.timeout = Some(Duration::from_millis(200));
         let r = run_child(&spec, &StopFlag::new()).unwrap();
-        assert!(r.timed_out && !r.success());
+        assert!(r.timed_out.is_some() && !r.success());
+        assert!(
+            r.describe()
+                .starts_with("timed out after 200ms and was killed"),
+            "{}",
+            r.describe()
+        );
         std::thread::sleep(Duration::from_millis(100));
         let left = Command::new("pgrep")
             .args(["-f", "sleep 30.4217"])

@@ -74,6 +74,10 @@ pub struct CliTofu {
     /// `--store pg`: the pool, whose cycles each have a workspace of their own,
     /// `POOL-CYCLE_ID` (`core::pool::workspace`), that any host of the pool can address.
     pub pool: Option<String>,
+    /// How long each tofu command may run before it is killed: none for a cycle's (an apply
+    /// takes what the module takes; a stop request ends it), a bound for a read that must not
+    /// hang its caller on a backend that does not answer (`status --remote`).
+    pub timeout: Option<std::time::Duration>,
     pub stop: StopFlag,
 }
 
@@ -231,6 +235,7 @@ impl CliTofu {
         let dir = self.dir()?;
         let mut spec = invocation(&self.bin, dir, cycle_id, args);
         spec.env.extend(self.slot_env(cycle_id, workspace));
+        spec.timeout = self.timeout;
         let shown = format!(
             "{} {}",
             self.bin.display(),
@@ -321,6 +326,35 @@ impl Tofu for CliTofu {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::PermissionsExt;
+    use std::time::Duration;
+
+    // Mutation caught: the tofu command run without its bound (a backend that never answers
+    // hangs the caller), or the failure not saying the bound.
+    #[test]
+    fn a_tofu_command_past_its_bound_is_killed_and_says_so() {
+        let dir = tempfile::tempdir().unwrap();
+        let bin = dir.path().join("tofu");
+        std::fs::write(&bin, "#!/bin/sh\nexec sleep 30\n").unwrap();
+        std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let tofu = CliTofu {
+            bin,
+            dir: Some(dir.path().to_path_buf()),
+            slot: 1,
+            pinned: false,
+            data_dir: None,
+            pool: None,
+            timeout: Some(Duration::from_millis(300)),
+            stop: StopFlag::new(),
+        };
+        let e = tofu.show_states().unwrap_err();
+        assert!(!e.interrupted, "{e:?}");
+        assert!(
+            e.message
+                .contains("show -json -no-color` timed out after 300ms and was killed"),
+            "{e:?}"
+        );
+    }
 
     #[test]
     fn outputs_keep_sensitivity() {

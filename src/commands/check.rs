@@ -67,7 +67,7 @@ pub fn cmd_check(CheckArgs { args: a, boot }: CheckArgs) -> Result<u8, Fatal> {
             name: "configuration",
             result: Ok(format!(
                 "Forgejo {url}, scope {}, runner prefix {:?}",
-                a.common.scope, a.common.runner_prefix
+                a.common.target.scope, a.common.target.runner_prefix
             )),
             warnings: loopback_warning(&url, &a).into_iter().collect(),
             detail: None,
@@ -202,12 +202,12 @@ fn token_source(arg: &Option<std::path::PathBuf>) -> &'static str {
 
 /// The token file, then Forgejo: reachable, new enough, and accepting the token for the scope.
 fn check_forgejo(a: &RunArgs, labels: &Labels) -> Vec<Line> {
-    let token = read_token(&a.common.token_file).map_err(|Fatal(_, msg)| msg);
+    let token = read_token(&a.common.target.token_file).map_err(|Fatal(_, msg)| msg);
     let mut lines = vec![Line::new(
         "token file",
         token
             .as_ref()
-            .map(|_| token_source(&a.common.token_file).to_string())
+            .map(|_| token_source(&a.common.target.token_file).to_string())
             .map_err(Clone::clone),
     )];
     let (url, scope) = match forgejo_target(&a.common) {
@@ -243,7 +243,7 @@ fn check_forgejo(a: &RunArgs, labels: &Labels) -> Vec<Line> {
     if reachable {
         lines.push(Line::new(
             "token scope",
-            scope_line(&mut forgejo, &a.common.scope),
+            scope_line(&mut forgejo, &a.common.target.scope),
         ));
     }
     lines
@@ -303,7 +303,10 @@ fn check_tofu(a: &RunArgs) -> anyhow::Result<String> {
     let slot = slot_dir(&a.common.local)
         .unwrap_or_else(|_| crate::adapters::files::SlotDir::alone(Path::new(".")));
     wiring::tofu(a, &slot, StopFlag::new()).check_config()?;
-    let (program, dir) = match (find_executable(&a.tofu_bin), a.tofu_dir.as_deref()) {
+    let (program, dir) = match (
+        find_executable(&a.module.tofu_bin),
+        a.module.tofu_dir.as_deref(),
+    ) {
         (Some(program), Some(dir)) => (program, dir),
         _ => bail!("--tofu-bin or --tofu-dir changed while they were checked"),
     };
@@ -459,6 +462,7 @@ fn check_pool_store(a: &RunArgs, url: &str) -> anyhow::Result<String> {
 /// any host of the pool can destroy a cycle's VM.
 fn check_tofu_backend(a: &RunArgs) -> anyhow::Result<String> {
     let dir = a
+        .module
         .tofu_dir
         .as_deref()
         .ok_or_else(|| anyhow!("--tofu-dir is not set"))?;

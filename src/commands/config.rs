@@ -131,18 +131,18 @@ pub(crate) fn check_prefix(prefix: &str) -> Result<(), Fatal> {
 
 /// Where Forgejo is (`--forgejo-url`, checked) and whose runners are ours (`--scope`).
 pub(crate) fn forgejo_target(common: &ForgejoArgs) -> Result<(String, Scope), Fatal> {
-    let url = common.forgejo_url.as_deref().ok_or_else(|| {
+    let url = common.target.forgejo_url.as_deref().ok_or_else(|| {
         usage("--forgejo-url is required (or CI_EPHEMERAL_PROVISIONER_FORGEJO_URL)")
     })?;
     let url = validate_url(url).map_err(|e| usage(format!("--forgejo-url: {e:#}")))?;
-    let scope = Scope::parse(&common.scope).map_err(|e| usage(format!("--scope: {e:#}")))?;
+    let scope = Scope::parse(&common.target.scope).map_err(|e| usage(format!("--scope: {e:#}")))?;
     Ok((url, scope))
 }
 
 /// How long after a registration's POST it has landed or never will: twice the longest a POST
 /// can take from our side (`--http-timeout`).
 pub(crate) fn intent_settle(common: &ForgejoArgs) -> Duration {
-    intent_settle_of(common.http_timeout)
+    intent_settle_of(common.target.http_timeout)
 }
 
 /// [`intent_settle`] of an `--http-timeout`.
@@ -166,16 +166,20 @@ pub(crate) fn sweep_min_age(
 
 pub(crate) fn policy(a: &RunArgs, labels: &Labels) -> Policy {
     Policy {
-        runner_prefix: a.common.runner_prefix.clone(),
+        runner_prefix: a.common.target.runner_prefix.clone(),
         label_names: labels.names(),
         max_jobs_per_vm: a.max_jobs_per_vm,
         idle_timeout: a.idle_timeout,
-        registration_grace: a.registration_grace,
+        registration_grace: a.grace.registration_grace,
         max_cycle_duration: a.max_cycle_duration,
         hard_deadline: a.hard_deadline,
         intent_settle: intent_settle(&a.common),
         job_pickup_timeout: a.job_pickup_timeout,
-        sweep_min_age: sweep_min_age(a.registration_grace, a.launch_timeout, &a.common),
+        sweep_min_age: sweep_min_age(
+            a.grace.registration_grace,
+            a.grace.launch_timeout,
+            &a.common,
+        ),
         reuse_within: a.reuse_within,
         warm: WarmPolicy {
             count: a.warm,
@@ -196,7 +200,7 @@ pub(crate) fn cycle_config(
         poll_interval: a.poll_interval,
         labels: labels.given().to_string(),
         forgejo_url,
-        sweep_max_deletions: a.common.sweep_max_deletions,
+        sweep_max_deletions: a.common.target.sweep_max_deletions,
         host: String::new(),
         slot: a.common.local.slot,
         backoff: backoff_policy(a),
@@ -217,7 +221,7 @@ pub(crate) fn backoff_policy(a: &RunArgs) -> BackoffPolicy {
 
 /// The checks of `run`'s flags that need no I/O; the labels, when they pass.
 pub(crate) fn validate_run_args(a: &RunArgs) -> Result<Labels, Fatal> {
-    check_prefix(&a.common.runner_prefix)?;
+    check_prefix(&a.common.target.runner_prefix)?;
     slot_dir(&a.common.local)?;
     let labels = Labels::parse(a.labels.as_deref().unwrap_or_default())
         .map_err(|e| usage(e.to_string()))?
@@ -230,8 +234,8 @@ pub(crate) fn validate_run_args(a: &RunArgs) -> Result<Labels, Fatal> {
     for (flag, d) in [
         ("--poll-interval", a.poll_interval),
         ("--job-pickup-timeout", a.job_pickup_timeout),
-        ("--launch-timeout", a.launch_timeout),
-        ("--http-timeout", a.common.http_timeout),
+        ("--launch-timeout", a.grace.launch_timeout),
+        ("--http-timeout", a.common.target.http_timeout),
     ] {
         if d.is_zero() {
             return Err(usage(format!("{flag} must be longer than 0")));

@@ -34,14 +34,20 @@ pub(crate) fn events_file(dir: &Path, common: &ForgejoArgs) -> Box<EventsFile> {
 /// The metrics file at the start of a run: the counters so far, and that a run is in progress.
 /// A failure here is only logged: the write at the end of the run reports it.
 pub(crate) fn announce_run(dir: &Path, metrics: Option<MetricsTarget<'_>>, started: Timestamp) {
-    let Some(target) = metrics else {
-        return;
-    };
+    if let Some(target) = metrics {
+        rewrite_metrics(dir, &target, Some(started));
+    }
+}
+
+/// The metrics file rewritten with the counters so far and the cycle cycle.json holds now
+/// (`running`: a run in progress since then): at a run's start, and as `check --boot`'s VM
+/// comes and goes. A failure is only logged.
+pub(crate) fn rewrite_metrics(dir: &Path, target: &MetricsTarget<'_>, running: Option<Timestamp>) {
     let counters = load_counters(dir).unwrap_or_else(|e| {
         log::warn!("{e:#}; the metrics file shows the counters from zero until a run rewrites it");
         Counters::default()
     });
-    if let Err(e) = write_metrics(dir, &target, &counters, Some(started), None) {
+    if let Err(e) = write_metrics(dir, target, &counters, running, None) {
         log::warn!("--metrics-file: {e:#}");
     }
 }
@@ -170,8 +176,7 @@ pub(crate) fn print_plan(actions: &[Value], report: &Report, output: OutputForma
     let failures = report.failures.len() as u64 + report.failures_not_listed;
     match output {
         OutputFormat::Json => {
-            // One document: the plan, how it ends, and the errors it met, each said.
-            let doc = json!({ "actions": actions, "outcome": report.outcome, "failures": report.failures });
+            let doc = plan_json(actions, report);
             println!("{}", serde_json::to_string_pretty(&doc).unwrap_or_default());
         }
         OutputFormat::Text => {
@@ -194,6 +199,17 @@ pub(crate) fn print_plan(actions: &[Value], report: &Report, output: OutputForma
             }
         }
     }
+}
+
+/// A dry-run's plan as one document: the actions, how it ends, how many errors it met
+/// (`failures`, those past the report's list included) and the listed ones (`errors`).
+fn plan_json(actions: &[Value], report: &Report) -> Value {
+    json!({
+        "actions": actions,
+        "outcome": report.outcome,
+        "failures": report.failures.len() as u64 + report.failures_not_listed,
+        "errors": report.failures,
+    })
 }
 
 /// An empty plan's line: a sweep says what it found to delete (nothing, and among what);
@@ -238,4 +254,29 @@ fn action_line(a: &Value) -> String {
         }
     }
     line
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // Mutation caught: `failures` printed as the list of messages (a script reading a number
+    // breaks), or counting only the listed ones (a repeat, or one past the list, left out).
+    #[test]
+    fn a_plan_counts_every_failure_and_lists_the_distinct_ones() {
+        let mut report = Report::new("run", true, Timestamp(0));
+        report.fail("asking Forgejo for jobs failed");
+        report.fail("asking Forgejo for jobs failed");
+        report.fail("listing runners failed");
+        let doc = plan_json(&[], &report);
+        assert_eq!(doc["failures"], 3, "{doc}");
+        assert_eq!(
+            doc["errors"],
+            json!(["asking Forgejo for jobs failed", "listing runners failed"]),
+            "{doc}"
+        );
+        let none = plan_json(&[], &Report::new("run", true, Timestamp(0)));
+        assert_eq!(none["failures"], 0, "{none}");
+        assert_eq!(none["errors"], json!([]), "{none}");
+    }
 }

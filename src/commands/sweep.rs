@@ -9,7 +9,7 @@ use crate::driver::sweep;
 
 pub fn cmd_sweep(a: SweepArgs) -> Result<u8, Fatal> {
     let c = &a.common;
-    check_prefix(&c.runner_prefix)?;
+    check_prefix(&c.target.runner_prefix)?;
     check_fixture(&a.dry)?;
     check_metrics_file(c)?;
     let wiring::SweepRun {
@@ -35,11 +35,11 @@ pub fn cmd_sweep(a: SweepArgs) -> Result<u8, Fatal> {
         &mut report,
         &mut *forgejo,
         &licence,
-        &c.runner_prefix,
-        c.sweep_max_deletions,
+        &c.target.runner_prefix,
+        c.target.sweep_max_deletions,
         sweep::Spare {
             now: clock.now(),
-            min_age: sweep_min_age(a.registration_grace, a.launch_timeout, c),
+            min_age: sweep_min_age(a.grace.registration_grace, a.grace.launch_timeout, c),
             others: &mut || store.others(),
         },
     );

@@ -379,7 +379,7 @@ fn live(
     let (url, scope) = forgejo_target(c)?;
     let slot = slot_dir(&c.local)?;
     let pg = pg_store(&c.local, &url, run)?;
-    let token = read_token(&c.token_file)?;
+    let token = read_token(&c.target.token_file)?;
     let dir = slot.dir();
     log_config(args, Some(&token), Some(&dir));
     let forgejo = http_forgejo(c, &url, scope, &token, label_names)?;
@@ -453,7 +453,7 @@ fn dry_world<T>(
         None => {
             let (url, scope) = forgejo_target(c)?;
             let slot = slot_dir(&c.local)?;
-            let token = read_token(&c.token_file)?;
+            let token = read_token(&c.target.token_file)?;
             let found = read(DrySource::Slot(&slot))?;
             let forgejo = http_forgejo(c, &url, scope, &token, label_names)?;
             (Box::new(forgejo), found, wall_now(), url)
@@ -483,7 +483,7 @@ pub(crate) fn http_forgejo(
     token: &Secret,
     label_names: &[String],
 ) -> Result<HttpForgejo, Fatal> {
-    let ca = match &common.ca_file {
+    let ca = match &common.target.ca_file {
         Some(path) => Some(load_ca_file(path).map_err(|e| usage(format!("--ca-file: {e:#}")))?),
         None => None,
     };
@@ -492,7 +492,7 @@ pub(crate) fn http_forgejo(
         scope,
         token,
         label_names,
-        common.http_timeout,
+        common.target.http_timeout,
         ca.as_deref(),
     ))
 }
@@ -502,7 +502,13 @@ pub(crate) fn tofu(a: &RunArgs, slot: &SlotDir, stop: StopFlag) -> CliTofu {
     let pool = (a.common.local.store == crate::cli::StoreKind::Pg)
         .then(|| a.common.local.pool.clone())
         .flatten();
-    slot_tofu(&a.tofu_bin, a.tofu_dir.as_deref(), slot, pool, stop)
+    slot_tofu(
+        &a.module.tofu_bin,
+        a.module.tofu_dir.as_deref(),
+        slot,
+        pool,
+        stop,
+    )
 }
 
 /// The tofu CLI of a slot: `bin` on the module in `dir`; `pool` with `--store pg` (also
@@ -520,6 +526,7 @@ pub(crate) fn slot_tofu(
         slot: slot.k,
         pinned: slot.n > 1,
         pool,
+        timeout: None,
         // Absolute: tofu runs with -chdir into the module directory.
         data_dir: (slot.k != 1).then(|| {
             let d = slot.dir().join(TOFU_DATA_DIR);
@@ -533,7 +540,7 @@ pub(crate) fn slot_tofu(
 pub(crate) fn launcher(a: &RunArgs, stop: StopFlag) -> CommandLauncher {
     CommandLauncher {
         command: a.launch_command.clone(),
-        timeout: a.launch_timeout,
+        timeout: a.grace.launch_timeout,
         stop,
     }
 }

@@ -409,7 +409,7 @@ fn render_cycle(o: &mut Out, cycle: &CycleView<'_>, backoff: Option<&Backoff>) {
     o.one(
         "cycle_active",
         "gauge",
-        "1 while a cycle is in progress (cycle.json exists: a VM or registration may exist).",
+        "1 while a cycle is in progress (cycle.json exists: a VM or registration may exist), check --boot's too.",
         active,
     );
     o.family(

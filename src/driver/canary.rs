@@ -100,10 +100,10 @@ pub fn run(w: &mut CanaryWorld<'_>, cfg: &CanaryConfig<'_>) -> Canary {
     let failed = boot_and_probe(w, cfg, &mut state, &mut c);
     // The VM goes, whatever happened.
     let t = teardown(w, &mut state, "the canary is done");
-    let destroy_failed = t.result.clone().err();
-    c.destroy = Some(t);
+    let destroy_failed = t.failed();
+    c.destroy = Some(t.timed);
     c.end = match (destroy_failed, failed) {
-        (Some(e), _) => end_of_failed_destroy(&id, e),
+        (Some((e, interrupted)), _) => end_of_failed_destroy(&id, e, interrupted),
         (None, Some((why, true))) => CanaryEnd::Interrupted(why),
         (None, Some((why, false))) => CanaryEnd::Failed(why),
         (None, None) => verdict(&c),
@@ -131,10 +131,10 @@ fn clear_the_slot(w: &mut CanaryWorld<'_>, c: &mut Canary) -> Result<(), CanaryE
                 "cycle {cycle_id} is the VM of a `check --boot` that did not finish: destroying it first"
             );
             let t = teardown(w, &mut leftover, "a canary that did not finish");
-            let failed = t.result.clone().err();
-            c.leftover = Some((cycle_id.clone(), t));
+            let failed = t.failed();
+            c.leftover = Some((cycle_id.clone(), t.timed));
             match failed {
-                Some(e) => Err(end_of_failed_destroy(&cycle_id, e)),
+                Some((e, interrupted)) => Err(end_of_failed_destroy(&cycle_id, e, interrupted)),
                 None => Ok(()),
             }
         }
@@ -233,21 +233,43 @@ fn verdict(c: &Canary) -> CanaryEnd {
     }
 }
 
-/// A failed destroy of the canary's VM: cycle.json keeps it, and the next run destroys it.
-fn end_of_failed_destroy(cycle_id: &str, e: String) -> CanaryEnd {
+/// A failed destroy of the canary's VM (`interrupted`: by a stop request): cycle.json keeps it,
+/// and the next run destroys it.
+fn end_of_failed_destroy(cycle_id: &str, e: String, interrupted: bool) -> CanaryEnd {
     let what = format!(
         "tofu destroy of the canary's VM (cycle {cycle_id}) failed: {e}; cycle.json keeps it and the next run (or check --boot) destroys it"
     );
-    if e.contains("interrupted by a stop request") || e.contains("a stop was requested") {
+    if interrupted {
         CanaryEnd::Interrupted(what)
     } else {
         CanaryEnd::Failed(what)
     }
 }
 
+/// A teardown: the destroy, timed, and whether a stop request cut it short.
+struct Teardown {
+    timed: Timed<()>,
+    interrupted: bool,
+}
+
+impl Teardown {
+    fn done(timed: Timed<()>) -> Teardown {
+        Teardown {
+            timed,
+            interrupted: false,
+        }
+    }
+
+    /// Why the VM may still exist, and whether a stop request was the cause.
+    fn failed(&self) -> Option<(String, bool)> {
+        let e = self.timed.result.as_ref().err()?;
+        Some((e.clone(), self.interrupted))
+    }
+}
+
 /// Destroys the canary's VM, its intent written first; cycle.json goes once the destroy
-/// succeeded. `Err` when the VM may still exist (cycle.json then says so).
-fn teardown(w: &mut CanaryWorld<'_>, state: &mut CycleState, reason: &str) -> Timed<()> {
+/// succeeded. Failed when the VM may still exist (cycle.json then says so).
+fn teardown(w: &mut CanaryWorld<'_>, state: &mut CycleState, reason: &str) -> Teardown {
     let id = state.cycle_id.clone();
     if state.phase != Phase::Destroyed {
         state.phase = Phase::TearingDown;
@@ -267,9 +289,12 @@ fn teardown(w: &mut CanaryWorld<'_>, state: &mut CycleState, reason: &str) -> Ti
             if let Err(se) = w.store.save(state) {
                 log::warn!("cannot record the failed destroy: {se:#}");
             }
-            return Timed {
-                took,
-                result: Err(e.message),
+            return Teardown {
+                timed: Timed {
+                    took,
+                    result: Err(e.message),
+                },
+                interrupted: e.interrupted,
             };
         }
         state.phase = Phase::Destroyed;
@@ -278,9 +303,9 @@ fn teardown(w: &mut CanaryWorld<'_>, state: &mut CycleState, reason: &str) -> Ti
         if let Err(e) = w.store.save(state) {
             log::warn!("cannot record the canary's destroy: {e:#}");
         }
-        return finish(w, took);
+        return Teardown::done(finish(w, took));
     }
-    finish(w, Duration::ZERO)
+    Teardown::done(finish(w, Duration::ZERO))
 }
 
 /// The VM is gone: cycle.json goes.
@@ -316,6 +341,8 @@ mod tests {
         destroyed: Vec<String>,
         fail_apply: bool,
         fail_destroy: bool,
+        /// The destroy fails as one a stop request cut short (its message says nothing of it).
+        interrupt_destroy: bool,
     }
 
     impl Tofu for Cloud {
@@ -345,6 +372,12 @@ mod tests {
             self.destroyed.push(id.into());
             if self.fail_destroy {
                 return Err(StepError::failed("simulated destroy failure"));
+            }
+            if self.interrupt_destroy {
+                return Err(StepError {
+                    message: "simulated destroy, cut short".into(),
+                    interrupted: true,
+                });
             }
             self.vms.retain(|v| v != id);
             Ok(())
@@ -472,6 +505,31 @@ mod tests {
             Some(kept.cycle_id.as_str())
         );
         assert!(cloud.vms.is_empty() && st.state.is_none());
+    }
+
+    // Mutation caught: the interruption of the destroy told by its message's words (a stop
+    // request whose message does not say so reported as a failed canary).
+    #[test]
+    fn a_destroy_cut_short_by_a_stop_request_ends_the_canary_as_interrupted() {
+        let mut cloud = Cloud {
+            interrupt_destroy: true,
+            ..Cloud::default()
+        };
+        let mut st = store(None);
+        let c = go(&mut cloud, Ok("forgejo-runner version v12.8.2"), &mut st);
+        assert!(
+            matches!(c.end, CanaryEnd::Interrupted(ref m) if m.contains("next run")),
+            "{c:?}"
+        );
+        let kept = st.state.clone().expect("cycle.json keeps the canary");
+        // The next canary's destroy of the leftover, cut short too: interrupted, not failed.
+        let c = go(&mut cloud, Ok("forgejo-runner version v12.8.2"), &mut st);
+        assert!(matches!(c.end, CanaryEnd::Interrupted(_)), "{c:?}");
+        assert_eq!(
+            c.leftover.as_ref().map(|l| l.0.as_str()),
+            Some(kept.cycle_id.as_str())
+        );
+        assert_eq!(cloud.applied.len(), 1, "no second VM: {c:?}");
     }
 
     #[test]

@@ -183,9 +183,15 @@ fn the_canary_never_runs_beside_a_cycle_or_a_run() {
 /// Starts `check --boot` with the probe hanging, and SIGKILLs it (and its children, as systemd
 /// would) once the probe runs: the canary's VM is up and cycle.json holds it.
 fn killed_canary(env: &Env) -> String {
+    killed_canary_seen(env, &[], || ())
+}
+
+/// [`killed_canary`] with `extra` flags, calling `seen` while the canary's VM is up.
+fn killed_canary_seen(env: &Env, extra: &[&str], seen: impl FnOnce()) -> String {
     fs::write(env.vm.join("probe-mode"), "hang").unwrap();
     let mut c = env.cmd("check");
     c.arg("--boot")
+        .args(extra)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .stdin(Stdio::null());
@@ -195,6 +201,7 @@ fn killed_canary(env: &Env) -> String {
             .unwrap_or_default()
             .contains("probe")
     });
+    seen();
     kill_like_systemd(&mut child);
     fs::remove_file(env.vm.join("probe-mode")).unwrap();
     let s = env.cycle_json().expect("the killed canary's cycle.json");
@@ -250,4 +257,35 @@ fn a_canary_killed_half_way_is_destroyed_by_the_next_canary() {
     assert_eq!(log.matches("destroy ").count(), 2, "{log}");
     env.assert_at_rest();
     only_reads(&env);
+}
+
+/// The value of `ci_ephemeral_provisioner_NAME` (no labels) in a metrics file.
+fn metric(path: &std::path::Path, name: &str) -> f64 {
+    let text = fs::read_to_string(path).unwrap();
+    let key = format!("ci_ephemeral_provisioner_{name} ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(&key))
+        .unwrap_or_else(|| panic!("no {name} in:\n{text}"))
+        .parse()
+        .unwrap()
+}
+
+// Mutation caught: the canary leaving the metrics file alone (its VM not in cycle_active, the
+// dashboard's "VMs up" short by one while it runs), or not rewriting it once the VM is gone.
+#[test]
+fn the_canarys_vm_counts_in_cycle_active_while_it_may_exist() {
+    let env = Env::new();
+    let prom = env.tmp.path().join("metrics.prom");
+    let flag = ["--metrics-file", prom.to_str().unwrap()];
+    killed_canary_seen(&env, &flag, || {
+        assert_eq!(metric(&prom, "cycle_active"), 1.0, "the canary's VM is up");
+        assert_eq!(metric(&prom, "cycle_warm"), 0.0);
+    });
+    // Killed with its VM up: still counted. The next canary destroys it, boots its own and
+    // destroys that: none is left, none counted.
+    assert_eq!(metric(&prom, "cycle_active"), 1.0);
+    let out = check_boot(&env, &flag);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert_eq!(metric(&prom, "cycle_active"), 0.0);
+    env.assert_at_rest();
 }

@@ -1484,3 +1484,30 @@ fn the_readme_names_the_rust_version_and_run_help_ends_with_working_examples() {
         .unwrap();
     assert_eq!(out.status.code(), Some(0), "{fixture}: {out:?}");
 }
+
+// Mutation caught: first-job.md's QEMU section leaving the reader to guess what of step 5 changes
+// (no word of the Hetzner pool it replaces, its FILL IN inputs and secret_environment), or naming
+// a pool or file the examples do not have.
+#[test]
+fn first_jobs_qemu_section_swaps_the_examples_own_pools() {
+    let doc = read(&root().join("docs/first-job.md"));
+    let qemu = section(&doc, "## The QEMU module").join(" ");
+    let main = read(&root().join("examples/ansible/group_vars/ci_provisioners/main.yml"));
+    let example = read(&root().join("examples/qemu/README.md"));
+    for (said, holds, file) in [
+        ("`hetzner`", "  - name: hetzner\n", &main),
+        ("`secret_environment`", "    secret_environment:\n", &main),
+        ("`FILL IN`", "FILL IN", &main),
+        ("`qemu` pool", "- name: qemu\n", &example),
+    ] {
+        assert!(
+            qemu.contains(said),
+            "first-job.md's QEMU section does not say {said}:\n{qemu}"
+        );
+        assert!(file.contains(holds), "the example has no {holds:?}");
+    }
+    assert!(
+        qemu.contains("`group_vars/ci_provisioners/main.yml`"),
+        "{qemu}"
+    );
+}

@@ -47,7 +47,7 @@ fn idle_world_plans_nothing() {
     assert_eq!(code, Some(0));
     assert_eq!(
         v,
-        json!({"actions": [], "outcome": "idle", "failures": []}),
+        json!({"actions": [], "outcome": "idle", "failures": 0, "errors": []}),
         "nothing to do is exactly this"
     );
     // One document on stdout, how the plan ends included: nothing of it on stderr.
@@ -248,7 +248,7 @@ fn teardown_destroys_then_sweeps_only_stale_offline_prefixed_registrations() {
     let keys: Vec<&String> = v.as_object().unwrap().keys().collect();
     assert_eq!(
         keys,
-        ["actions", "failures", "outcome"],
+        ["actions", "errors", "failures", "outcome"],
         "the plan, how it ends, its errors"
     );
     assert_eq!(v["outcome"], "cycle_finished", "{v}");
@@ -593,9 +593,10 @@ fn a_forgejo_that_does_not_resolve_is_one_error_with_its_message_and_a_dns_hint(
     );
     assert_eq!(out.code, Some(1), "{out:?}");
     let doc = out.json();
-    let failures = doc["failures"].as_array().unwrap();
-    assert_eq!(failures.len(), 1, "{doc}");
-    let f = failures[0].as_str().unwrap();
+    assert_eq!(doc["failures"], 1, "a count, as it always was: {doc}");
+    let errors = doc["errors"].as_array().unwrap();
+    assert_eq!(errors.len(), 1, "{doc}");
+    let f = errors[0].as_str().unwrap();
     assert!(
         f.starts_with("asking Forgejo for jobs failed: GET https://forgejo.invalid/api/v1/")
             && f.contains("the host name of --forgejo-url does not resolve"),
@@ -644,10 +645,7 @@ fn a_dry_run_stops_where_a_live_run_would_refuse_its_tofu_or_launch_command() {
         json.extend(["--output", "json"]);
         let doc = live_dry(&env, "run", &json).json();
         assert_eq!(doc["outcome"], "configuration_error", "{doc}");
-        assert!(
-            doc["failures"][0].as_str().unwrap().contains(&says),
-            "{doc}"
-        );
+        assert!(doc["errors"][0].as_str().unwrap().contains(&says), "{doc}");
     }
     // With every flag right, the same world plans the VM (exit 0).
     let out = live_dry(&env, "run", &[]);

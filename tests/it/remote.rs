@@ -343,3 +343,59 @@ fn status_remote_fails_and_says_why_when_tofu_or_forgejo_cannot_be_read() {
         "{out:?}"
     );
 }
+
+// Mutation caught: `status --remote` running tofu (as root) on a module directory another user
+// owns, where it would leave root-owned files and run the module's providers as root.
+#[test]
+fn status_remote_refuses_a_module_directory_another_user_owns() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: needs root to chown");
+        return;
+    }
+    let env = Env::new();
+    fs::create_dir_all(&env.state).unwrap();
+    let module = env.tmp.path().join("their-module");
+    fs::create_dir(&module).unwrap();
+    fs::copy(env.module.join("main.tf"), module.join("main.tf")).unwrap();
+    std::os::unix::fs::chown(&module, Some(65534), Some(65534)).unwrap();
+    let tofu_log = env.tmp.path().join("tofu-commands.log");
+    let logged_tofu = env.tmp.path().join("logged-tofu");
+    fs::write(
+        &logged_tofu,
+        format!(
+            "#!/bin/sh\necho \"$*\" >> '{}'\nexec '{}' \"$@\"\n",
+            tofu_log.display(),
+            env.tofu
+        ),
+    )
+    .unwrap();
+    fs::set_permissions(&logged_tofu, fs::Permissions::from_mode(0o755)).unwrap();
+    let flags = [
+        "--tofu-bin",
+        logged_tofu.to_str().unwrap(),
+        "--tofu-dir",
+        module.to_str().unwrap(),
+    ];
+    let out = remote(&env, &flags);
+    assert_eq!(out.code, Some(2), "{out:?}");
+    assert!(
+        out.stderr.contains(&format!(
+            "--tofu-dir {} is owned by uid 65534, not by this user (uid 0)",
+            module.display()
+        )) && out.stderr.contains("as_pool"),
+        "{out:?}"
+    );
+    assert!(!tofu_log.exists(), "tofu ran");
+    assert!(env.fake.requests().is_empty(), "Forgejo was asked");
+    assert_eq!(
+        fs::read_dir(&module).unwrap().count(),
+        1,
+        "the module changed"
+    );
+    // Its owner's own module is read as before.
+    std::os::unix::fs::chown(&module, Some(0), Some(0)).unwrap();
+    let out = remote(&env, &flags);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert!(tofu_log.exists(), "{out:?}");
+}

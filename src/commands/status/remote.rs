@@ -2,12 +2,17 @@
 //! Forgejo (every page listed with GET requests, as the sweep lists them) and the resources in
 //! the module's tofu state (`tofu show -json`, which reads the state and changes nothing).
 
+use std::os::unix::fs::MetadataExt;
+use std::path::Path;
+use std::time::Duration;
+
 use serde_json::{Value, json};
 
 use crate::adapters::files::{FileStore, SlotDir, pool_slot_dirs, read_state_file};
 use crate::adapters::forgejo_http::{HttpForgejo, Scope, load_ca_file, validate_url};
 use crate::adapters::pg_store::PgStore;
 use crate::adapters::signals::StopFlag;
+use crate::adapters::tofu_cli::CliTofu;
 use crate::cli::RemoteArgs;
 use crate::commands::config::{check_prefix, intent_settle_of, read_token};
 use crate::commands::exit::{Fatal, usage};
@@ -21,6 +26,10 @@ use crate::core::sweep::spare::{SweepGuard, sweep_min_age};
 use crate::core::time::Timestamp;
 use crate::driver::sweep::list_all;
 
+/// How long each tofu command of `status --remote` (`workspace list`, `show -json`) may run: a
+/// state backend that does not answer must not hang `status` (as `check` bounds its probe).
+pub(crate) const TOFU_STATUS_TIMEOUT: Duration = Duration::from_secs(120);
+
 /// The `remote` part of `status`'s document: `forgejo` and `tofu`, each with its `error` when it
 /// could not be read. A flag that is wrong (or no token) is a usage error, before any request.
 pub(super) fn gather(
@@ -29,23 +38,33 @@ pub(super) fn gather(
     now: Timestamp,
     mut pg: Option<&mut PgStore>,
 ) -> Result<Value, Fatal> {
-    check_prefix(&a.runner_prefix)?;
-    let url = a.forgejo_url.as_deref().ok_or_else(|| {
+    check_prefix(&a.target.runner_prefix)?;
+    if let Some(dir) = a.module.tofu_dir.as_deref() {
+        check_module_owner(dir)?;
+    }
+    let url = a.target.forgejo_url.as_deref().ok_or_else(|| {
         usage("status --remote needs --forgejo-url (or CI_EPHEMERAL_PROVISIONER_FORGEJO_URL), as `sweep` does")
     })?;
     let url = validate_url(url).map_err(|e| usage(format!("--forgejo-url: {e:#}")))?;
-    let scope = Scope::parse(&a.scope).map_err(|e| usage(format!("--scope: {e:#}")))?;
-    let ca = match &a.ca_file {
+    let scope = Scope::parse(&a.target.scope).map_err(|e| usage(format!("--scope: {e:#}")))?;
+    let ca = match &a.target.ca_file {
         Some(path) => Some(load_ca_file(path).map_err(|e| usage(format!("--ca-file: {e:#}")))?),
         None => None,
     };
-    let token = read_token(&a.token_file)?;
-    let mut forgejo = HttpForgejo::new(&url, scope, &token, &[], a.http_timeout, ca.as_deref());
+    let token = read_token(&a.target.token_file)?;
+    let mut forgejo = HttpForgejo::new(
+        &url,
+        scope,
+        &token,
+        &[],
+        a.target.http_timeout,
+        ca.as_deref(),
+    );
     drop(token);
     let mut doc = json!({
         "url": url,
-        "scope": a.scope,
-        "runner_prefix": a.runner_prefix,
+        "scope": a.target.scope,
+        "runner_prefix": a.target.runner_prefix,
     });
     match forgejo_registrations(a, slot, &mut forgejo, now, pg.as_deref_mut()) {
         Ok(found) => {
@@ -67,7 +86,7 @@ fn forgejo_registrations(
     now: Timestamp,
     pg: Option<&mut PgStore>,
 ) -> anyhow::Result<Vec<(&'static str, Value)>> {
-    let prefix = a.runner_prefix.as_str();
+    let prefix = a.target.runner_prefix.as_str();
     let ours = |r: &Runner| is_ours(r.name.as_deref(), prefix);
     let listing = list_all(forgejo, &ours)?;
     // What the sweep reads of the pool's other slots (and hosts), and every cycle of the pool.
@@ -94,13 +113,19 @@ fn forgejo_registrations(
     let guard = SweepGuard {
         now,
         min_age: sweep_min_age(
-            a.registration_grace,
-            a.launch_timeout,
-            intent_settle_of(a.http_timeout),
+            a.grace.registration_grace,
+            a.grace.launch_timeout,
+            intent_settle_of(a.target.http_timeout),
         ),
         held: others.names,
     };
-    let rows = registrations(&listing, prefix, a.sweep_max_deletions, &guard, &held);
+    let rows = registrations(
+        &listing,
+        prefix,
+        a.target.sweep_max_deletions,
+        &guard,
+        &held,
+    );
     Ok(vec![
         ("listed", json!(listing.distinct)),
         ("complete", json!(listing.complete)),
@@ -116,11 +141,11 @@ fn forgejo_registrations(
 /// each of the pool's cycles; `skipped` without --tofu-dir, `error` when tofu cannot run or
 /// read it.
 fn tofu_state(a: &RemoteArgs, slot: &SlotDir, pool: Option<String>) -> Value {
-    let Some(dir) = a.tofu_dir.as_deref() else {
+    let Some(dir) = a.module.tofu_dir.as_deref() else {
         return json!({"skipped": "no --tofu-dir: the module directory holds the state (or names its backend)"});
     };
     let shown = dir.display().to_string();
-    let tofu = slot_tofu(&a.tofu_bin, Some(dir), slot, pool, StopFlag::default());
+    let tofu = status_tofu(&a.module.tofu_bin, dir, slot, pool);
     if let Err(e) = tofu.check_config() {
         return json!({"tofu_dir": shown, "error": format!("{e:#}")});
     }
@@ -142,5 +167,50 @@ fn tofu_state(a: &RemoteArgs, slot: &SlotDir, pool: Option<String>) -> Value {
     match read {
         Ok(resources) => json!({"tofu_dir": shown, "resources": resources}),
         Err(e) => json!({"tofu_dir": shown, "error": e}),
+    }
+}
+
+/// The tofu of `status --remote`: the slot's (or with `--store pg` the pool's workspaces), each
+/// command bounded by [`TOFU_STATUS_TIMEOUT`].
+fn status_tofu(bin: &Path, dir: &Path, slot: &SlotDir, pool: Option<String>) -> CliTofu {
+    let mut tofu = slot_tofu(bin, Some(dir), slot, pool, StopFlag::default());
+    tofu.timeout = Some(TOFU_STATUS_TIMEOUT);
+    tofu
+}
+
+/// Refuses a module directory another user owns (as a run refuses such a state directory):
+/// tofu would write there as this user (root-owned files fail the pool's later runs) and run
+/// the module's provider plugins as it. One that cannot be inspected is left to tofu's check.
+fn check_module_owner(dir: &Path) -> Result<(), Fatal> {
+    let Ok(meta) = std::fs::metadata(dir) else {
+        return Ok(());
+    };
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let me = unsafe { libc::geteuid() };
+    if meta.uid() == me {
+        return Ok(());
+    }
+    Err(usage(format!(
+        "--tofu-dir {} is owned by uid {}, not by this user (uid {me}): tofu would write files there as this user and run the module's providers as it; run status --remote as the directory's owner (under the role: as the pool's user, `as_pool` in docs/troubleshooting.md)",
+        dir.display(),
+        meta.uid()
+    )))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // Mutation caught: status --remote's tofu built without its bound (a hung backend hangs
+    // `status`).
+    #[test]
+    fn status_runs_tofu_with_a_bound() {
+        let slot = SlotDir {
+            pool: "/var/lib/ci-ephemeral-provisioner/pool".into(),
+            k: 1,
+            n: 1,
+        };
+        let tofu = status_tofu(Path::new("tofu"), Path::new("/module"), &slot, None);
+        assert_eq!(tofu.timeout, Some(TOFU_STATUS_TIMEOUT));
     }
 }
