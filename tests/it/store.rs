@@ -178,6 +178,7 @@ fn the_pool_store_conforms() {
 // Mutation caught: save without `epoch = $6` (a stale process writes over the cycle its own host
 // adopted back).
 // Mutation caught: guard that renews without checking the epoch.
+// Mutation caught: remove without `epoch = $3` (the stale process deletes the adopter's row).
 #[test]
 #[ignore = "needs PostgreSQL: bash .ci/pg runs it"]
 fn a_lapsed_hosts_cycle_is_adopted_and_its_process_fenced() {
@@ -254,6 +255,7 @@ fn a_lapsed_hosts_cycle_is_adopted_and_its_process_fenced() {
     fenced_by(a.save(&s).unwrap_err(), "a");
     fenced_by(a.guard("tofu apply").unwrap_err(), "a");
     fenced_by(b.save(&adopted).unwrap_err(), "a");
+    fenced_by(a.remove().unwrap_err(), "a");
     let now: String = db
         .client()
         .query_one(
