@@ -172,9 +172,13 @@ fn the_pool_store_conforms() {
 
 /// Host a's lease lapses with a cycle in progress: host b's next load adopts it (a new epoch,
 /// torn down from now on), and every write and guard of host a is refused from then on, naming
-/// host b. Neither side waits for a clock: the lease is lapsed in the database.
-// Mutation caught: save without `epoch = $6` (a stale process writes over the adopter's cycle).
+/// host b; and once b lapses too and another slot of host a adopts the cycle back, the stale
+/// slot's writes are still refused (its epoch, not its host id, is stale). Neither side waits
+/// for a clock: the lease is lapsed in the database.
+// Mutation caught: save without `epoch = $6` (a stale process writes over the cycle its own host
+// adopted back).
 // Mutation caught: guard that renews without checking the epoch.
+// Mutation caught: remove without `epoch = $3` (the stale process deletes the adopter's row).
 #[test]
 #[ignore = "needs PostgreSQL: bash .ci/pg runs it"]
 fn a_lapsed_hosts_cycle_is_adopted_and_its_process_fenced() {
@@ -213,13 +217,14 @@ fn a_lapsed_hosts_cycle_is_adopted_and_its_process_fenced() {
     assert!(b.adopted().is_none());
 
     // a wakes up: every write and guard is fenced, naming b; nothing of a's is written.
-    let fenced = |e: anyhow::Error| {
+    let fenced_by = |e: anyhow::Error, host: &str| {
         let f = e
             .downcast_ref::<Fenced>()
             .unwrap_or_else(|| panic!("not fenced: {e:#}"))
             .clone();
-        assert_eq!(f.by.as_deref(), Some("b"), "{f}");
+        assert_eq!(f.by.as_deref(), Some(host), "{f}");
     };
+    let fenced = |e: anyhow::Error| fenced_by(e, "b");
     fenced(a.guard("tofu destroy").unwrap_err());
     s.jobs_started = 99;
     fenced(a.save(&s).unwrap_err());
@@ -236,11 +241,35 @@ fn a_lapsed_hosts_cycle_is_adopted_and_its_process_fenced() {
         .unwrap()
         .get(0);
     assert!(!now.contains("\"jobs_started\": 99") && !now.contains("\"jobs_started\":99"));
-    // b carries the cycle on to its end.
-    let mut t = adopted.clone();
+    // b's lease lapses in turn, and another slot of host a adopts the cycle back (a host paused
+    // as a whole wakes up, b is gone): the host id is a's again, only the epoch tells the stale
+    // process of slot 1 from the adopter of slot 2.
+    db.lapse("b");
+    let mut a2 = db.store("a", 2, 2, LEASE);
+    let back = a2
+        .load()
+        .unwrap()
+        .expect("slot 2 of a adopts the cycle from b");
+    assert_eq!(back.cycle_id, "c1");
+    s.jobs_started = 98;
+    fenced_by(a.save(&s).unwrap_err(), "a");
+    fenced_by(a.guard("tofu apply").unwrap_err(), "a");
+    fenced_by(b.save(&adopted).unwrap_err(), "a");
+    fenced_by(a.remove().unwrap_err(), "a");
+    let now: String = db
+        .client()
+        .query_one(
+            "SELECT state FROM ci_ephemeral_provisioner.cycles WHERE cycle_id = 'c1'",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    assert!(!now.contains("\"jobs_started\": 98") && !now.contains("\"jobs_started\":98"));
+    // Slot 2 of a carries the cycle on to its end.
+    let mut t = back.clone();
     t.phase = Phase::Destroyed;
-    b.save(&t).unwrap();
-    b.remove().unwrap();
+    a2.save(&t).unwrap();
+    a2.remove().unwrap();
     let events: i64 = db
         .client()
         .query_one(
