@@ -2,7 +2,8 @@
 //! the next runner, deleted through the gate and forgotten only once Forgejo says they are gone,
 //! and found again by name when a POST lost its answer.
 
-use super::{Driver, End, SaveFailed, runner_request};
+use super::persist::SaveFailed;
+use super::{Driver, End, runner_request};
 use crate::core::backoff::FailureReason;
 use crate::core::forgejo::Runner;
 use crate::core::planner;

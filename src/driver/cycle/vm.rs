@@ -1,6 +1,7 @@
 //! The cycle's VM: a new cycle recorded before its apply, the apply and its outputs, the destroy.
 
-use super::{Driver, End, SaveFailed, write};
+use super::persist::{SaveFailed, write};
+use super::{Driver, End};
 use crate::core::backoff::FailureReason;
 use crate::core::planner::TeardownReason;
 use crate::core::ports::{Claim, Outputs, Start, StepError};
