@@ -10,28 +10,34 @@
 //! write came first.
 
 mod conn;
+mod renewer;
 mod schema;
+mod views;
+mod writes;
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow, bail};
-use postgres::GenericClient;
 use serde::Deserialize;
 
 pub use conn::{ConnSpec, PG_CONN_STR, SslMode};
 pub use schema::{SCHEMA, VERSION};
 
+use renewer::Renewer;
+use writes::{
+    CLAIM, claimant, insert_cycle, lock_pool, read_backoff, save_in, warm_elsewhere, write_backoff,
+};
+
 use crate::core::backoff::{Backoff, Change, CycleOutcome, Gate, parse_backoff};
 use crate::core::claims::Others;
 use crate::core::holds::{Holds, HoldsError, parse_holds};
 use crate::core::pool::{
-    Adoption, Fenced, HostView, PoolView, adopted_state, claims_of, renew_every, slot_name,
+    Adoption, Fenced, HostView, PoolView, adopted_state, claims_of, slot_name,
 };
 use crate::core::ports::{BackoffGate, Claim, Start, StateStore};
 use crate::core::state::{CycleState, parse_state};
-use crate::core::warm::is_unused_warm;
 
 /// Every statement ends within this (`statement_timeout`); an open transaction left idle twice
 /// as long is ended by the server.
@@ -100,11 +106,11 @@ struct HostRow {
     lapsed: bool,
 }
 
-/// What `pool_from` reads: every cycle row, the other slots' claims, this slot's holds and the
-/// pool's backoff (their JSON texts).
 /// A cycle of the pool: its host, its slot, its state.
 pub type PoolCycle = (String, u32, CycleState);
 
+/// What `pool_from` reads: every cycle row, the other slots' claims, this slot's holds and the
+/// pool's backoff (their JSON texts).
 type PoolRead = (Vec<CycleRow>, Others, Option<String>, Option<String>);
 
 /// The pool as one statement reads it (`$1` pool, `$2` host): every cycle (with whether its
@@ -527,167 +533,6 @@ impl PgStore {
             self.renewer = Some(Renewer::start(self.spec.clone(), self.me.clone()));
         }
     }
-
-    /// The pool's recent events, for `status`.
-    pub fn events(&mut self, limit: i64) -> Result<Vec<String>> {
-        let pool = self.me.pool.clone();
-        let rows = self
-            .client()?
-            .query(
-                "SELECT at::text, kind, host_id, coalesce(other_host, ''), coalesce(cycle_id, '')
-                   FROM ci_ephemeral_provisioner.events WHERE pool = $1 ORDER BY id DESC LIMIT $2",
-                &[&pool, &limit],
-            )
-            .map_err(|e| self.err("reading the pool's events", &e))?;
-        Ok(rows
-            .iter()
-            .map(|r| {
-                let (at, kind, host, other, cycle): (String, String, String, String, String) =
-                    (r.get(0), r.get(1), r.get(2), r.get(3), r.get(4));
-                match kind.as_str() {
-                    "adopted" => format!("{at} host {host} adopted cycle {cycle} of host {other}"),
-                    _ => format!(
-                        "{at} host {host} was fenced: its cycle {cycle} was adopted by host {other}"
-                    ),
-                }
-            })
-            .collect())
-    }
-
-    /// Reads the pool without renewing anything (`status`, `check`): the view, and the schema
-    /// version. Creates nothing.
-    pub fn inspect(&mut self) -> Result<(PoolView, i32)> {
-        let sql = format!(
-            "SELECT (SELECT version FROM ci_ephemeral_provisioner.schema_version), {POOL_READ}"
-        );
-        let (pool, host) = (self.me.pool.clone(), self.me.host.clone());
-        let row = match self.client()?.query_one(sql.as_str(), &[&pool, &host]) {
-            Ok(r) => r,
-            // No tables yet: no run has made them, the pool has no host.
-            Err(e)
-                if e.code().is_some_and(|c| {
-                    *c == postgres::error::SqlState::UNDEFINED_TABLE
-                        || *c == postgres::error::SqlState::INVALID_SCHEMA_NAME
-                }) =>
-            {
-                let view = PoolView {
-                    pool,
-                    ..PoolView::default()
-                };
-                return Ok((view, 0));
-            }
-            Err(e) => return Err(self.err("reading the pool", &e)),
-        };
-        let version: Option<i32> = row.get(0);
-        self.check_version(version)?;
-        self.pool_from(&row, 1)?;
-        let mut view = self.view.clone().unwrap_or_default();
-        view.events = self.events(10)?;
-        Ok((view, version.unwrap_or(0)))
-    }
-
-    /// The pool as it is in the store, read without writing anything; `None` when no run has
-    /// made the store's tables yet (nothing was ever stored).
-    fn read_pool(&mut self) -> Result<Option<PoolRead>> {
-        let sql = format!(
-            "SELECT (SELECT version FROM ci_ephemeral_provisioner.schema_version), {POOL_READ}"
-        );
-        let (pool, host) = (self.me.pool.clone(), self.me.host.clone());
-        let row = match self.client()?.query_one(sql.as_str(), &[&pool, &host]) {
-            Ok(r) => r,
-            Err(e)
-                if e.code().is_some_and(|c| {
-                    *c == postgres::error::SqlState::UNDEFINED_TABLE
-                        || *c == postgres::error::SqlState::INVALID_SCHEMA_NAME
-                }) =>
-            {
-                return Ok(None);
-            }
-            Err(e) => return Err(self.err("reading the pool", &e)),
-        };
-        self.check_version(row.get(0))?;
-        self.pool_from(&row, 1).map(Some)
-    }
-
-    /// This slot as it is in the pool store, read without writing anything (a dry-run): its
-    /// cycle, its holds, the other slots, the backoff.
-    pub fn read_slot(&mut self) -> Result<(Option<CycleState>, Holds, Others, Backoff)> {
-        let Some((cycles, others, holds, backoff)) = self.read_pool()? else {
-            return Ok((None, Holds::default(), Others::default(), Backoff::new()));
-        };
-        let state = cycles
-            .iter()
-            .find(|c| c.host == self.me.host && c.slot == self.me.k)
-            .map(|c| parse_state(&c.state))
-            .transpose()?;
-        let holds = match holds {
-            Some(t) => parse_holds(&t)?,
-            None => Holds::default(),
-        };
-        let backoff = match backoff {
-            Some(t) => parse_backoff(&t)?,
-            None => Backoff::new(),
-        };
-        Ok((state, holds, others, backoff))
-    }
-
-    /// Every cycle of the pool, each with its host and slot, and what the sweep spares beside
-    /// this slot, read without writing anything (`status --remote`).
-    pub fn pool_cycles(&mut self) -> Result<(Vec<PoolCycle>, Others)> {
-        let Some((cycles, others, _, _)) = self.read_pool()? else {
-            return Ok((Vec::new(), Others::default()));
-        };
-        let states = cycles
-            .iter()
-            .map(|c| Ok((c.host.clone(), c.slot, parse_state(&c.state)?)))
-            .collect::<Result<_>>()?;
-        Ok((states, others))
-    }
-
-    /// `check`'s line: the database answers, its schema is one this build knows (or none yet),
-    /// and this host id is live on no other machine. Writes nothing.
-    pub fn check(&mut self) -> Result<String> {
-        let pool = self.me.pool.clone();
-        let host = self.me.host.clone();
-        let row = self.client()?.query_one(
-            "SELECT to_regclass('ci_ephemeral_provisioner.schema_version') IS NOT NULL",
-            &[],
-        );
-        let exists: bool = row.map_err(|e| self.err("reading the schema", &e))?.get(0);
-        if !exists {
-            return Ok(format!(
-                "PostgreSQL {} answers; no pool store there yet: the first run creates it (schema {SCHEMA}, version {VERSION})",
-                self.spec.shown
-            ));
-        }
-        let (view, version) = self.inspect()?;
-        if let Some(holder) = self.host_conflict()? {
-            bail!(
-                "host id {host} of pool {pool} is live on another machine ({holder}): give each host its own --host-id"
-            );
-        }
-        Ok(format!(
-            "PostgreSQL {} answers, schema version {version}; pool {pool}: {} host(s), {} with a lapsed lease; host id {host} is live on no other machine",
-            self.spec.shown,
-            view.hosts.len(),
-            view.hosts.iter().filter(|h| h.lapsed).count()
-        ))
-    }
-
-    /// Whether this host id is live on another machine (`check`): its holder, if so.
-    pub fn host_conflict(&mut self) -> Result<Option<String>> {
-        let me = self.me.clone();
-        let row = self
-            .client()?
-            .query_opt(
-                "SELECT machine || ', lease until ' || lease_until::text
-                   FROM ci_ephemeral_provisioner.hosts
-                  WHERE pool = $1 AND host_id = $2 AND machine <> $3 AND lease_until > now()",
-                &[&me.pool, &me.host, &me.machine],
-            )
-            .map_err(|e| self.err("reading the hosts", &e))?;
-        Ok(row.map(|r| r.get(0)))
-    }
 }
 
 impl Drop for PgStore {
@@ -696,159 +541,6 @@ impl Drop for PgStore {
             r.stop();
         }
     }
-}
-
-/// The derived claims of `state` as two arrays (job ids, handles; `""`: every attempt).
-fn claim_arrays(state: &CycleState) -> (Vec<i64>, Vec<String>) {
-    claims_of(state)
-        .into_iter()
-        .map(|(j, h)| (j, h.unwrap_or_default()))
-        .unzip()
-}
-
-/// Writes the cycle (`$1` pool, `$2` host, `$3` machine, `$4` lease seconds, `$5` cycle,
-/// `$6` epoch, `$7` state, `$8` write id) if this host still owns it at this epoch, renewing
-/// the lease; syncs its claims (`$9` forgejo, `$10` jobs, `$11` handles): new ones inserted
-/// (one another cycle holds is left to it), those it no longer makes deleted. One statement.
-const SAVE: &str = "WITH h AS (UPDATE ci_ephemeral_provisioner.hosts
-    SET lease_until = now() + make_interval(secs => $4), renewed_at = now()
-    WHERE pool = $1 AND host_id = $2 AND machine = $3 RETURNING 1),
-  c AS (UPDATE ci_ephemeral_provisioner.cycles SET state = $7, write_id = $8, updated_at = now()
-    WHERE pool = $1 AND cycle_id = $5 AND epoch = $6 AND host_id = $2 AND EXISTS (SELECT 1 FROM h)
-    RETURNING cycle_id),
-  d AS (DELETE FROM ci_ephemeral_provisioner.claims k USING c
-    WHERE k.pool = $1 AND k.cycle_id = c.cycle_id
-      AND (k.job_id, k.handle) NOT IN (SELECT * FROM unnest($10::bigint[], $11::text[]))),
-  i AS (INSERT INTO ci_ephemeral_provisioner.claims (forgejo, job_id, handle, pool, cycle_id)
-    SELECT $9, j, hd, $1, c.cycle_id FROM c, unnest($10::bigint[], $11::text[]) AS t(j, hd)
-    ON CONFLICT DO NOTHING)
-  SELECT count(*) FROM c";
-
-/// Inserts the claim of one attempt (`$1` forgejo, `$2` job, `$3` handle, `$4` pool, `$5`
-/// cycle); no row when another cycle holds it.
-const CLAIM: &str =
-    "INSERT INTO ci_ephemeral_provisioner.claims (forgejo, job_id, handle, pool, cycle_id)
-    VALUES ($1, $2, $3, $4, $5)
-    ON CONFLICT (forgejo, job_id, handle) DO UPDATE SET cycle_id = excluded.cycle_id
-      WHERE claims.cycle_id = excluded.cycle_id AND claims.pool = excluded.pool
-    RETURNING 1";
-
-/// Who holds the claim of an attempt, in words.
-fn claimant(
-    c: &mut impl GenericClient,
-    me: &PoolSlot,
-    job: i64,
-    handle: &str,
-) -> Result<String, postgres::Error> {
-    let row = c.query_opt(
-        "SELECT k.pool, k.cycle_id, coalesce(y.host_id, ''), coalesce(y.slot, 0)
-           FROM ci_ephemeral_provisioner.claims k LEFT JOIN ci_ephemeral_provisioner.cycles y
-             ON y.pool = k.pool AND y.cycle_id = k.cycle_id
-          WHERE k.forgejo = $1 AND k.job_id = $2 AND k.handle = $3",
-        &[&me.forgejo, &job, &handle],
-    )?;
-    Ok(match row {
-        Some(r) => {
-            let (pool, cycle, host, slot): (String, String, String, i32) =
-                (r.get(0), r.get(1), r.get(2), r.get(3));
-            if pool == me.pool {
-                format!(
-                    "{} (cycle {cycle})",
-                    slot_name(&host, &me.host, slot as u32)
-                )
-            } else {
-                format!("pool {pool} (cycle {cycle})")
-            }
-        }
-        None => "another slot (its claim is gone again)".to_string(),
-    })
-}
-
-fn save_in(
-    c: &mut impl GenericClient,
-    me: &PoolSlot,
-    mine: &(String, i64),
-    state: &CycleState,
-    id: &str,
-) -> Result<bool, postgres::Error> {
-    let text = serde_json::to_string(state).unwrap_or_default();
-    let (jobs, handles) = claim_arrays(state);
-    let n: i64 = c
-        .query_one(
-            SAVE,
-            &[
-                &me.pool,
-                &me.host,
-                &me.machine,
-                &secs(me.lease),
-                &mine.0,
-                &mine.1,
-                &text,
-                &id,
-                &me.forgejo,
-                &jobs,
-                &handles,
-            ],
-        )?
-        .get(0);
-    Ok(n == 1)
-}
-
-/// Inserts a new cycle of this slot (epoch 1); its claims are the caller's.
-fn insert_cycle(
-    t: &mut impl GenericClient,
-    me: &PoolSlot,
-    state: &CycleState,
-    id: &str,
-) -> Result<(), postgres::Error> {
-    let text = serde_json::to_string(state).unwrap_or_default();
-    let k = me.k as i32;
-    t.execute(
-        "INSERT INTO ci_ephemeral_provisioner.cycles (pool, cycle_id, host_id, slot, epoch, state, write_id)
-         VALUES ($1, $2, $3, $4, 1, $5, $6)",
-        &[&me.pool, &state.cycle_id, &me.host, &k, &text, &id],
-    )?;
-    Ok(())
-}
-
-fn read_backoff(t: &mut impl GenericClient, pool: &str) -> Result<Backoff> {
-    let row = t
-        .query_opt(
-            "SELECT doc FROM ci_ephemeral_provisioner.backoff WHERE pool = $1",
-            &[&pool],
-        )
-        .map_err(|e| anyhow!("reading the pool's failure backoff: {e}"))?;
-    match row {
-        None => Ok(Backoff::new()),
-        Some(r) => parse_backoff(&r.get::<_, String>(0)).map_err(|e| {
-            anyhow!(
-                "the pool's failure backoff in the pool store is unusable: {e:#}; no new VM starts: delete its row ({SCHEMA}.backoff, pool {pool}) to clear it"
-            )
-        }),
-    }
-}
-
-fn write_backoff(
-    t: &mut impl GenericClient,
-    pool: &str,
-    b: &Backoff,
-) -> Result<(), postgres::Error> {
-    let doc = serde_json::to_string(b).unwrap_or_default();
-    t.execute(
-        "INSERT INTO ci_ephemeral_provisioner.backoff (pool, doc) VALUES ($1, $2)
-         ON CONFLICT (pool) DO UPDATE SET doc = excluded.doc",
-        &[&pool, &doc],
-    )?;
-    Ok(())
-}
-
-/// The pool-wide lock of a start or an outcome (transaction-scoped: safe behind PgBouncer).
-fn lock_pool(t: &mut impl GenericClient, pool: &str) -> Result<(), postgres::Error> {
-    t.execute(
-        "SELECT pg_advisory_xact_lock(hashtext('ci-ephemeral-provisioner:' || $1))",
-        &[&pool],
-    )?;
-    Ok(())
 }
 
 /// What a start decided inside its transaction.
@@ -1258,98 +950,6 @@ impl PgStore {
                 Ok(Start::Claim(Claim::Saved))
             }
             Started::Refused(s) => Ok(s),
-        }
-    }
-}
-
-/// The other slots' unused warm VMs when they number `wanted` already (in words), else none.
-fn warm_elsewhere(
-    t: &mut impl GenericClient,
-    me: &PoolSlot,
-    wanted: u32,
-) -> Result<Option<String>, postgres::Error> {
-    let rows = t.query(
-        "SELECT host_id, slot, state FROM ci_ephemeral_provisioner.cycles WHERE pool = $1",
-        &[&me.pool],
-    )?;
-    let mut warm = Vec::new();
-    for r in rows {
-        let (host, slot, text): (String, i32, String) = (r.get(0), r.get(1), r.get(2));
-        let slot = slot as u32;
-        if (host == me.host && (slot == me.k || slot > me.n))
-            || !parse_state(&text).is_ok_and(|s| is_unused_warm(&s))
-        {
-            continue;
-        }
-        warm.push(slot_name(&host, &me.host, slot));
-    }
-    Ok((warm.len() as u32 >= wanted).then(|| format!("the warm VMs of {}", warm.join(", "))))
-}
-
-/// The lease renewed in the background while the process runs (a long `tofu apply`, a launch,
-/// a wait): every third of the lease, on its own connection, made at its first renewal. A
-/// process stopped (SIGSTOP) renews nothing: its lease lapses and its cycles are adopted.
-struct Renewer {
-    stop: Arc<(Mutex<bool>, Condvar)>,
-    handle: Option<std::thread::JoinHandle<()>>,
-}
-
-impl Renewer {
-    fn start(spec: Arc<ConnSpec>, me: PoolSlot) -> Renewer {
-        let stop = Arc::new((Mutex::new(false), Condvar::new()));
-        let flag = stop.clone();
-        let handle = std::thread::Builder::new()
-            .name("lease".into())
-            .spawn(move || {
-                let every = renew_every(me.lease);
-                let mut client: Option<postgres::Client> = None;
-                loop {
-                    let (lock, cv) = &*flag;
-                    let Ok(guard) = lock.lock() else { return };
-                    let Ok((guard, _)) = cv.wait_timeout_while(guard, every, |s| !*s) else {
-                        return;
-                    };
-                    if *guard {
-                        return;
-                    }
-                    drop(guard);
-                    if client.as_ref().is_none_or(|c| c.is_closed()) {
-                        client = match spec
-                            .connect("ci-ephemeral-provisioner-lease", STATEMENT_TIMEOUT)
-                        {
-                            Ok(c) => Some(c),
-                            Err(e) => {
-                                log::warn!("renewing the lease of host {}: {e:#}", me.host);
-                                continue;
-                            }
-                        };
-                    }
-                    if let Some(c) = client.as_mut()
-                        && let Err(e) = c.execute(
-                            format!("WITH {RENEW} SELECT 1 FROM h").as_str(),
-                            &[&me.pool, &me.host, &me.machine, &secs(me.lease)],
-                        )
-                    {
-                        log::warn!(
-                            "renewing the lease of host {} failed: {}",
-                            me.host,
-                            spec.scrub(&e.to_string())
-                        );
-                    }
-                }
-            })
-            .ok();
-        Renewer { stop, handle }
-    }
-
-    fn stop(mut self) {
-        let (lock, cv) = &*self.stop;
-        if let Ok(mut s) = lock.lock() {
-            *s = true;
-            cv.notify_all();
-        }
-        if let Some(h) = self.handle.take() {
-            let _ = h.join();
         }
     }
 }
