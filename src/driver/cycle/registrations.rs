@@ -2,20 +2,19 @@
 //! the next runner, deleted through the gate and forgotten only once Forgejo says they are gone,
 //! and found again by name when a POST lost its answer.
 
+mod lost_post;
+
 use super::persist::SaveFailed;
 use super::{Driver, End, runner_request};
 use crate::core::backoff::FailureReason;
-use crate::core::forgejo::Runner;
 use crate::core::planner;
 use crate::core::ports::{Claim, Deleted, LaunchRequest, NewRunner, ProcessCheck};
 use crate::core::report::{ALREADY_GONE, DELETED, PLANNED, Stopwatch};
-use crate::core::resolve::{FoundRow, LostPost, could_be, resolve_lost_post};
 use crate::core::state::{Boundary, Launch, Phase, PreviousRunner, ProcessState, Registration};
 use crate::core::sweep::gate::Deletable;
 use crate::core::sweep::gate::DeleteReason;
 use crate::core::sweep::spare::registration_name;
 use crate::core::time::{Timestamp, format_duration};
-use crate::driver::sweep;
 
 impl Driver<'_, '_> {
     /// Removes a registration from the state once Forgejo confirmed it gone.
@@ -287,113 +286,12 @@ impl Driver<'_, '_> {
         self.save().err().map(|_| End::Done)
     }
 
-    /// A lost-POST lookup failed (or was inconclusive): retried after the next wait, and counted.
-    pub(super) fn intent_failed(&mut self, name: &str) {
-        self.ctx.failed_intents.insert(name.to_string());
-        *self
-            .ctx
-            .cleanup_failures
-            .entry(name.to_string())
-            .or_default() += 1;
-    }
-
     /// The prefix that marks this cycle's registrations (`planner::cycle_prefix`); the
     /// configured one before a cycle.
     pub(super) fn cycle_prefix(&self) -> String {
         match &self.state {
             Some(s) => planner::cycle_prefix(s, &self.cfg.policy).to_string(),
             None => self.cfg.policy.runner_prefix.clone(),
-        }
-    }
-
-    /// A POST whose answer was lost: list everything, delete the registrations with exactly this
-    /// name (they can only be offline: nobody ever got their token), then forget it.
-    pub(super) fn resolve_intent(&mut self, name: &str) -> Option<End> {
-        if let Some(end) = self.guard("a lost registration's lookup and DELETE") {
-            return Some(end);
-        }
-        let listing = match sweep::list_all(self.w.forgejo, &could_be(name)) {
-            Ok(l) => l,
-            Err(e) => {
-                self.intent_failed(name);
-                self.report.fail(format!(
-                    "looking for registration {name} (its POST got no answer) failed: {e}"
-                ));
-                return None;
-            }
-        };
-        crate::crash_point!("resolve-listed");
-        let mut all_gone = true;
-        match resolve_lost_post(&listing, name, &self.cycle_prefix()) {
-            LostPost::Unproven(why) => {
-                self.intent_failed(name);
-                self.report.fail(why);
-                return None;
-            }
-            LostPost::NeverCreated => {
-                log::info!(
-                    "registration {name} was never created (its POST did not reach Forgejo)"
-                );
-            }
-            LostPost::Found(rows) => {
-                for row in rows {
-                    all_gone &= match row {
-                        FoundRow::Delete(target, r) => self.delete_lost(&target, &r, name),
-                        FoundRow::Refused(why) => {
-                            self.report.fail(why);
-                            false
-                        }
-                    };
-                }
-            }
-        }
-        if !all_gone {
-            self.intent_failed(name);
-            return None;
-        }
-        let s = self.state.as_mut()?;
-        s.registrations.retain(|r| r.name != name || r.id.is_some());
-        if s.registrations.is_empty() {
-            s.free_since = Some(self.w.clock.now());
-        }
-        let end = self.save().err().map(|_| End::Done);
-        crate::crash_point!("resolve-forgotten-written");
-        end
-    }
-
-    /// Deletes a registration found by name after its POST lost its answer; true once gone.
-    fn delete_lost(&mut self, target: &Deletable, r: &Runner, name: &str) -> bool {
-        let mut intent = self.report.draft("delete_runner", "");
-        intent.runner_id = Some(r.id);
-        intent.runner_name = Some(name.to_string());
-        intent.reason = Some(DeleteReason::LostRegistration.as_str().into());
-        intent.status = Some(r.status.as_str().to_string());
-        self.report.intend_deletion(&intent);
-        match self
-            .w
-            .forgejo
-            .delete_runner(target, DeleteReason::LostRegistration.as_str())
-        {
-            Ok(_) => {
-                crate::crash_point!("resolve-deleted");
-                let e = self.report.event(
-                    "delete_runner",
-                    true,
-                    "found by name after a lost POST answer",
-                );
-                e.runner_id = Some(r.id);
-                e.runner_name = Some(name.to_string());
-                e.reason = Some(DeleteReason::LostRegistration.as_str().into());
-                e.status = Some(r.status.as_str().to_string());
-                true
-            }
-            Err(e) => {
-                self.report.fail(format!(
-                    "deleting registration {} ({name}) failed: {e}",
-                    r.id
-                ));
-                false
-            }
         }
     }
 
