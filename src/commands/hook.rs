@@ -118,10 +118,11 @@ pub fn cmd_hook(a: HookArgs) -> Result<u8, Fatal> {
     answer(&mut conn, &a, &s, &peer, delivery, deadline)
 }
 
-/// A delivery whose signature checked out: its id and event (`X-Forgejo-Event-Type`, else
-/// `X-Forgejo-Event`).
+/// A delivery whose signature checked out: its id, signature and event
+/// (`X-Forgejo-Event-Type`, else `X-Forgejo-Event`).
 struct Signed {
     id: String,
+    signature: String,
     event: String,
 }
 
@@ -137,6 +138,7 @@ fn judge(conn: &mut Conn, s: &Setup, deadline: Instant) -> Result<Signed, Refuse
         .unwrap_or_default();
     Ok(Signed {
         id: head.delivery.unwrap_or_default(),
+        signature: signature.to_string(),
         event,
     })
 }
@@ -165,19 +167,29 @@ fn answer(
         }),
         None => HookState::default(),
     };
-    let (reason, detail, id, event) = match delivery {
-        Err(r) => (r.reason, r.detail, String::new(), String::new()),
-        Ok(Signed { id, event }) => {
-            let (reason, detail) = match decide(&state, &id, &event) {
+    let (reason, detail, id, signature, event) = match delivery {
+        Err(r) => (
+            r.reason,
+            r.detail,
+            String::new(),
+            String::new(),
+            String::new(),
+        ),
+        Ok(Signed {
+            id,
+            signature,
+            event,
+        }) => {
+            let (reason, detail) = match decide(&state, &id, &signature, &event) {
                 Reason::Woke => wake(&s.wake_files, now, &mut failed),
                 other => (other, String::new()),
             };
-            (reason, detail, id, event)
+            (reason, detail, id, signature, event)
         }
     };
     let (id, event) = (id.as_str(), event.as_str());
     if verdict_accepted(reason) {
-        state.remember(id, now);
+        state.remember(id, &signature, now);
     }
     state.count(reason, now);
     if let Some(l) = &lock
@@ -185,14 +197,15 @@ fn answer(
     {
         failed.push(format!("{e:#}"));
     }
-    respond(conn, reason.status(), &said(reason, &detail));
-    log_line(peer, reason, &detail, id, event);
     if let Some(m) = &a.metrics_file
         && let Err(e) = crate::adapters::files::write_textfile(m, &render_metrics(&state))
     {
         failed.push(format!("cannot write {}: {e:#}", m.display()));
     }
+    // The answer after the lock: a peer slow to take it holds up no other delivery.
     drop(lock);
+    respond(conn, reason.status(), &said(reason, &detail));
+    log_line(peer, reason, &detail, id, event);
     for f in &failed {
         log::error!("{f}");
     }

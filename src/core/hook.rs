@@ -195,10 +195,14 @@ pub fn touches(last: Option<Timestamp>, now: Timestamp) -> bool {
     last.is_none_or(|t| !(now < t.plus(COALESCE) && t <= now.plus(COALESCE)))
 }
 
-/// One delivery id remembered, and when it was accepted.
+/// One delivery remembered: its id, its signature and when it was accepted.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SeenDelivery {
     pub id: String,
+    /// `X-Forgejo-Signature` in lower case: Forgejo signs the body alone, so a captured body
+    /// sent again under another id or event header is known by it.
+    #[serde(default)]
+    pub signature: String,
     pub at: Timestamp,
 }
 
@@ -239,18 +243,23 @@ impl HookState {
         Ok(s)
     }
 
-    /// Whether the delivery `id` was seen among the last [`MAX_REMEMBERED`].
-    pub fn seen(&self, id: &str) -> bool {
-        self.recent.iter().any(|s| s.id == id)
+    /// Whether the delivery `id`, or one with this `signature` (its body), was seen among the
+    /// last [`MAX_REMEMBERED`].
+    pub fn seen(&self, id: &str, signature: &str) -> bool {
+        let signature = signature.trim().to_ascii_lowercase();
+        self.recent
+            .iter()
+            .any(|s| s.id == id || (!signature.is_empty() && s.signature == signature))
     }
 
-    /// Remembers `id` (the oldest one goes once there are [`MAX_REMEMBERED`]).
-    pub fn remember(&mut self, id: &str, now: Timestamp) {
+    /// Remembers `id` and `signature` (the oldest go once there are [`MAX_REMEMBERED`]).
+    pub fn remember(&mut self, id: &str, signature: &str, now: Timestamp) {
         while self.recent.len() >= MAX_REMEMBERED {
             self.recent.pop_front();
         }
         self.recent.push_back(SeenDelivery {
             id: id.to_string(),
+            signature: signature.trim().to_ascii_lowercase(),
             at: now,
         });
     }
@@ -264,8 +273,8 @@ impl HookState {
 }
 
 /// What a signed, well-formed delivery does: wake (the pools), or nothing, and why.
-pub fn decide(state: &HookState, id: &str, event: &str) -> Reason {
-    if state.seen(id) {
+pub fn decide(state: &HookState, id: &str, signature: &str, event: &str) -> Reason {
+    if state.seen(id, signature) {
         Reason::Repeated
     } else if !may_create_jobs(event) {
         Reason::NoJobs
@@ -341,21 +350,30 @@ mod tests {
         );
     }
 
-    // Mutation caught: `decide` without the `seen` check (a replayed delivery wakes again).
+    // Mutation caught: `decide` without the `seen` check (a replayed delivery wakes again);
+    // `seen` by id alone (a captured body under a new id or event header wakes again).
     #[test]
-    fn a_delivery_id_seen_before_wakes_nothing_and_memory_is_bounded() {
+    fn a_delivery_seen_before_by_id_or_body_wakes_nothing_and_memory_is_bounded() {
         let mut s = HookState::default();
-        assert_eq!(decide(&s, "a", "push"), Reason::Woke);
-        s.remember("a", Timestamp(1));
-        assert_eq!(decide(&s, "a", "push"), Reason::Repeated);
-        assert_eq!(decide(&s, "b", "pull_request_sync"), Reason::Woke);
-        assert_eq!(decide(&s, "b", "action_run_success"), Reason::NoJobs);
+        assert_eq!(decide(&s, "a", "AB01", "push"), Reason::Woke);
+        s.remember("a", "AB01", Timestamp(1));
+        assert_eq!(decide(&s, "a", "cd02", "push"), Reason::Repeated);
+        // Forgejo signs the body alone: its signature under another id and event is a replay.
+        assert_eq!(decide(&s, "z", "ab01", "create"), Reason::Repeated);
+        assert_eq!(decide(&s, "b", "", "pull_request_sync"), Reason::Woke);
+        assert_eq!(
+            decide(&s, "b", "cd02", "action_run_success"),
+            Reason::NoJobs
+        );
         for i in 0..MAX_REMEMBERED {
-            s.remember(&format!("id-{i}"), Timestamp(2));
+            s.remember(&format!("id-{i}"), &format!("{i:064x}"), Timestamp(2));
         }
         assert_eq!(s.recent.len(), MAX_REMEMBERED);
-        assert!(!s.seen("a"), "the oldest id is forgotten first");
-        assert!(s.seen("id-0") && s.seen(&format!("id-{}", MAX_REMEMBERED - 1)));
+        assert!(
+            !s.seen("a", "ab01"),
+            "the oldest delivery is forgotten first"
+        );
+        assert!(s.seen("id-0", "") && s.seen("new", &format!("{:064x}", MAX_REMEMBERED - 1)));
     }
 
     // Mutation caught: `touches` always true (a burst of deliveries touches a wake file once each).
@@ -375,7 +393,7 @@ mod tests {
     #[test]
     fn the_state_round_trips_and_another_version_is_refused() {
         let mut s = HookState::default();
-        s.remember("a", Timestamp(5));
+        s.remember("a", "ab01", Timestamp(5));
         s.count(Reason::Woke, Timestamp(5));
         s.count(Reason::BadSignature, Timestamp(6));
         let text = serde_json::to_string(&s).unwrap();

@@ -101,7 +101,7 @@ fn bytes(d: &Delivery) -> Vec<u8> {
 }
 
 // Mutation caught: the hook not remembering a delivery's id (`state.remember`): its replay
-// touched the wake files again.
+// touched the wake files again; `seen` by id alone: the relabelled body woke.
 #[test]
 fn a_signed_delivery_wakes_every_file_and_its_replay_wakes_nothing() {
     let hook = Hook::start(SECRET, 0o600);
@@ -139,13 +139,24 @@ fn a_signed_delivery_wakes_every_file_and_its_replay_wakes_nothing() {
         (200, "a delivery seen before: nothing woken".into())
     );
     assert_eq!(hook.mtime("a"), aged, "the replay touched a wake file");
-    let ran = hook.act.wait_ran(3);
+    // Its body under a new id and another event header (neither is signed): seen before too.
+    let relabelled = signed("6f1d2c3b-0000-4000-8000-000000000002", "create");
+    assert_eq!(
+        hook.send(&bytes(&relabelled)),
+        (200, "a delivery seen before: nothing woken".into())
+    );
+    assert_eq!(
+        hook.mtime("a"),
+        aged,
+        "the relabelled replay touched a wake file"
+    );
+    let ran = hook.act.wait_ran(4);
     assert!(
         ran[2].stderr.contains("seen before, nothing woken"),
         "{}",
         ran[2].stderr
     );
-    assert_eq!((hook.count("woke"), hook.count("repeated")), (2, 1));
+    assert_eq!((hook.count("woke"), hook.count("repeated")), (2, 2));
     crate::observability::promtool_check(&hook.wake("hook.prom"), "hook");
     // The secret is in none of what the receiver wrote or said.
     let state = fs::read_to_string(hook.wake("state/hook-state.json")).unwrap();
@@ -306,7 +317,14 @@ fn a_burst_of_deliveries_touches_each_wake_file_once_a_second() {
     let n = 12;
     let senders: Vec<_> = (0..n)
         .map(|i| {
-            let d = signed(&format!("b0b0b0b0-0000-4000-8000-{i:012}"), "push");
+            // Bodies of their own (one body sent twice is a replay).
+            let d = delivery(
+                SECRET,
+                &format!("b0b0b0b0-0000-4000-8000-{i:012}"),
+                "push",
+                "push",
+                &push_payload(1, 1, &format!("{i:040x}")),
+            );
             let addr = hook.act.addr.clone();
             std::thread::spawn(move || exchange(&addr, &bytes(&d)).unwrap())
         })
