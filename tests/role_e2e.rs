@@ -583,6 +583,15 @@ fn assert_webhooks_wake_the_slot(host: &Host, fake: &FakeForgejo) {
         assert!(unit.contains(line), "{line:?} missing:\n{unit}");
     }
     assert!(!unit.contains("forgejo-token\n") && !unit.contains("StandardInput=file"));
+    // One sender cannot take every connection the socket accepts.
+    let socket = host.show("ci-ephemeral-provisioner-hook.socket");
+    assert_eq!(
+        (
+            socket["MaxConnections"].as_str(),
+            socket["MaxConnectionsPerSource"].as_str()
+        ),
+        ("64", "32")
+    );
     host.sh_ok(
         "systemd-analyze verify --recursive-errors=no ci-ephemeral-provisioner-hook.socket \
          ci-ephemeral-provisioner@default.path",
