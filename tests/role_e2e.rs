@@ -943,6 +943,21 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
         "{out}"
     );
     assert!(!host.file("etc/ci-ephemeral-provisioner").exists());
+    // ... and a webhook secret of blanks (every delivery would be refused) or too short to resist
+    // a guess against one captured delivery.
+    for secret in ["'                    '", "short-5ecret"] {
+        let weak = format!(
+            "{}ci_ephemeral_provisioner_webhook_listen: 127.0.0.1:{}\nci_ephemeral_provisioner_webhook_secret: {secret}\n",
+            vars(&fake, work, &local, two_pools),
+            hook_port()
+        );
+        let (ok, out, _) = host.play("weak-secret", &weak);
+        assert!(
+            !ok && out.contains("at least 16 characters"),
+            "{secret}:\n{out}"
+        );
+        assert!(!host.file("etc/ci-ephemeral-provisioner").exists());
+    }
 
     lap("phase: first deployment and its first job");
     // First run: installs and enables the timers; the timers start the cycles.
@@ -1723,6 +1738,16 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
         assert!(!host.file(gone).exists(), "{gone} is still there:\n{out}");
     }
     assert!(!host.sh("getent passwd ci-ephemeral-hook").0, "{out}");
+    // The pools' units are back to the timer alone: a start rate limit, no wake file or window.
+    let unit = host.sh_ok("systemctl cat ci-ephemeral-provisioner@.service");
+    assert!(
+        !unit.contains("WAKE_FILE") && !unit.contains("StartLimitIntervalSec=0"),
+        "{unit}"
+    );
+    assert_ne!(
+        host.show("ci-ephemeral-provisioner@default.service")["StartLimitIntervalUSec"],
+        "0"
+    );
     let gpu_env = host.read("etc/ci-ephemeral-provisioner/pools/gpu/provisioner.env");
     for line in [
         "CI_EPHEMERAL_PROVISIONER_WARM=\"1\"",
@@ -1735,6 +1760,7 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
         );
     }
     let default_env = host.read("etc/ci-ephemeral-provisioner/pools/default/provisioner.env");
+    assert!(!default_env.contains("WAKE_WINDOW"), "{default_env}");
     for line in [
         "CI_EPHEMERAL_PROVISIONER_WARM=\"0\"",
         "CI_EPHEMERAL_PROVISIONER_WARM_MAX_AGE=\"30m\"",
