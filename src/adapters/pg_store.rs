@@ -601,10 +601,10 @@ impl StateStore for PgStore {
         let ok = self.write(
             "writing the cycle",
             |c, me, id| save_in(c, me, &mine, state, id),
-            |c, _, id| {
+            |c, me, id| {
                 let r = c.query_opt(
                     "SELECT 1 FROM ci_ephemeral_provisioner.cycles WHERE pool = $1 AND cycle_id = $2 AND write_id = $3",
-                    &[&mine.0.as_str(), &mine.0, &id],
+                    &[&me.pool, &mine.0, &id],
                 );
                 r.map(|r| r.map(|_| true))
             },
