@@ -438,7 +438,7 @@ fn assert_slot_2_of_gpu(host: &Host) {
         ("User", "ci-ephemeral-gpu"),
         ("StateDirectory", "ci-ephemeral-provisioner/gpu"),
         ("CacheDirectory", "ci-ephemeral-provisioner/gpu"),
-        ("TimeoutStartUSec", "1h 20min"),
+        ("TimeoutStartUSec", "1h 20min 20s"),
         ("Result", "success"),
     ] {
         assert_eq!(
@@ -1075,11 +1075,12 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
         uid,
         "tofu ran as the service user"
     );
-    // The unit as systemd loaded it: oneshot, a start timeout of hard_deadline + margin, a stop
-    // that reaches the binary only, exit 75 (lock held) counted as success, private files.
+    // The unit as systemd loaded it: oneshot, a start timeout of hard_deadline + margin + the
+    // watch of a woken run (10 wake windows of 2s), a stop that reaches the binary only, exit 75
+    // (lock held) counted as success, private files.
     for (key, want) in [
         ("Type", "oneshot"),
-        ("TimeoutStartUSec", "1h 20min"),
+        ("TimeoutStartUSec", "1h 20min 20s"),
         ("KillMode", "mixed"),
         ("UMask", "0077"),
         ("StateDirectory", "ci-ephemeral-provisioner/default"),
@@ -1744,9 +1745,11 @@ fn role_deploys_pools_that_the_timer_runs_on_a_real_systemd_host() {
         !unit.contains("WAKE_FILE") && !unit.contains("StartLimitIntervalSec=0"),
         "{unit}"
     );
-    assert_ne!(
-        host.show("ci-ephemeral-provisioner@default.service")["StartLimitIntervalUSec"],
-        "0"
+    let default = host.show("ci-ephemeral-provisioner@default.service");
+    assert_ne!(default["StartLimitIntervalUSec"], "0");
+    assert_eq!(
+        default["TimeoutStartUSec"], "1h 20min",
+        "no watch to wait for"
     );
     let gpu_env = host.read("etc/ci-ephemeral-provisioner/pools/gpu/provisioner.env");
     for line in [

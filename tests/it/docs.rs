@@ -1260,6 +1260,19 @@ fn the_slot_limit_is_max_slots_wherever_it_is_written() {
     assert_eq!(slot_limit_mismatches(max + 1).len(), SLOT_LIMIT_TEXTS.len());
 }
 
+// Mutation caught: the role counting 9 watch windows in TimeoutStartSec= while a woken run
+// watches up to MAX_WATCH_WINDOWS (10): systemd would kill a run its watch made long.
+#[test]
+fn the_roles_start_timeout_counts_every_watch_window_of_a_woken_run() {
+    let max = ci_ephemeral_provisioner::core::wake::MAX_WATCH_WINDOWS;
+    let vars = read(&root().join("role/vars/main.yml"));
+    let line = format!("\n_ci_ephemeral_provisioner_watch_windows: {max}\n");
+    assert!(
+        vars.contains(&line),
+        "core::wake::MAX_WATCH_WINDOWS is {max}: role/vars/main.yml must say{line}"
+    );
+}
+
 // --- From a fresh clone: what the README and --help tell a new operator (#32) -----------------
 
 /// The lines of the first fenced block after `after` in `text`, without their indentation.
