@@ -355,6 +355,15 @@ fn spawn(spec: &ChildSpec) -> std::io::Result<std::process::Child> {
     // Own process group: a terminal's Ctrl-C reaches only us, and we forward exactly one SIGINT
     // (a second SIGINT would make tofu abandon its work).
     cmd.process_group(0);
+    // SIGINT's default action, even when this process was started with it ignored (a shell's
+    // background job): else the one SIGINT forwarded would reach no trap of the child's.
+    // SAFETY: signal() is async-signal-safe, the only call between fork and exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::signal(libc::SIGINT, libc::SIG_DFL);
+            Ok(())
+        });
+    }
     cmd.stdin(if spec.stdin.is_some() {
         Stdio::piped()
     } else {
@@ -579,16 +588,36 @@ mod tests {
         assert!(left.stdout.is_empty(), "the whole process group is killed");
     }
 
+    // Mutation caught: spawn without the reset of SIGINT (the child inherited it ignored).
+    #[test]
+    fn a_child_gets_sigints_default_action_even_when_this_process_ignores_it() {
+        // SAFETY: swaps the process's SIGINT disposition and puts it back.
+        let old = unsafe { libc::signal(libc::SIGINT, libc::SIG_IGN) };
+        let r = run_child(&sh("grep SigIgn /proc/self/status"), &StopFlag::new());
+        unsafe { libc::signal(libc::SIGINT, old) };
+        let text = String::from_utf8(r.unwrap().stdout).unwrap();
+        let mask = u64::from_str_radix(text.split_whitespace().last().unwrap(), 16).unwrap();
+        assert_eq!(mask & (1 << (libc::SIGINT - 1)), 0, "{text}");
+    }
+
     #[test]
     fn stop_forwards_sigint() {
         let stop = StopFlag::new();
         let later = stop.clone();
-        // Raised once the shell has installed its trap.
+        let dir = tempfile::tempdir().unwrap();
+        let ready = dir.path().join("trapped");
+        let seen = ready.clone();
+        // Raised once the shell has installed its trap (it says so with a file).
         std::thread::spawn(move || {
-            std::thread::sleep(Duration::from_millis(300));
+            while !seen.exists() {
+                std::thread::sleep(Duration::from_millis(20));
+            }
             later.raise();
         });
-        let spec = sh("trap 'echo got-int; exit 7' INT; while :; do sleep 0.05; done");
+        let spec = sh(&format!(
+            "trap 'echo got-int; exit 7' INT; : > '{}'; while :; do sleep 0.05; done",
+            ready.display()
+        ));
         let r = run_child(&spec, &stop).unwrap();
         assert!(r.interrupted);
         assert_eq!(r.status.code(), Some(7));
