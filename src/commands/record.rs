@@ -216,6 +216,9 @@ fn plan_json(actions: &[Value], report: &Report) -> Value {
 /// a run how it would end.
 fn nothing_to_do(report: &Report, outcome: &str) -> String {
     match &report.sweep {
+        Some(s) if s.error.is_some() => {
+            format!("none: the dry-run could not list the registrations ({outcome})")
+        }
         Some(s) if s.error.is_none() && s.found == 0 => format!(
             "nothing to delete ({} registration(s) listed, none of them ours, offline and old enough to sweep)",
             s.listed

@@ -44,7 +44,13 @@ pub fn cmd_sweep(a: SweepArgs) -> Result<u8, Fatal> {
         },
     );
     report.outcome = if report.dry_run {
-        crate::core::report::Outcome::WouldSweep
+        // A dry sweep that could not list plans nothing: it failed, as a dry run that could not
+        // read does.
+        if report.sweep.as_ref().is_some_and(|s| s.error.is_some()) {
+            crate::core::report::Outcome::Failed
+        } else {
+            crate::core::report::Outcome::WouldSweep
+        }
     } else {
         crate::core::report::Outcome::Swept
     };

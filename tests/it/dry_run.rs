@@ -611,6 +611,37 @@ fn a_forgejo_that_does_not_resolve_is_one_error_with_its_message_and_a_dns_hint(
     );
 }
 
+// Mutation caught: a dry sweep that could not list the registrations printed as "nothing to do
+// (would_sweep)"; its outcome would_sweep, not failed.
+#[test]
+fn a_dry_sweep_that_cannot_list_says_so_and_fails() {
+    let env = Env::new();
+    let out = live_dry(&env, "sweep", &["--forgejo-url", "https://forgejo.invalid"]);
+    assert_eq!(out.code, Some(1), "{out:?}");
+    assert!(
+        out.stdout.starts_with(
+            "plan: none: the dry-run could not list the registrations (failed)\n1 error(s), logged above"
+        ),
+        "{out:?}"
+    );
+    let out = live_dry(
+        &env,
+        "sweep",
+        &[
+            "--forgejo-url",
+            "https://forgejo.invalid",
+            "--output",
+            "json",
+        ],
+    );
+    let doc = out.json();
+    assert_eq!(
+        (doc["outcome"].as_str(), &doc["failures"]),
+        (Some("failed"), &1.into()),
+        "{doc}"
+    );
+}
+
 // Mutation caught (#32, point 3): a dry-run that plans tofu_apply and exits 0 where a live run
 // with the same flags is refused (no tofu, no module, no launch command).
 #[test]
