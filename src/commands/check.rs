@@ -276,9 +276,13 @@ fn scope_line(forgejo: &mut impl Forgejo, scope: &str) -> Result<String, String>
         .list_jobs()
         .map_err(|e| e.to_string())
         .map(|j| format!("{} waiting or running job(s) for these labels", j.len()));
+    // Forgejo checks a token's scope by the request's method: these GETs prove reading only.
+    let write = crate::adapters::forgejo_http::Scope::parse(scope)
+        .map(|s| s.write_scope())
+        .unwrap_or("write");
     match (runners, jobs) {
         (Ok(r), Ok(j)) => Ok(format!(
-            "the token lists runners and jobs of scope {scope}: {r}, {j}"
+            "the token lists runners and jobs of scope {scope}: {r}, {j} (registering needs {write}, which check does not try: a run's first registration does)"
         )),
         (Err(e), _) | (_, Err(e)) => Err(e),
     }

@@ -66,7 +66,7 @@ impl Scope {
     }
 
     /// The token scope Forgejo asks for on writes, for error hints.
-    pub(super) fn write_scope(&self) -> &'static str {
+    pub fn write_scope(&self) -> &'static str {
         match self {
             Scope::Admin => "write:admin",
             Scope::User => "write:user",
