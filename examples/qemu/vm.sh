@@ -115,8 +115,19 @@ stop_vm() {
     return 0
 }
 
+# passt's socket directory: $VM_DIR/net, or the one in /run that file names (passt as root).
+remove_passt_dir() {
+    local d
+    if [ -f "$VM_DIR/net" ]; then
+        d=$(cat "$VM_DIR/net")
+        case $d in /run/ci-vm-net.*) rm -rf -- "$d" ;; esac
+    fi
+    rm -rf -- "$VM_DIR/net"
+}
+
 remove_vm() {
     stop_vm || return 1
+    remove_passt_dir
     rm -rf -- "$VM_DIR"
 }
 
@@ -429,7 +440,7 @@ EOF
     mac=52:54:00:$(od -An -N3 -tx1 /dev/urandom | sed 's/^ *//; s/ /:/g')
     case $network in
     passt)
-        printf '%s\n' -netdev "stream,id=n1,server=off,addr.type=unix,addr.path=$VM_DIR/passt.sock" \
+        printf '%s\n' -netdev "stream,id=n1,server=off,addr.type=unix,addr.path=$passt_dir/passt.sock" \
             -device "virtio-net-pci,netdev=n1,mac=$mac"
         ;;
     bridge)
@@ -457,12 +468,26 @@ sandbox() {
     [ "$supervisor" != systemd-user ] || echo PrivateUsers=yes
 }
 
-# Starts passt, the VM's network to the internet: it serves QEMU's card on $VM_DIR/passt.sock,
-# once (-1: it ends with QEMU), forwards no port, and does not map its gateway to this host
-# (--no-map-gw). 0 once it listens.
+# Starts passt, the VM's network to the internet: it serves QEMU's card on
+# $passt_dir/passt.sock, forwards no port, and does not map its gateway to this host
+# (--no-map-gw). It runs until the VM is stopped (passt's --one-off, which would end it with
+# QEMU, ends it at once in Debian bookworm's passt, before QEMU connects). $passt_dir is
+# $VM_DIR/net; started as root, passt becomes nobody before it binds its socket, where nobody
+# may not reach $VM_DIR: then it is a directory of nobody's in /run, named in $VM_DIR/net.
+# 0 once it listens.
 start_passt() {
-    rm -f "$VM_DIR/passt.sock" "$VM_DIR/passt.log"
-    set -- -f -1 --no-map-gw -t none -u none -s "$VM_DIR/passt.sock" -l "$VM_DIR/passt.log"
+    remove_passt_dir
+    rm -f "$VM_DIR/passt.log"
+    if [ "$(id -u)" = 0 ]; then
+        passt_dir=$(mktemp -d /run/ci-vm-net.XXXXXXXX) || return 1
+        printf '%s\n' "$passt_dir" > "$VM_DIR/net"
+        chown nobody:"$(id -gn nobody)" "$passt_dir"
+        set -- --runas "$(id -u nobody):$(id -g nobody)"
+    else
+        passt_dir=$VM_DIR/net
+        mkdir -m 0700 "$passt_dir"
+    fi
+    set -- "$@" --no-map-gw -t none -u none -s "$passt_dir/passt.sock" -l "$VM_DIR/passt.log"
     for d in $dns; do set -- "$@" -D "$d"; done
     case $supervisor in
     systemd-user | systemd-system)
@@ -471,7 +496,7 @@ start_passt() {
         set -- --quiet --collect --unit="$net_unit" --description="examples/qemu runner VM $VM_NAME: passt" \
             -p "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6 AF_NETLINK" -p TasksMax=16 \
             -p StandardOutput=file:"$VM_DIR/passt.out" -p StandardError=file:"$VM_DIR/passt.out" \
-            -- "$passt" "$@"
+            -- "$passt" -f "$@"
         [ "$supervisor" != systemd-user ] || set -- --user "$@"
         if ! systemd-run "$@" > "$VM_DIR/systemd-run.log" 2>&1; then
             say "systemd-run (passt) failed: $(tail -n 3 "$VM_DIR/systemd-run.log")"
@@ -479,13 +504,20 @@ start_passt() {
         fi
         ;;
     pidfile)
-        "$passt" "$@" < /dev/null > "$VM_DIR/passt.out" 2>&1 &
+        # It daemonizes itself (a session of its own), as QEMU does with -daemonize.
+        if ! "$passt" "$@" < /dev/null > "$VM_DIR/passt.out" 2>&1; then
+            say "passt did not start: $(tail -n 5 "$VM_DIR/passt.out" | tr '\n' ' ')"
+            return 1
+        fi
         ;;
     esac
-    # It logs this line once its socket listens.
+    # It logs this line once it bound its socket (also when binding failed: the socket tells).
     n=0
     while [ "$n" -lt 100 ]; do
-        grep -q 'UNIX domain socket bound at' "$VM_DIR/passt.log" 2> /dev/null && return 0
+        if grep -q 'UNIX domain socket bound at' "$VM_DIR/passt.log" 2> /dev/null; then
+            [ -S "$passt_dir/passt.sock" ] && return 0
+            break
+        fi
         sleep 0.1
         n=$((n + 1))
     done
