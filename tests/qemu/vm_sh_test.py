@@ -200,6 +200,35 @@ def test_the_user_network_is_restricted_unless_network_user(w):
             expect(not sock_dir.exists(), f"passt's socket directory {sock_dir} is left")
 
 
+# Mutation caught: vm.sh reading the image's files from VM_IMAGE_DIR itself, not from the build
+# that `current` names (build-image's layout); a plain directory (the layout before) still boots.
+def test_the_image_is_the_build_current_names(w):
+    builds = w.base / "builds"
+    for b in ("build-old", "build-new"):
+        (builds / b).mkdir(parents=True)
+        for f in ("disk.qcow2", "vmlinuz", "initrd.img"):
+            shutil.copy(w.image / f, builds / b / f)
+    (builds / "current").symlink_to("build-new")
+    for p in [builds, *builds.rglob("*")]:
+        if not p.is_symlink():
+            p.chmod(0o755 if p.is_dir() else 0o644)
+    env = w.env("current", VM_IMAGE_DIR=str(builds), VM_NETWORK="isolated")
+    ok(w.vm_sh("create", env), "create (current)")
+    argv = w.starts()[-1]
+    kernel = argv[argv.index("-kernel") + 1]
+    expect(kernel == str(builds / "build-new" / "vmlinuz"), f"-kernel {kernel}, expected build-new's")
+    info = subprocess.run(["qemu-img", "info", "--output=json", str(w.vms / "current" / "overlay.qcow2")],
+                          capture_output=True, text=True, check=True)
+    backing = json.loads(info.stdout).get("backing-filename")
+    expect(backing == str(builds / "build-new" / "disk.qcow2"), f"the overlay's base is {backing}")
+    ok(w.vm_sh("destroy", env), "destroy (current)")
+    env = w.env("plain", VM_NETWORK="isolated")
+    ok(w.vm_sh("create", env), "create (a plain image directory)")
+    argv = w.starts()[-1]
+    expect(argv[argv.index("-kernel") + 1] == str(w.image / "vmlinuz"), f"-kernel of the plain directory: {argv}")
+    ok(w.vm_sh("destroy", env), "destroy (plain)")
+
+
 # Mutation caught: `auto` deciding on KVM by this process's view of /dev/kvm under a systemd
 # supervisor (in the role's sandbox, PrivateDevices=, there is no /dev/kvm: every VM ran with TCG).
 def test_auto_asks_qemu_for_kvm_where_this_process_cannot_open_it(w):
