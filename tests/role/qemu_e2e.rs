@@ -389,6 +389,19 @@ done"#
     assert!(!vm_dir.exists(), "the destroy left {}", vm_dir.display());
 }
 
+/// Run in a transient unit of the pool user's manager: whether it may take a descriptor of
+/// another process of that user (pidfd_getfd(2), syscall 438, on fd 0 of a child) and whether
+/// it can gain privileges.
+const ESCAPE_PROBE: &str = r#"
+import ctypes, errno, os, subprocess
+libc = ctypes.CDLL(None, use_errno=True)
+p = subprocess.Popen(["sleep", "30"], stdin=subprocess.PIPE)
+fd = libc.syscall(438, os.pidfd_open(p.pid), 0, 0)
+print("pidfd_getfd:", "taken" if fd >= 0 else errno.errorcode[ctypes.get_errno()])
+p.kill()
+print([l for l in open("/proc/self/status") if l.startswith("NoNewPrivs")][0], end="")
+"#;
+
 /// The role's variables for the QEMU pool: examples/qemu, the role's launch command with the
 /// module's outputs, VMs of the default network (passt) whose one forward reaches the fake Forgejo.
 fn qemu_vars(fake: &FakeForgejo, source: &Source) -> String {
@@ -508,6 +521,21 @@ fn qemu_vms_boot_serve_two_jobs_and_are_destroyed() {
     );
     assert!(vm_dirs(&host).is_empty(), "{:?}", vm_dirs(&host));
     assert!(!host.file(&format!("{STATE}/cycle.json")).exists());
+    // Mutation caught: the role's user-manager-sandbox.conf.j2 without SystemCallFilter= and
+    // NoNewPrivileges= ("pidfd_getfd: taken", "NoNewPrivs: 0").
+    // What the pool's user starts through its manager (`systemd-run --user`, as any child
+    // of a run can) runs outside the pool units' sandbox; the role's drop-in for user@UID.service
+    // still keeps it from taking another process's descriptors (the Forgejo token on a run's
+    // standard input while it starts) and from gaining privileges.
+    let uid = host.sh_ok("id -u ci-ephemeral-qemu").trim().to_string();
+    let escaped = host.sh_ok(&format!(
+        "XDG_RUNTIME_DIR=/run/user/{uid} setpriv --reuid={uid} --regid={uid} --clear-groups \
+         systemd-run --user --wait --pipe --quiet python3 -c '{ESCAPE_PROBE}' < /dev/null"
+    ));
+    assert!(
+        escaped.contains("pidfd_getfd: EPERM") && escaped.contains("NoNewPrivs:\t1"),
+        "a transient unit of the pool user's manager is not held: {escaped}"
+    );
     let posts_before = fake
         .requests()
         .iter()
@@ -553,7 +581,6 @@ fn qemu_vms_boot_serve_two_jobs_and_are_destroyed() {
         cmdline.split_whitespace().next().unwrap()
     ));
     assert_eq!(owner.trim(), "ci-ephemeral-qemu", "QEMU runs as {owner}");
-    let uid = host.sh_ok("id -u ci-ephemeral-qemu").trim().to_string();
     let units = host.sh_ok(&format!(
         "XDG_RUNTIME_DIR=/run/user/{uid} setpriv --reuid={uid} --regid={uid} --clear-groups \
          systemctl --user list-units --no-legend 'ci-vm-*'"
