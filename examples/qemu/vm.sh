@@ -7,10 +7,9 @@
 #   copy-on-write overlay over the base image (overlay.qcow2), the console log, and vm.json, which
 #   main.tf turns into outputs. QEMU boots the image's kernel and initrd directly (of the one
 #   version $VM_IMAGE_DIR/current names, read once), supervised by systemd (a transient unit of
-#   the user's own manager, or of the system manager for root, with memory and CPU limits and a
-#   sandbox: a read-only file system but $VM_DIR, no other namespaces, the system calls of a
-#   service; QEMU's own -sandbox on top) or, without systemd, daemonized with a pid file (refused
-#   inside a systemd unit, whose end would kill the VM). SSH is forwarded from a free port on
+#   the user's own manager, or of the system manager for root, with memory and CPU limits) or,
+#   without systemd, daemonized with a pid file (refused inside a systemd unit, whose end would
+#   kill the VM). SSH is forwarded from a free port on
 #   127.0.0.1. The apply succeeds only once the VM's own systemd has started (its console says
 #   so): a VM that does not boot, or whose QEMU died, is a failed apply, and then nothing of it is
 #   left (the create cleans up after itself, since tofu runs no destroy provisioner for a resource
@@ -389,14 +388,6 @@ cmdline="root=LABEL=root rw console=ttyS0 panic=-1 ${VM_KERNEL_ARGS:-}"
 # Beside passt or a bridge, the user network card (MAC 52:54:00:c1:00:01) gives no route and no
 # DNS: the image's 40-user-bridged.network matches it under ci.bridge.
 case $network in passt | bridge) cmdline="$cmdline ci.bridge" ;; esac
-# QEMU's own seccomp filter: no obsolete calls, no scheduling or affinity changes; no set*id
-# (setsid included) and no fork or exec unless -daemonize, a forward (socat) or the bridge's
-# helper needs them.
-qemu_sandbox=on,obsolete=deny,resourcecontrol=deny
-[ "$supervisor" = pidfile ] || qemu_sandbox=$qemu_sandbox,elevateprivileges=deny
-if [ -z "$guestfwds" ] && [ "$network" != bridge ] && [ "$supervisor" != pidfile ]; then
-    qemu_sandbox=$qemu_sandbox,spawn=deny
-fi
 # QEMU's argv for accel $1 and port $2 (one word per line; no word holds a newline).
 qemu_args() {
     cat << EOF
@@ -415,8 +406,6 @@ $VM_MEMORY
 -display
 none
 -no-reboot
--sandbox
-$qemu_sandbox
 -kernel
 $image/vmlinuz
 -initrd
@@ -450,22 +439,6 @@ EOF
     if [ "$supervisor" = pidfile ]; then
         printf '%s\n' -daemonize -pidfile "$VM_DIR/qemu.pid"
     fi
-}
-
-# The sandbox of QEMU's unit (systemd-run -p): QEMU, the socat of each forward and a job that
-# escaped the VM see this host read-only but $VM_DIR, no /home, /root or /run/user, a /tmp of
-# their own, no kernel knobs, logs or modules, and reach only the IPv4, IPv6 and local sockets.
-# A user manager applies the namespace settings inside a user namespace of their own
-# (PrivateUsers=). With a bridge, the helper QEMU runs needs the host's network privileges.
-sandbox() {
-    printf '%s\n' NoNewPrivileges=yes ProtectSystem=strict "ReadWritePaths=$VM_DIR" ProtectHome=yes \
-        PrivateTmp=yes ProtectKernelTunables=yes ProtectKernelModules=yes \
-        ProtectControlGroups=yes ProtectHostname=yes ProtectProc=invisible LockPersonality=yes \
-        RestrictRealtime=yes RestrictSUIDSGID=yes RestrictNamespaces=yes \
-        "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6" SystemCallArchitectures=native \
-        "SystemCallFilter=@system-service seccomp" "SystemCallFilter=~@privileged @resources" \
-        SystemCallErrorNumber=EPERM UMask=0077
-    [ "$supervisor" != systemd-user ] || echo PrivateUsers=yes
 }
 
 # Starts passt, the VM's network to the internet: it serves QEMU's card on
@@ -552,13 +525,6 @@ start_qemu() {
         if [ "$network" = passt ]; then
             # passt's end ends the VM's network: then its QEMU too.
             set -- -p BindsTo="$net_unit.service" -p After="$net_unit.service" "$@"
-        fi
-        if [ "$network" != bridge ]; then
-            while IFS= read -r property; do
-                set -- -p "$property" "$@"
-            done << EOF
-$(sandbox)
-EOF
         fi
         [ "$supervisor" != systemd-user ] || set -- --user "$@"
         if ! systemd-run "$@" > "$VM_DIR/systemd-run.log" 2>&1; then

@@ -475,9 +475,16 @@ fn qemu_vms_boot_serve_two_jobs_and_are_destroyed() {
     let host = Host::boot_with(
         work,
         &rootfs,
+        // .ci/role's port and cgroup (its lock), or another pair to run this beside it.
         vec![
-            ("SSH_PORT".into(), "2223".into()),
-            ("E2E_CGROUP".into(), "qemu-e2e".into()),
+            (
+                "SSH_PORT".into(),
+                std::env::var("ROLE_E2E_QEMU_SSH_PORT").unwrap_or_else(|_| "2223".into()),
+            ),
+            (
+                "E2E_CGROUP".into(),
+                std::env::var("ROLE_E2E_QEMU_CGROUP").unwrap_or_else(|_| "qemu-e2e".into()),
+            ),
             (
                 "E2E_NSPAWN_ARGS".into(),
                 format!("--bind-ro={}:{IMAGE}", image.display()),
@@ -528,10 +535,22 @@ fn qemu_vms_boot_serve_two_jobs_and_are_destroyed() {
     // still keeps it from taking another process's descriptors (the Forgejo token on a run's
     // standard input while it starts) and from gaining privileges.
     let uid = host.sh_ok("id -u ci-ephemeral-qemu").trim().to_string();
-    let escaped = host.sh_ok(&format!(
+    // (systemd-run --wait would need the user's D-Bus; the unit writes into the runtime directory.)
+    host.sh_ok(&format!(
         "XDG_RUNTIME_DIR=/run/user/{uid} setpriv --reuid={uid} --regid={uid} --clear-groups \
-         systemd-run --user --wait --pipe --quiet python3 -c '{ESCAPE_PROBE}' < /dev/null"
+         systemd-run --user --quiet --collect --unit=escape-probe -p StandardError=journal \
+         -p StandardOutput=file:/run/user/{uid}/escape-probe.out python3 -c '{ESCAPE_PROBE}' < /dev/null"
     ));
+    let mut escaped = String::new();
+    wait(
+        "the probe in a transient unit of the pool user's manager",
+        &host,
+        60,
+        || {
+            escaped = host.sh(&format!("cat /run/user/{uid}/escape-probe.out")).1;
+            escaped.contains("NoNewPrivs")
+        },
+    );
     assert!(
         escaped.contains("pidfd_getfd: EPERM") && escaped.contains("NoNewPrivs:\t1"),
         "a transient unit of the pool user's manager is not held: {escaped}"
