@@ -22,7 +22,8 @@ locals {
     VM_SSH_USER          = var.ssh_user
     VM_RUNNER_DIR        = var.runner_dir
     VM_RUNNER_SUDO       = tostring(var.runner_sudo)
-    VM_ISOLATED          = tostring(var.isolated)
+    VM_NETWORK           = var.network
+    VM_DNS               = join(" ", var.dns)
     VM_FORWARDS          = join("\n", [for f in var.forwards : "${f.guest} ${f.host}"])
     VM_BRIDGE            = var.bridge
     VM_PORT_MIN          = tostring(var.ssh_port_range[0])
@@ -53,6 +54,10 @@ resource "terraform_data" "vm" {
     precondition {
       condition     = length(local.name) <= 64
       error_message = "The VM name ${local.name} is longer than 64 characters: shorten name_prefix."
+    }
+    precondition {
+      condition     = (var.network == "bridge") == (var.bridge != "")
+      error_message = "network = \"bridge\" and bridge (the bridge's name) go together."
     }
   }
 }

@@ -31,6 +31,6 @@ output "known_hosts" {
 
 # Not read by the launch command: for `ci-ephemeral-provisioner status`.
 output "vm" {
-  description = "The VM's name, the accelerator it runs with (kvm or tcg) and how QEMU is supervised."
-  value       = try("${local.name} (${local.vm.accel}, ${local.vm.supervisor})", null)
+  description = "The VM's name, the accelerator it runs with (kvm or tcg), how QEMU is supervised and the VM's network."
+  value       = try("${local.name} (${local.vm.accel}, ${local.vm.supervisor}, ${local.vm.network})", null)
 }

@@ -137,10 +137,26 @@ variable "ssh_port_range" {
   }
 }
 
-variable "isolated" {
-  type        = bool
-  default     = false
-  description = "The VM reaches nothing but the forwards (QEMU's user network with restrict=on); false: it reaches what this host reaches, through QEMU's NAT, this host's loopback included (10.0.2.2)."
+variable "network" {
+  type        = string
+  default     = "passt"
+  description = "The jobs' network: passt (the internet through passt, not this host's loopback), isolated (the forwards only), bridge (a host bridge, see bridge) or user (QEMU's unrestricted user network: this host's loopback too, 10.0.2.2; not for untrusted jobs)."
+
+  validation {
+    condition     = contains(["passt", "isolated", "bridge", "user"], var.network)
+    error_message = "network must be passt, isolated, bridge or user."
+  }
+}
+
+variable "dns" {
+  type        = list(string)
+  default     = []
+  description = "DNS servers for network passt (IPv4 or IPv6 addresses); empty: this host's, unless they are on its loopback (systemd-resolved's upstream servers are taken instead of its 127.0.0.53)."
+
+  validation {
+    condition     = alltrue([for d in var.dns : can(regex("^[0-9A-Fa-f.:]+$", d))])
+    error_message = "dns: each entry must be an IPv4 or IPv6 address."
+  }
 }
 
 variable "forwards" {
@@ -160,7 +176,7 @@ variable "forwards" {
 variable "bridge" {
   type        = string
   default     = ""
-  description = "A host bridge (e.g. br0) for a second network card, through qemu-bridge-helper (allowed in /etc/qemu/bridge.conf): the VM's network for jobs. SSH and the forwards still come through 127.0.0.1, on the user network, then restricted."
+  description = "With network bridge: a host bridge (e.g. br0) for the jobs' network card, through qemu-bridge-helper (allowed in /etc/qemu/bridge.conf, with the privileges it needs)."
 
   validation {
     condition     = can(regex("^[A-Za-z0-9_.-]{0,15}$", var.bridge))

@@ -5,20 +5,27 @@
 # create: everything of the VM lives in $VM_DIR (0700): its login key and host key (new for each
 #   VM), the cloud-init NoCloud seed that carries them (seed.img, a FAT image labelled cidata), a
 #   copy-on-write overlay over the base image (overlay.qcow2), the console log, and vm.json, which
-#   main.tf turns into outputs. QEMU boots the image's kernel and initrd directly, supervised by
-#   systemd (a transient unit of the user's own manager, or of the system manager for root, with
-#   memory and CPU limits) or, without systemd, daemonized with a pid file. SSH is forwarded from
-#   a free port on 127.0.0.1. The apply succeeds only once the VM's own systemd has started
-#   (its console says so): a VM that does not boot, or whose QEMU died, is a failed apply, and
-#   then nothing of it is left (the create cleans up after itself, since tofu runs no destroy
-#   provisioner for a resource whose create failed).
+#   main.tf turns into outputs. QEMU boots the image's kernel and initrd directly (of the one
+#   version $VM_IMAGE_DIR/current names, read once), supervised by systemd (a transient unit of
+#   the user's own manager, or of the system manager for root, with memory and CPU limits) or,
+#   without systemd, daemonized with a pid file (refused inside a systemd unit, whose end would
+#   kill the VM). SSH is forwarded from a free port on
+#   127.0.0.1. The apply succeeds only once the VM's own systemd has started (its console says
+#   so): a VM that does not boot, or whose QEMU died, is a failed apply, and then nothing of it is
+#   left (the create cleans up after itself, since tofu runs no destroy provisioner for a resource
+#   whose create failed).
 #   VM_ACCEL=auto tries KVM (with a pid file: when /dev/kvm can be opened) and keeps it only if the
 #   guest boots under it within VM_KVM_PROOF_SECONDS (a /dev/kvm whose guests hang exists); else
 #   it boots with TCG.
 #   The guest's CPU: VM_KVM_CPU (default host) under KVM, VM_TCG_CPU (default qemu64, which TCG
 #   runs faster than max) under TCG.
+#   The network (VM_NETWORK): QEMU's user network card carries SSH and the forwards only
+#   (restrict=on: nothing else of this host, its loopback included); jobs reach the internet
+#   through a second card: passt (the default; --no-map-gw: its gateway is not this host, and it
+#   forwards no port) or a bridge; isolated: no second card; user: the one card unrestricted,
+#   whose 10.0.2.2 is this host's loopback (every service listening there): an opt-in, warned of.
 #
-# destroy: stops the VM (its unit, or the pid in qemu.pid if it is this VM's QEMU), then ends any
+# destroy: stops the VM (its units, or the pid in qemu.pid if it is this VM's QEMU), then ends any
 #   process left whose command line names this VM's directory, and removes the directory. Exits
 #   non-zero unless no such process is left: tofu then keeps the VM in its state and the next
 #   destroy tries again.
@@ -32,6 +39,8 @@ case $VM_DIR in
 esac
 say() { echo "vm.sh: $VM_NAME: $*" >&2; }
 unit=ci-vm-$VM_NAME
+# passt, the VM's network to the internet (VM_NETWORK=passt): a unit of its own beside QEMU's.
+net_unit=$unit-net
 
 # How the VM's QEMU is supervised: systemd-user, systemd-system or pidfile (written by create).
 supervisor_of() {
@@ -54,14 +63,18 @@ sctl() {
     esac
 }
 
-# The processes whose command line names $VM_DIR (this VM's QEMU, whoever started it): one grep
-# over every /proc/PID/cmdline, its pattern written so that it never matches grep's own.
-ours() {
+# The processes whose command line names the path $1 (whoever started them): one grep over
+# every /proc/PID/cmdline, its pattern written so that it never matches grep's own.
+naming() {
     local esc
-    esc=$(printf '%s/' "$VM_DIR" | sed 's/[].[\*^$]/\\&/g')
+    esc=$(printf '%s' "$1" | sed 's/[].[\*^$]/\\&/g')
     grep -la -e "[${esc:0:1}]${esc:1}" /proc/[0-9]*/cmdline 2> /dev/null |
         sed -n 's|^/proc/\([0-9]*\)/cmdline$|\1|p' | grep -vx -e "$$" || true
 }
+# Every process of this VM (its QEMU, its passt): their command lines name $VM_DIR.
+ours() { naming "$VM_DIR/"; }
+# This VM's QEMU alone: its command line names the overlay.
+qemu_pids() { naming "$VM_DIR/overlay.qcow2"; }
 
 # Stops whatever runs of this VM; 0 once no process of it is left.
 stop_vm() {
@@ -69,8 +82,10 @@ stop_vm() {
     case $supervisor in
     systemd-user | systemd-system)
         # Stops it if it runs (SIGTERM, SIGKILL after the unit's TimeoutStopSec=), forgets it.
-        sctl stop "$unit.service" > /dev/null 2>&1 || true
-        sctl reset-failed "$unit.service" > /dev/null 2>&1 || true
+        for u in "$unit" "$net_unit"; do
+            sctl stop "$u.service" > /dev/null 2>&1 || true
+            sctl reset-failed "$u.service" > /dev/null 2>&1 || true
+        done
         ;;
     esac
     pids=$(ours)
@@ -99,8 +114,19 @@ stop_vm() {
     return 0
 }
 
+# passt's socket directory: $VM_DIR/net, or the one in /run that file names (passt as root).
+remove_passt_dir() {
+    local d
+    if [ -f "$VM_DIR/net" ]; then
+        d=$(cat "$VM_DIR/net")
+        case $d in /run/ci-vm-net.*) rm -rf -- "$d" ;; esac
+    fi
+    rm -rf -- "$VM_DIR/net"
+}
+
 remove_vm() {
     stop_vm || return 1
+    remove_passt_dir
     rm -rf -- "$VM_DIR"
 }
 
@@ -119,25 +145,57 @@ fi
 
 : "${VM_IMAGE_DIR:?VM_IMAGE_DIR is not set}"
 qemu=${VM_QEMU:-qemu-system-x86_64}
+passt=${VM_PASST:-passt}
+network=${VM_NETWORK:-passt}
+# The image: build-image publishes each build in a directory of its own and then points the
+# symlink current at it (one rename), so one readlink names the disk, kernel and initrd of one
+# build; a directory of the three files (as build-image wrote them before) is taken as it is.
+image=$VM_IMAGE_DIR
+if [ -L "$VM_IMAGE_DIR/current" ]; then
+    image=$(readlink -f -- "$VM_IMAGE_DIR/current") || {
+        say "$VM_IMAGE_DIR/current does not resolve: build the image again with examples/qemu/build-image --out $VM_IMAGE_DIR"
+        exit 1
+    }
+fi
+case $image in
+*,* | *"
+"*) say "the image directory $image has a comma or a line break (QEMU's options)"; exit 1 ;;
+esac
 for f in disk.qcow2 vmlinuz initrd.img; do
-    [ -r "$VM_IMAGE_DIR/$f" ] || {
-        say "the base image has no readable $VM_IMAGE_DIR/$f: build it with examples/qemu/build-image --out $VM_IMAGE_DIR (image_dir)"
+    [ -r "$image/$f" ] || {
+        say "the base image has no readable $image/$f: build it with examples/qemu/build-image --out $VM_IMAGE_DIR (image_dir)"
         exit 1
     }
 done
-for tool in "$qemu" qemu-img ssh-keygen mformat mcopy; do
+case $network in
+passt | isolated | user) ;;
+bridge) [ -n "${VM_BRIDGE:-}" ] || { say "network bridge needs the bridge's name (bridge)"; exit 1; } ;;
+*) say "VM_NETWORK '$network' is not passt, isolated, bridge or user"; exit 1 ;;
+esac
+tools="$qemu qemu-img ssh-keygen mformat mcopy"
+[ "$network" != passt ] || tools="$tools $passt"
+for tool in $tools; do
     command -v "$tool" > /dev/null || {
-        say "$tool is not installed on this host (Debian: qemu-system-x86, qemu-utils, openssh-client, mtools)"
+        say "$tool is not installed on this host (Debian: qemu-system-x86, qemu-utils, openssh-client, mtools; passt for network passt)"
         exit 1
     }
 done
+supervisor=$(supervisor_of)
+# With a pid file QEMU would run inside the unit that runs this script: in its sandbox, where
+# TCG cannot run (MemoryDenyWriteExecute=), and killed with the rest of the unit when it ends.
+if [ "$supervisor" = pidfile ] && [ -n "${INVOCATION_ID:-}" ]; then
+    say "QEMU would run with a pid file inside this systemd unit (INVOCATION_ID is set), whose sandbox stops TCG and whose end kills the VM: give this pool a systemd user manager (the Ansible role: systemd_user_manager: true; its manager must run: systemctl status user@$(id -u).service), or run tofu as root (supervisor systemd-system)"
+    exit 1
+fi
+if [ "$network" = user ]; then
+    say "WARNING: network user: jobs in this VM reach every service listening on this host's loopback (10.0.2.2), the other VMs' SSH included; use passt, isolated or a bridge for jobs you do not trust"
+fi
 
 # A create that runs again (tofu re-applies after a killed apply) starts from nothing.
 if [ -e "$VM_DIR" ] || [ -n "$(ours)" ]; then
     say "removing what an earlier, unfinished create left"
     remove_vm || exit 1
 fi
-supervisor=$(supervisor_of)
 umask 077
 mkdir -p "$VM_DIR"
 echo "$supervisor" > "$VM_DIR/supervisor"
@@ -249,9 +307,10 @@ mcopy -i "$VM_DIR/seed.img" "$VM_DIR/user-data" "$VM_DIR/meta-data" ::
 # The seed holds the host's private key; the VM's copy is all it needs.
 rm -f "$VM_DIR/user-data" "$VM_DIR/host"
 
-# Net: the user-mode network, SSH forwarded from 127.0.0.1:PORT; restrict=on when isolated, and
-# beside a bridge (its card then carries SSH and the forwards only: unrestricted, it would still
-# take the guest's connections to 10.0.2.2 to this host's loopback, every service listening there).
+# Net: QEMU's user network carries SSH, forwarded from 127.0.0.1:PORT, and the forwards; it is
+# restricted (restrict=on: slirp takes the guest's connections nowhere else, not to 10.0.2.2,
+# which would be this host's loopback) and without IPv6, in every mode but user. The jobs'
+# network is a second card: passt's or a bridge's.
 guestfwds=
 i=0
 while IFS=' ' read -r guest host; do
@@ -261,8 +320,34 @@ while IFS=' ' read -r guest host; do
 done << EOF
 ${VM_FORWARDS:-}
 EOF
-restrict=off
-[ "${VM_ISOLATED:-false}" != true ] && [ -z "${VM_BRIDGE:-}" ] || restrict=on
+if [ "$network" = user ]; then
+    usernet=restrict=off
+else
+    usernet=restrict=on,ipv6=off
+fi
+
+# passt's DNS servers for the VM: VM_DNS, else this host's (resolv.conf, or systemd-resolved's
+# upstream servers behind its 127.0.0.53), never one on this host's loopback (--no-map-gw: the
+# VM cannot reach it, and should not).
+dns_servers() {
+    local f found
+    if [ -n "${VM_DNS:-}" ]; then
+        printf '%s\n' "$VM_DNS" | tr ' ' '\n'
+        return
+    fi
+    for f in /etc/resolv.conf /run/systemd/resolve/resolv.conf; do
+        found=$(sed -n 's/^[[:space:]]*nameserver[[:space:]][[:space:]]*\([0-9A-Fa-f.:]*\)[[:space:]]*$/\1/p' "$f" 2> /dev/null |
+            grep -v -x -e '127\..*' -e '::1' -e '0\.0\.0\.0' -e '::' || true)
+        if [ -n "$found" ]; then
+            printf '%s\n' "$found"
+            return
+        fi
+    done
+}
+if [ "$network" = passt ]; then
+    dns=$(dns_servers)
+    [ -n "$dns" ] || say "WARNING: no DNS server for the VM: this host's resolv.conf names only its own loopback; set dns"
+fi
 
 # Free port: a random one of the range that nothing answers on; QEMU binding it is the proof
 # (another process may take it meanwhile: then QEMU fails and the next port is tried).
@@ -280,10 +365,29 @@ pick_port() {
     return 1
 }
 
+# Whether this VM's QEMU holds the listening socket on 127.0.0.1:$1 (another VM's QEMU may have
+# bound that port between pick_port and ours: then the port answers, and ours exits a moment
+# later). The socket's inode from /proc/self/net/tcp, among the descriptors of our QEMU.
+listening_is_ours() {
+    local want inodes pid fd link
+    want=$(printf '0100007F:%04X' "$1")
+    inodes=$(awk -v a="$want" '$2 == a && $4 == "0A" { print $10 }' /proc/self/net/tcp 2> /dev/null)
+    [ -n "$inodes" ] || return 1
+    for pid in $(qemu_pids); do
+        for fd in /proc/"$pid"/fd/*; do
+            link=$(readlink "$fd" 2> /dev/null) || continue
+            for inode in $inodes; do
+                [ "$link" != "socket:[$inode]" ] || return 0
+            done
+        done
+    done
+    return 1
+}
+
 cmdline="root=LABEL=root rw console=ttyS0 panic=-1 ${VM_KERNEL_ARGS:-}"
-# With a bridge, the user network card (MAC 52:54:00:c1:00:01) gives no route: the image's
-# 40-user-bridged.network matches it under ci.bridge.
-[ -z "${VM_BRIDGE:-}" ] || cmdline="$cmdline ci.bridge"
+# Beside passt or a bridge, the user network card (MAC 52:54:00:c1:00:01) gives no route and no
+# DNS: the image's 40-user-bridged.network matches it under ci.bridge.
+case $network in passt | bridge) cmdline="$cmdline ci.bridge" ;; esac
 # QEMU's argv for accel $1 and port $2 (one word per line; no word holds a newline).
 qemu_args() {
     cat << EOF
@@ -303,9 +407,9 @@ $VM_MEMORY
 none
 -no-reboot
 -kernel
-$VM_IMAGE_DIR/vmlinuz
+$image/vmlinuz
 -initrd
-$VM_IMAGE_DIR/initrd.img
+$image/initrd.img
 -append
 $cmdline
 -drive
@@ -313,7 +417,7 @@ if=virtio,file=$VM_DIR/overlay.qcow2,format=qcow2,discard=unmap
 -drive
 if=virtio,file=$VM_DIR/seed.img,format=raw,readonly=on
 -netdev
-user,id=n0,restrict=$restrict,hostfwd=tcp:127.0.0.1:$2-:22$guestfwds
+user,id=n0,$usernet,hostfwd=tcp:127.0.0.1:$2-:22$guestfwds
 -device
 virtio-net-pci,netdev=n0,mac=52:54:00:c1:00:01
 -serial
@@ -321,22 +425,88 @@ file:$VM_DIR/console.log
 -device
 virtio-rng-pci
 EOF
-    if [ -n "${VM_BRIDGE:-}" ]; then
-        # A MAC of its own on the bridge's network, random (QEMU's prefix).
-        mac=52:54:00:$(od -An -N3 -tx1 /dev/urandom | sed 's/^ *//; s/ /:/g')
+    # A MAC of its own for the jobs' card, random (QEMU's prefix).
+    mac=52:54:00:$(od -An -N3 -tx1 /dev/urandom | sed 's/^ *//; s/ /:/g')
+    case $network in
+    passt)
+        printf '%s\n' -netdev "stream,id=n1,server=off,addr.type=unix,addr.path=$passt_dir/passt.sock" \
+            -device "virtio-net-pci,netdev=n1,mac=$mac"
+        ;;
+    bridge)
         printf '%s\n' -netdev "bridge,id=n1,br=$VM_BRIDGE" -device "virtio-net-pci,netdev=n1,mac=$mac"
-    fi
+        ;;
+    esac
     if [ "$supervisor" = pidfile ]; then
         printf '%s\n' -daemonize -pidfile "$VM_DIR/qemu.pid"
     fi
+}
+
+# Starts passt, the VM's network to the internet: it serves QEMU's card on
+# $passt_dir/passt.sock, forwards no port, and does not map its gateway to this host
+# (--no-map-gw). It runs until the VM is stopped (passt's --one-off, which would end it with
+# QEMU, ends it at once in Debian bookworm's passt, before QEMU connects). $passt_dir is
+# $VM_DIR/net; started as root, passt becomes nobody before it binds its socket, where nobody
+# may not reach $VM_DIR: then it is a directory of nobody's in /run, named in $VM_DIR/net.
+# 0 once it listens.
+start_passt() {
+    remove_passt_dir
+    rm -f "$VM_DIR/passt.log"
+    if [ "$(id -u)" = 0 ]; then
+        passt_dir=$(mktemp -d /run/ci-vm-net.XXXXXXXX) || return 1
+        printf '%s\n' "$passt_dir" > "$VM_DIR/net"
+        chown nobody:"$(id -gn nobody)" "$passt_dir"
+        set -- --runas "$(id -u nobody):$(id -g nobody)"
+    else
+        passt_dir=$VM_DIR/net
+        mkdir -m 0700 "$passt_dir"
+    fi
+    set -- "$@" --no-map-gw -t none -u none -s "$passt_dir/passt.sock" -l "$VM_DIR/passt.log"
+    for d in $dns; do set -- "$@" -D "$d"; done
+    case $supervisor in
+    systemd-user | systemd-system)
+        sctl reset-failed "$net_unit.service" > /dev/null 2>&1 || true
+        # passt sandboxes itself (namespaces, seccomp); it needs netlink for this host's routes.
+        set -- --quiet --collect --unit="$net_unit" --description="examples/qemu runner VM $VM_NAME: passt" \
+            -p "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6 AF_NETLINK" -p TasksMax=16 \
+            -p StandardOutput=file:"$VM_DIR/passt.out" -p StandardError=file:"$VM_DIR/passt.out" \
+            -- "$passt" -f "$@"
+        [ "$supervisor" != systemd-user ] || set -- --user "$@"
+        if ! systemd-run "$@" > "$VM_DIR/systemd-run.log" 2>&1; then
+            say "systemd-run (passt) failed: $(tail -n 3 "$VM_DIR/systemd-run.log")"
+            return 1
+        fi
+        ;;
+    pidfile)
+        # It daemonizes itself (a session of its own), as QEMU does with -daemonize.
+        if ! "$passt" "$@" < /dev/null > "$VM_DIR/passt.out" 2>&1; then
+            say "passt did not start: $(tail -n 5 "$VM_DIR/passt.out" | tr '\n' ' ')"
+            return 1
+        fi
+        ;;
+    esac
+    # It logs this line once it bound its socket (also when binding failed: the socket tells).
+    n=0
+    while [ "$n" -lt 100 ]; do
+        if grep -q 'UNIX domain socket bound at' "$VM_DIR/passt.log" 2> /dev/null; then
+            [ -S "$passt_dir/passt.sock" ] && return 0
+            break
+        fi
+        sleep 0.1
+        n=$((n + 1))
+    done
+    say "passt did not start: $(cat "$VM_DIR/passt.log" "$VM_DIR/passt.out" 2> /dev/null | tail -n 5 | tr '\n' ' ')"
+    return 1
 }
 
 # Starts QEMU (accel $1, port $2); 0 once it runs with its forwards set up.
 start_qemu() {
     sq_port=$2
     rm -f "$VM_DIR/overlay.qcow2" "$VM_DIR/console.log" "$VM_DIR/qemu.log"
-    qemu-img create -q -f qcow2 -F qcow2 -b "$VM_IMAGE_DIR/disk.qcow2" "$VM_DIR/overlay.qcow2"
+    qemu-img create -q -f qcow2 -F qcow2 -b "$image/disk.qcow2" "$VM_DIR/overlay.qcow2"
     : > "$VM_DIR/console.log"
+    if [ "$network" = passt ]; then
+        start_passt || return 1
+    fi
     args=$(qemu_args "$1" "$2")
     old_ifs=$IFS
     IFS='
@@ -352,6 +522,10 @@ start_qemu() {
             -p MemoryMax="${mem_max}M" -p CPUQuota="$((VM_CPUS * 100))%" -p TasksMax=256 \
             -p StandardOutput=file:"$VM_DIR/qemu.log" -p StandardError=file:"$VM_DIR/qemu.log" \
             -- "$qemu" "$@"
+        if [ "$network" = passt ]; then
+            # passt's end ends the VM's network: then its QEMU too.
+            set -- -p BindsTo="$net_unit.service" -p After="$net_unit.service" "$@"
+        fi
         [ "$supervisor" != systemd-user ] || set -- --user "$@"
         if ! systemd-run "$@" > "$VM_DIR/systemd-run.log" 2>&1; then
             say "systemd-run failed: $(tail -n 3 "$VM_DIR/systemd-run.log")"
@@ -364,13 +538,15 @@ start_qemu() {
         fi
         ;;
     esac
-    # Up once the forward answers; gone if its process is.
+    # Up once our QEMU listens on the forward; gone if it is. (Another VM's QEMU may answer on
+    # the port: then ours fails to bind it and exits.)
     n=0
     while [ "$n" -lt 100 ]; do
-        if (: < /dev/tcp/127.0.0.1/"$sq_port") 2> /dev/null; then
-            [ -n "$(ours)" ] && return 0
+        if [ -z "$(qemu_pids)" ]; then
+            [ "$n" -lt 5 ] || return 1
+        elif listening_is_ours "$sq_port"; then
+            return 0
         fi
-        [ -n "$(ours)" ] || [ "$n" -lt 5 ] || return 1
         sleep 0.1
         n=$((n + 1))
     done
@@ -384,7 +560,7 @@ booted() {
         if grep -q -e '^Welcome to ' -e 'systemd\[1\]: ' "$VM_DIR/console.log" 2> /dev/null; then
             return 0
         fi
-        [ -n "$(ours)" ] || return 2
+        [ -n "$(qemu_pids)" ] || return 2
         sleep 0.2
         n=$((n + 1))
     done
@@ -462,9 +638,9 @@ if [ "$rc" -ne 0 ]; then
     exit 1
 fi
 known_hosts="[127.0.0.1]:$port $(cut -d ' ' -f 1,2 "$VM_DIR/host.pub")"
-printf '{"ssh_port": %s, "accel": "%s", "supervisor": "%s", "known_hosts": "%s"}\n' \
-    "$port" "$accel" "$supervisor" "$known_hosts" > "$VM_DIR/vm.json.part"
+printf '{"ssh_port": %s, "accel": "%s", "supervisor": "%s", "network": "%s", "known_hosts": "%s"}\n' \
+    "$port" "$accel" "$supervisor" "$network" "$known_hosts" > "$VM_DIR/vm.json.part"
 mv -f "$VM_DIR/vm.json.part" "$VM_DIR/vm.json"
-[ -n "$(ours)" ] || { say "QEMU exited right after the boot"; exit 1; }
+[ -n "$(qemu_pids)" ] || { say "QEMU exited right after the boot"; exit 1; }
 created=yes
-say "up: $accel, $supervisor, ssh on 127.0.0.1:$port"
+say "up: $accel, $supervisor, network $network, ssh on 127.0.0.1:$port"

@@ -72,7 +72,7 @@ class World:
             "VM_SUPERVISOR": "pidfile",
             "VM_SSH_USER": "runner",
             "VM_RUNNER_DIR": "/var/lib/forgejo-runner",
-            "VM_ISOLATED": "false",
+            "VM_NETWORK": "passt",
             "VM_FORWARDS": "",
             "VM_BRIDGE": "",
             "VM_QEMU": str(self.bin / "fake-qemu"),
@@ -161,20 +161,72 @@ def test_create_and_destroy_leave_nothing(w):
     ok(w.vm_sh("destroy", env), "a second destroy")
 
 
-# Mutation caught: the user network left unrestricted beside a bridge (slirp forwards the
-# guest's 10.0.2.2 to this host's loopback: every local service, the other VMs' SSH forwards).
-def test_the_user_network_is_restricted_when_isolated_or_bridged(w):
-    cases = [("open", {}, "restrict=off"), ("isolated", {"VM_ISOLATED": "true"}, "restrict=on"),
-             ("bridged", {"VM_BRIDGE": "br0"}, "restrict=on")]
-    for name, over, want in cases:
+def netdevs(argv):
+    return [argv[i + 1] for i, a in enumerate(argv) if a == "-netdev"]
+
+
+# Mutation caught: the user network left unrestricted beside passt or a bridge, or in isolated
+# (slirp forwards the guest's 10.0.2.2 to this host's loopback: every local service, the other
+# VMs' SSH forwards); passt started without --no-map-gw (its gateway would be this host's loopback).
+# The real-VM test (tests/role/qemu_e2e.rs) tries both from inside a VM.
+def test_the_user_network_is_restricted_unless_network_user(w):
+    cases = [("passt", {}, "restrict=on", "stream"), ("isolated", {"VM_NETWORK": "isolated"}, "restrict=on", None),
+             ("bridged", {"VM_NETWORK": "bridge", "VM_BRIDGE": "br0"}, "restrict=on", "bridge"),
+             ("user", {"VM_NETWORK": "user"}, "restrict=off", None)]
+    for name, over, want, second in cases:
         before = len(w.starts())
         env = w.env(name, **over)
         # (A bridge QEMU would open; the fake only records it.)
-        ok(w.vm_sh("create", env), f"create ({name})")
+        r = w.vm_sh("create", env)
+        ok(r, f"create ({name})")
         argv = w.starts()[before]
-        expect(f"user,id=n0,{want}," in netdev(argv), f"{name}: -netdev {netdev(argv)}, expected {want}")
+        nets = netdevs(argv)
+        expect(nets[0].startswith(f"user,id=n0,{want},"), f"{name}: -netdev {nets[0]}, expected {want}")
+        expect([n.split(",", 1)[0] for n in nets[1:]] == ([second] if second else []),
+               f"{name}: the jobs' network is {nets[1:]}, expected {second}")
+        expect(("network user" in r.stderr) == (name == "user"), f"{name}: the warning:\n{r.stderr}")
+        if name == "passt":
+            passt = [p for p in w.processes(name) if b"passt" in pathlib.Path(f"/proc/{p}/cmdline").read_bytes()]
+            expect(passt, "network passt: no passt runs")
+            cmd = pathlib.Path(f"/proc/{passt[0]}/cmdline").read_bytes().split(b"\0")
+            expect(b"--no-map-gw" in cmd, f"passt runs without --no-map-gw: {cmd}")
+            expect(b"-t" in cmd and b"-u" in cmd, f"passt forwards ports of this host: {cmd}")
+            # As root, passt (nobody) has its socket in a directory of /run that `net` names.
+            sock_dir = pathlib.Path((w.vms / name / "net").read_text().strip())
+            expect((sock_dir / "passt.sock").is_socket(), f"no passt socket in {sock_dir}")
         ok(w.vm_sh("destroy", env), f"destroy ({name})")
         w.nothing_left(name, f"destroy ({name})")
+        if name == "passt":
+            expect(not sock_dir.exists(), f"passt's socket directory {sock_dir} is left")
+
+
+# Mutation caught: vm.sh reading the image's files from VM_IMAGE_DIR itself, not from the build
+# that `current` names (build-image's layout); a plain directory (the layout before) still boots.
+def test_the_image_is_the_build_current_names(w):
+    builds = w.base / "builds"
+    for b in ("build-old", "build-new"):
+        (builds / b).mkdir(parents=True)
+        for f in ("disk.qcow2", "vmlinuz", "initrd.img"):
+            shutil.copy(w.image / f, builds / b / f)
+    (builds / "current").symlink_to("build-new")
+    for p in [builds, *builds.rglob("*")]:
+        if not p.is_symlink():
+            p.chmod(0o755 if p.is_dir() else 0o644)
+    env = w.env("current", VM_IMAGE_DIR=str(builds), VM_NETWORK="isolated")
+    ok(w.vm_sh("create", env), "create (current)")
+    argv = w.starts()[-1]
+    kernel = argv[argv.index("-kernel") + 1]
+    expect(kernel == str(builds / "build-new" / "vmlinuz"), f"-kernel {kernel}, expected build-new's")
+    info = subprocess.run(["qemu-img", "info", "--output=json", str(w.vms / "current" / "overlay.qcow2")],
+                          capture_output=True, text=True, check=True)
+    backing = json.loads(info.stdout).get("backing-filename")
+    expect(backing == str(builds / "build-new" / "disk.qcow2"), f"the overlay's base is {backing}")
+    ok(w.vm_sh("destroy", env), "destroy (current)")
+    env = w.env("plain", VM_NETWORK="isolated")
+    ok(w.vm_sh("create", env), "create (a plain image directory)")
+    argv = w.starts()[-1]
+    expect(argv[argv.index("-kernel") + 1] == str(w.image / "vmlinuz"), f"-kernel of the plain directory: {argv}")
+    ok(w.vm_sh("destroy", env), "destroy (plain)")
 
 
 # Mutation caught: `auto` deciding on KVM by this process's view of /dev/kvm under a systemd
