@@ -140,7 +140,7 @@ variable "ssh_port_range" {
 variable "network" {
   type        = string
   default     = "passt"
-  description = "The jobs' network: passt (the internet through passt, not this host's loopback), isolated (the forwards only), bridge (a host bridge, see bridge) or user (QEMU's unrestricted user network: this host's loopback too, 10.0.2.2; not for untrusted jobs)."
+  description = "The jobs' network: passt (what this host reaches, through passt, but its loopback: its other addresses and the LAN too), isolated (the forwards only), bridge (a host bridge, see bridge) or user (QEMU's unrestricted user network: this host's loopback too, 10.0.2.2; not for untrusted jobs)."
 
   validation {
     condition     = contains(["passt", "isolated", "bridge", "user"], var.network)

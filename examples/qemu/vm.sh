@@ -21,8 +21,8 @@
 #   runs faster than max) under TCG.
 #   The network (VM_NETWORK): QEMU's user network card carries SSH and the forwards only
 #   (restrict=on: nothing else of this host, its loopback included); jobs reach the internet
-#   through a second card: passt (the default; --no-map-gw: its gateway is not this host, and it
-#   forwards no port) or a bridge; isolated: no second card; user: the one card unrestricted,
+#   through a second card: passt (the default; --no-map-gw: its gateway is not this host's
+#   loopback, though what this host reaches otherwise is reached; it forwards no port) or a bridge; isolated: no second card; user: the one card unrestricted,
 #   whose 10.0.2.2 is this host's loopback (every service listening there): an opt-in, warned of.
 #
 # destroy: stops the VM (its units, or the pid in qemu.pid if it is this VM's QEMU), then ends any
@@ -151,6 +151,12 @@ network=${VM_NETWORK:-passt}
 # symlink current at it (one rename), so one readlink names the disk, kernel and initrd of one
 # build; a directory of the three files (as build-image wrote them before) is taken as it is.
 image=$VM_IMAGE_DIR
+# Held (shared) until the VM has booted: a build-image publishing meanwhile waits (it holds .lock
+# while it removes builds no running process holds open), so the build resolved here stays.
+if [ -e "$VM_IMAGE_DIR/.lock" ]; then
+    exec 8< "$VM_IMAGE_DIR/.lock"
+    flock -s 8
+fi
 if [ -L "$VM_IMAGE_DIR/current" ]; then
     image=$(readlink -f -- "$VM_IMAGE_DIR/current") || {
         say "$VM_IMAGE_DIR/current does not resolve: build the image again with examples/qemu/build-image --out $VM_IMAGE_DIR"
@@ -478,7 +484,7 @@ start_passt() {
         ;;
     pidfile)
         # It daemonizes itself (a session of its own), as QEMU does with -daemonize.
-        if ! "$passt" "$@" < /dev/null > "$VM_DIR/passt.out" 2>&1; then
+        if ! "$passt" "$@" < /dev/null > "$VM_DIR/passt.out" 2>&1 8<&-; then
             say "passt did not start: $(tail -n 5 "$VM_DIR/passt.out" | tr '\n' ' ')"
             return 1
         fi
@@ -533,7 +539,7 @@ start_qemu() {
         fi
         ;;
     pidfile)
-        if ! "$qemu" "$@" > "$VM_DIR/qemu.log" 2>&1; then
+        if ! "$qemu" "$@" > "$VM_DIR/qemu.log" 2>&1 8<&-; then
             return 1
         fi
         ;;

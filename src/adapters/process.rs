@@ -608,8 +608,10 @@ mod tests {
         let ready = dir.path().join("trapped");
         let seen = ready.clone();
         // Raised once the shell has installed its trap (it says so with a file).
+        // (Raised after 60 s in any case: a shell that never says so fails the test, not hangs.)
         std::thread::spawn(move || {
-            while !seen.exists() {
+            let start = Instant::now();
+            while !seen.exists() && start.elapsed() < Duration::from_secs(60) {
                 std::thread::sleep(Duration::from_millis(20));
             }
             later.raise();

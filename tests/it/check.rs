@@ -50,6 +50,12 @@ fn a_good_configuration_passes_and_nothing_changes() {
         line(&out.stdout, "token scope").contains("1 waiting or running job"),
         "{out:?}"
     );
+    // Its GETs prove reading only (Forgejo checks a token's scope by method): it says so.
+    assert!(
+        line(&out.stdout, "token scope")
+            .contains("registering needs write:admin, which check does not try"),
+        "{out:?}"
+    );
     assert!(
         line(&out.stdout, "labels").contains("debian (host)"),
         "{out:?}"

@@ -229,6 +229,35 @@ def test_the_image_is_the_build_current_names(w):
     ok(w.vm_sh("destroy", env), "destroy (plain)")
 
 
+# Mutation caught: vm.sh resolving `current` without build-image's lock (shared): a build
+# published meanwhile could remove the build the create boots from.
+def test_a_create_waits_while_build_image_publishes(w):
+    import fcntl
+    builds = w.base / "builds"
+    (builds / "build-a").mkdir(parents=True)
+    for f in ("disk.qcow2", "vmlinuz", "initrd.img"):
+        shutil.copy(w.image / f, builds / "build-a" / f)
+    (builds / "current").symlink_to("build-a")
+    lock = open(builds / ".lock", "w")
+    for p in [builds, *builds.rglob("*")]:
+        if not p.is_symlink():
+            p.chmod(0o755 if p.is_dir() else 0o644)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    env = w.env("locked", VM_IMAGE_DIR=str(builds), VM_NETWORK="isolated")
+    p = subprocess.Popen(["bash", str(w.vm_sh_path), "create"], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(3)
+        expect(p.poll() is None and not w.log.read_text(),
+               "the create went on while build-image held its lock")
+    finally:
+        fcntl.flock(lock, fcntl.LOCK_UN)
+        lock.close()
+    out, err = p.communicate(timeout=60)
+    expect(p.returncode == 0, f"the create after the lock: {err}")
+    ok(w.vm_sh("destroy", env), "destroy (locked)")
+
+
 # Mutation caught: `auto` deciding on KVM by this process's view of /dev/kvm under a systemd
 # supervisor (in the role's sandbox, PrivateDevices=, there is no /dev/kvm: every VM ran with TCG).
 def test_auto_asks_qemu_for_kvm_where_this_process_cannot_open_it(w):
