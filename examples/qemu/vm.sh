@@ -153,7 +153,7 @@ network=${VM_NETWORK:-passt}
 image=$VM_IMAGE_DIR
 # Held (shared) until the VM has booted: a build-image publishing meanwhile waits (it holds .lock
 # while it removes builds no running process holds open), so the build resolved here stays.
-if [ -e "$VM_IMAGE_DIR/.lock" ]; then
+if [ -r "$VM_IMAGE_DIR/.lock" ]; then
     exec 8< "$VM_IMAGE_DIR/.lock"
     flock -s 8
 fi
