@@ -166,15 +166,11 @@ fn kvm_falls_back_to_tcg(image: &Path, work: &Path) {
     nothing_left("kvm-only", &out);
 }
 
-/// A VM whose QEMU exits while it boots (its init exits at once, the kernel panics and, with
-/// `panic=-1` and `-no-reboot`, QEMU ends) is a failed create that leaves nothing: no directory,
-/// no process.
-fn a_vm_that_dies_is_a_failed_apply(image: &Path, work: &Path) {
-    lap("qemu: a VM that dies while it boots");
-    let dir = work.join("dying-vms");
-    let env: Vec<(&str, String)> = vec![
-        ("VM_NAME", "dies".into()),
-        ("VM_DIR", dir.join("dies").display().to_string()),
+/// vm.sh's environment for a small TCG VM `name` under `dir`, supervised by a pid file.
+fn tcg_vm_env(name: &str, dir: &Path, image: &Path) -> Vec<(&'static str, String)> {
+    vec![
+        ("VM_NAME", name.into()),
+        ("VM_DIR", dir.join(name).display().to_string()),
         ("VM_IMAGE_DIR", image.display().to_string()),
         ("VM_MEMORY", "1024".into()),
         ("VM_CPUS", "1".into()),
@@ -183,8 +179,17 @@ fn a_vm_that_dies_is_a_failed_apply(image: &Path, work: &Path) {
         ("VM_SUPERVISOR", "pidfile".into()),
         ("VM_SSH_USER", "runner".into()),
         ("VM_RUNNER_DIR", "/var/lib/forgejo-runner".into()),
-        ("VM_KERNEL_ARGS", "init=/bin/false".into()),
-    ];
+    ]
+}
+
+/// A VM whose QEMU exits while it boots (its init exits at once, the kernel panics and, with
+/// `panic=-1` and `-no-reboot`, QEMU ends) is a failed create that leaves nothing: no directory,
+/// no process.
+fn a_vm_that_dies_is_a_failed_apply(image: &Path, work: &Path) {
+    lap("qemu: a VM that dies while it boots");
+    let dir = work.join("dying-vms");
+    let mut env = tcg_vm_env("dies", &dir, image);
+    env.push(("VM_KERNEL_ARGS", "init=/bin/false".into()));
     let (ok, out) = vm_sh("create", &env);
     assert!(!ok, "a VM without a root file system was created:\n{out}");
     assert!(
@@ -279,21 +284,12 @@ fn qemu_jobs_network_reaches_nothing_of_this_host() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("net-vms");
     let (port, accepted) = loopback_service();
-    let env: Vec<(&str, String)> = vec![
-        ("VM_NAME", "net".into()),
-        ("VM_DIR", dir.join("net").display().to_string()),
-        ("VM_IMAGE_DIR", image.display().to_string()),
-        ("VM_MEMORY", "1024".into()),
-        ("VM_CPUS", "1".into()),
-        ("VM_ACCEL", "tcg".into()),
-        ("VM_BOOT_SECONDS", "300".into()),
-        ("VM_SUPERVISOR", "pidfile".into()),
-        ("VM_SSH_USER", "runner".into()),
-        ("VM_RUNNER_DIR", "/var/lib/forgejo-runner".into()),
+    let mut env = tcg_vm_env("net", &dir, &image);
+    env.extend([
         ("VM_NETWORK", "passt".into()),
         // The forward: 127.0.0.1:PORT in the VM is the service (the positive control).
         ("VM_FORWARDS", format!("127.0.0.1:{port} 127.0.0.1:{port}")),
-    ];
+    ]);
     lap("qemu: a VM with network passt, probing this host's loopback from inside");
     let (ok, out) = vm_sh("create", &env);
     assert!(ok, "the VM (network passt) was not created:\n{out}");
