@@ -5,6 +5,7 @@
 
 use std::fs;
 use std::os::unix::fs::PermissionsExt;
+use std::path::PathBuf;
 use std::process::Command;
 
 use ci_ephemeral_provisioner::core::state::{CycleState, Registration};
@@ -65,6 +66,23 @@ fn leak_a_vm(env: &Env) {
     assert_eq!(env.live_vms(), ["vm-leaked-1"]);
 }
 
+/// tofu behind a wrapper that appends each command line to a log: (the wrapper, the log).
+fn logged_tofu(env: &Env) -> (PathBuf, PathBuf) {
+    let log = env.tmp.path().join("tofu-commands.log");
+    let wrapper = env.tmp.path().join("logged-tofu");
+    fs::write(
+        &wrapper,
+        format!(
+            "#!/bin/sh\necho \"$*\" >> '{}'\nexec '{}' \"$@\"\n",
+            log.display(),
+            env.tofu
+        ),
+    )
+    .unwrap();
+    fs::set_permissions(&wrapper, fs::Permissions::from_mode(0o755)).unwrap();
+    (wrapper, log)
+}
+
 // Mutation caught: a verdict that is not the sweep's (the young or the held registration shown
 // as deleted, the idle one as deletable), a request that is not a GET, or `tofu show` replaced by
 // (or run after) a command that may change the state or the module directory (`init`).
@@ -101,18 +119,7 @@ fn status_remote_shows_each_registration_and_vm_and_changes_nothing() {
     let vm_log_before = env.vm_log();
     // tofu behind a wrapper that logs each command line: `show` alone may run (an `init` or a
     // `refresh` would write the state or the module directory, as whoever runs `status`).
-    let tofu_log = env.tmp.path().join("tofu-commands.log");
-    let logged_tofu = env.tmp.path().join("logged-tofu");
-    fs::write(
-        &logged_tofu,
-        format!(
-            "#!/bin/sh\necho \"$*\" >> '{}'\nexec '{}' \"$@\"\n",
-            tofu_log.display(),
-            env.tofu
-        ),
-    )
-    .unwrap();
-    fs::set_permissions(&logged_tofu, fs::Permissions::from_mode(0o755)).unwrap();
+    let (logged_tofu, tofu_log) = logged_tofu(&env);
 
     let tofu_flags = [
         "--tofu-bin",
@@ -359,18 +366,7 @@ fn status_remote_refuses_a_module_directory_another_user_owns() {
     fs::create_dir(&module).unwrap();
     fs::copy(env.module.join("main.tf"), module.join("main.tf")).unwrap();
     std::os::unix::fs::chown(&module, Some(65534), Some(65534)).unwrap();
-    let tofu_log = env.tmp.path().join("tofu-commands.log");
-    let logged_tofu = env.tmp.path().join("logged-tofu");
-    fs::write(
-        &logged_tofu,
-        format!(
-            "#!/bin/sh\necho \"$*\" >> '{}'\nexec '{}' \"$@\"\n",
-            tofu_log.display(),
-            env.tofu
-        ),
-    )
-    .unwrap();
-    fs::set_permissions(&logged_tofu, fs::Permissions::from_mode(0o755)).unwrap();
+    let (logged_tofu, tofu_log) = logged_tofu(&env);
     let flags = [
         "--tofu-bin",
         logged_tofu.to_str().unwrap(),
